@@ -1,0 +1,6 @@
+"""mamba2-cutile: Mamba-2 SSD kernels in NVIDIA cuTile, a drop-in for mamba_ssm's chunked scan."""
+
+from .interface import mamba_chunk_scan_combined
+
+__version__ = "0.1.0"
+__all__ = ["mamba_chunk_scan_combined", "__version__"]

@@ -1,0 +1,1 @@
+"""Benchmark harness: timing, roofline formulas and the implementations compared."""

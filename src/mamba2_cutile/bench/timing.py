@@ -1,0 +1,66 @@
+"""Kernel timing: a call captured in a CUDA graph, replayed after warm-up, L2 flushed between
+replays (so every replay reads from HBM), timed with CUDA events; plus eager wall time."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def _stats(samples_ms):
+    return {"median_ms": statistics.median(samples_ms), "min_ms": min(samples_ms),
+            "max_ms": max(samples_ms), "n": len(samples_ms)}
+
+
+def time_graph(fn, reps=50, warmup=3, flush_l2=True):
+    """Median/min/max milliseconds of `fn` replayed as a CUDA graph."""
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda") if flush_l2 else None
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(warmup):
+        graph.replay()
+    samples = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(reps):
+        if flush is not None:
+            flush.zero_()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    del graph
+    return _stats(samples)
+
+
+def time_eager(fn, reps=30, warmup=3):
+    """Median wall milliseconds of `fn` called from Python (launch overhead included)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return _stats(samples)
+
+
+def time_first_call(fn):
+    """Seconds of the first call (compile and any tuning included)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0

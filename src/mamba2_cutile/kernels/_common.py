@@ -1,0 +1,33 @@
+"""Helpers shared by the kernels: MMA operand dtypes and 64-bit kernel variants."""
+
+import types
+
+import cuda.tile as ct
+
+LOG2E = 1.4426950408889634
+
+
+def mma_operand(tile, like):
+    """Cast `tile` to the tensor-core operand type for inputs of dtype `like`.
+
+    fp16/bf16 inputs use their own type; fp32 inputs use tf32, because fp32 x fp32 ``ct.mma``
+    runs on the FMA units on Hopper.
+    """
+    if like == ct.float32:
+        return tile.astype(ct.tfloat32)
+    return tile.astype(like)
+
+
+def int64_variant(fn, array_params):
+    """A copy of kernel function `fn` whose `array_params` use 64-bit shapes and strides.
+
+    Needed when one of those tensors has 2**31 elements or more: with 32-bit indexing the
+    address arithmetic would wrap. The default variant stays 32-bit because it is cheaper.
+    """
+    clone = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                               fn.__closure__)
+    clone.__qualname__ = fn.__qualname__
+    clone.__module__ = fn.__module__
+    clone.__doc__ = fn.__doc__
+    clone.__annotations__ = {**fn.__annotations__, **{p: ct.IndexedWithInt64 for p in array_params}}
+    return clone

@@ -1,0 +1,110 @@
+"""Kernel 3 of the forward pass: the output of every chunk, fused.
+
+For the query block i (BLOCK_Q tokens of chunk c) and the state h_c entering the chunk:
+
+    Y_i = 2^{G_i} * (C_i @ h_c^T)                                  carried-state term
+        + sum_{key blocks k <= i} (2^{G_i - G_k} * (C_i @ B_k^T) * M) @ (dt_k * X_k)
+        + D * X_i                                                  skip
+    Y_i <- Y_i * silu(Z_i)                                         gate, if z is given
+
+M is the causal mask (and, with seq_idx, the same-sequence mask); the masked C @ B^T block
+(BLOCK_Q x BLOCK_Q) never leaves the chip. Only the diagonal block needs the causal mask,
+exponents are masked *before* exp2 so no inf is ever formed.
+
+Tiles: C, B (BLOCK_Q, NP) with NP = the whole (padded) dstate; X (BLOCK_Q, BLOCK_P);
+h_c (BLOCK_P, NP). Grid: (num_chunks * Q / BLOCK_Q, cdiv(P, BLOCK_P), B * H).
+"""
+
+import cuda.tile as ct
+
+from ._common import int64_variant, mma_operand
+
+
+def chunk_scan_fn(
+    x,           # (B, L, H, P)
+    b,           # (B, L, G, N)
+    c,           # (B, L, G, N)
+    z,           # (B, L, H, P) (ignored unless HAS_Z)
+    D,           # (H,) or (H, P) float32 per D_MODE
+    dt,          # (B, H, Lp) float32
+    cum,         # (B, H, Lp) float32
+    seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
+    states,      # (B, H, C, P, N) entry state of each chunk
+    out,         # (B, L, H, P)
+    Q: ct.Constant[int],
+    BLOCK_Q: ct.Constant[int],
+    BLOCK_P: ct.Constant[int],
+    NP: ct.Constant[int],
+    HEADS_PER_GROUP: ct.Constant[int],
+    D_MODE: ct.Constant[int],     # 0: no D, 1: per head, 2: per (head, channel)
+    HAS_Z: ct.Constant[bool],
+    HAS_SEQ: ct.Constant[bool],
+):
+    qblk, p_tile, bh = ct.bid(0), ct.bid(1), ct.bid(2)
+    nheads = x.shape[2]
+    batch = bh // nheads
+    head = bh % nheads
+    group = head // HEADS_PER_GROUP
+    blocks_per_chunk = Q // BLOCK_Q
+    chunk = qblk // blocks_per_chunk
+    first_blk = chunk * blocks_per_chunk          # first key block of this chunk
+    ZERO = ct.PaddingMode.ZERO
+
+    ct_q = ct.load(c, index=(batch, qblk, group, 0), shape=(1, BLOCK_Q, 1, NP),
+                   padding_mode=ZERO).reshape((BLOCK_Q, NP))
+    ct_q = mma_operand(ct_q, x.dtype)
+    g_q = ct.load(cum, index=(batch, head, qblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
+    row = qblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)   # token index of each query
+
+    h = ct.load(states, index=(batch, head, chunk, p_tile, 0), shape=(1, 1, 1, BLOCK_P, NP),
+                padding_mode=ZERO).reshape((BLOCK_P, NP))
+    acc = ct.mma(ct_q, mma_operand(h.transpose(), x.dtype),
+                 ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32))
+    state_scale = ct.exp2(g_q)
+    if HAS_SEQ:
+        s_q = ct.load(seq_idx, index=(batch, qblk), shape=(1, BLOCK_Q),
+                      padding_mode=ZERO).reshape((BLOCK_Q,))
+        # the carried state belongs to the sequence of the token before the chunk
+        prev = ct.maximum(chunk * Q - 1, 0)
+        s_prev = ct.load(seq_idx, index=(batch, prev), shape=(1, 1)).reshape((1,))
+        state_scale = ct.where(s_q == s_prev, state_scale, 0.0)
+    acc = acc * state_scale[:, None]
+
+    for kblk in range(first_blk, qblk + 1):
+        bt = ct.load(b, index=(batch, kblk, group, 0), shape=(1, BLOCK_Q, 1, NP),
+                     padding_mode=ZERO).reshape((BLOCK_Q, NP))
+        cb = ct.mma(ct_q, mma_operand(bt.transpose(), x.dtype),
+                    ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
+        g_k = ct.load(cum, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
+        col = kblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
+        keep = row[:, None] >= col[None, :]
+        if HAS_SEQ:
+            s_k = ct.load(seq_idx, index=(batch, kblk), shape=(1, BLOCK_Q),
+                          padding_mode=ZERO).reshape((BLOCK_Q,))
+            keep = keep & (s_q[:, None] == s_k[None, :])
+        expo = ct.where(keep, g_q[:, None] - g_k[None, :], -float("inf"))
+        cb = cb * ct.exp2(expo)
+        dt_k = ct.load(dt, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
+        xk = ct.load(x, index=(batch, kblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
+                     padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P))
+        dtx = xk.astype(ct.float32) * dt_k[:, None]
+        acc = ct.mma(cb.astype(ct.tfloat32), dtx.astype(ct.tfloat32), acc)
+
+    xq = ct.load(x, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
+                 padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P)).astype(ct.float32)
+    if D_MODE == 1:
+        acc = acc + ct.load(D, index=(head,), shape=(1,)).reshape((1, 1)) * xq
+    if D_MODE == 2:
+        dp = ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P), padding_mode=ZERO)
+        acc = acc + dp * xq
+    if HAS_Z:
+        zq = ct.load(z, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
+                     padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P)).astype(ct.float32)
+        acc = acc * (zq / (1.0 + ct.exp(-zq)))
+    ct.store(out, index=(batch, qblk, head, p_tile),
+             tile=acc.reshape((1, BLOCK_Q, 1, BLOCK_P)).astype(out.dtype))
+
+
+chunk_scan = ct.kernel(chunk_scan_fn)
+chunk_scan_i64 = ct.kernel(int64_variant(
+    chunk_scan_fn, ["x", "b", "c", "z", "D", "dt", "cum", "seq_idx", "states", "out"]))

@@ -1,0 +1,56 @@
+"""Kernel 1 of the forward pass: per-chunk cumulative decay, in log2 space.
+
+    dt'_t  = clamp(softplus?(dt_t + dt_bias), lo, hi)      (0 for padding tokens t >= L)
+    G_t    = log2(e) * sum_{s <= t, s in chunk} A * dt'_s
+
+Both are written in a [batch, head, token] layout padded to a whole number of chunks, so the
+later kernels read them with contiguous (TMA) loads and the last entry of every chunk is the
+decay of its last real token (padding adds dt' = 0), which makes partial chunks exact.
+
+Tiles: dt (1, Q, BLOCK_H) read from [batch, token, head]; grid (num_chunks, cdiv(H, BLOCK_H), B).
+"""
+
+import cuda.tile as ct
+
+from ._common import LOG2E
+
+
+@ct.kernel
+def decay_cumsum(
+    dt,          # (B, L, H) any float dtype, any strides
+    A,           # (H,) float32
+    dt_bias,     # (H,) float32 (ignored unless HAS_BIAS)
+    dt_lo: float,
+    dt_hi: float,
+    dt_out,      # (B, H, Lp) float32
+    cum_out,     # (B, H, Lp) float32
+    Q: ct.Constant[int],
+    BLOCK_H: ct.Constant[int],
+    HAS_BIAS: ct.Constant[bool],
+    SOFTPLUS: ct.Constant[bool],
+):
+    chunk, head_tile, batch = ct.bid(0), ct.bid(1), ct.bid(2)
+    seqlen = dt.shape[1]
+    d = ct.load(dt, index=(batch, chunk, head_tile), shape=(1, Q, BLOCK_H),
+                padding_mode=ct.PaddingMode.ZERO).reshape((Q, BLOCK_H)).astype(ct.float32)
+    if HAS_BIAS:
+        bias = ct.load(dt_bias, index=(head_tile,), shape=(BLOCK_H,),
+                       padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
+        d = d + bias[None, :]
+    if SOFTPLUS:
+        # softplus(v) = log1p(e^v), and v itself above 20 (torch's threshold). log1p(u) is
+        # log(w) * u / (w - 1) with w = 1 + u: exact to rounding even when u is tiny.
+        u = ct.exp(ct.minimum(d, 20.0))
+        w = 1.0 + u
+        log1p_u = ct.where(w == 1.0, u, ct.log(w) * (u / (w - 1.0)))
+        d = ct.where(d > 20.0, d, log1p_u)
+    d = ct.minimum(ct.maximum(d, dt_lo), dt_hi)
+    token = chunk * Q + ct.arange(Q, dtype=ct.int32)
+    d = ct.where((token < seqlen)[:, None], d, 0.0)
+    a = ct.load(A, index=(head_tile,), shape=(BLOCK_H,),
+                padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
+    g = ct.cumsum(d * (a * LOG2E)[None, :], axis=0)
+    ct.store(dt_out, index=(batch, head_tile, chunk),
+             tile=d.transpose().reshape((1, BLOCK_H, Q)))
+    ct.store(cum_out, index=(batch, head_tile, chunk),
+             tile=g.transpose().reshape((1, BLOCK_H, Q)))

@@ -1,0 +1,189 @@
+"""Kernel plans for the forward pass: configs, grids and argument lists.
+
+A plan is built from tensors (real CUDA tensors at run time, or `meta` tensors when compiling on
+a CPU for CI), so the CPU compile check exercises exactly the argument lists the GPU path
+launches. Nothing here reads tensor values: plans are safe under CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from .kernels.chunk_scan import chunk_scan, chunk_scan_i64
+from .kernels.chunk_state_pass import chunk_state_pass, chunk_state_pass_i64
+from .kernels.decay_cumsum import decay_cumsum
+
+SUPPORTED_CHUNK_SIZES = (64, 128, 256)
+MAX_HEADDIM = 256
+MAX_DSTATE = 256
+INT32_LIMIT = 2**31 - 1
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """Tile sizes and hints of the three forward kernels (all powers of two)."""
+    chunk_size: int
+    cumsum_block_h: int
+    state_block_p: int
+    state_block_n: int
+    state_load_latency: int
+    scan_block_q: int
+    scan_block_p: int
+    dstate_pad: int
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132) -> ForwardConfig:
+    """The dispatcher: a good config from the shape alone (no search, no sync)."""
+    np_ = max(16, next_pow2(dstate))
+    bp = min(64, max(16, next_pow2(headdim)))
+    p_tiles = -(-headdim // bp)
+    # The chunk loop of chunk_state_pass is sequential, so the grid must fill the GPU by
+    # splitting the state: the widest n-tile that still gives every SM a program.
+    bn = np_
+    while bn > 16 and batch * nheads * p_tiles * (-(-dstate // bn)) < sms:
+        bn //= 2
+    big = np_ >= 256 or dtype == torch.float32
+    bq = min(chunk_size, 64 if big else 128)
+    cfg = ForwardConfig(
+        chunk_size=chunk_size,
+        cumsum_block_h=min(16, max(2, next_pow2(nheads))),
+        state_block_p=bp,
+        state_block_n=bn,
+        state_load_latency=4,
+        scan_block_q=bq,
+        scan_block_p=bp,
+        dstate_pad=np_,
+    )
+    return _env_overrides(cfg)
+
+
+def _env_overrides(cfg: ForwardConfig) -> ForwardConfig:
+    """MAMBA2_CUTILE_CONFIG="state_block_n=32,scan_block_q=64" overrides fields (for tuning)."""
+    spec = os.environ.get("MAMBA2_CUTILE_CONFIG", "").strip()
+    if not spec:
+        return cfg
+    fields = {}
+    for item in spec.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in ForwardConfig.__dataclass_fields__ or key == "chunk_size":
+            raise ValueError(f"MAMBA2_CUTILE_CONFIG: unknown field {key!r}")
+        fields[key] = int(value)
+    return replace(cfg, **fields)
+
+
+def needs_int64(*tensors) -> bool:
+    """True when any tensor spans 2**31 elements or more (counting its strided extent)."""
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+        if extent > INT32_LIMIT:
+            return True
+    return False
+
+
+@dataclass
+class KernelCall:
+    kernel: object
+    grid: tuple
+    args: tuple
+
+
+def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
+                 dt_buf, cum_buf, states, final, out, cfg: ForwardConfig):
+    """The three launches of the forward pass. Unused optional inputs must be None."""
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    Q = cfg.chunk_size
+    nchunks = cum_buf.shape[2] // Q
+    # stand-ins for absent optional tensors: never read (their flag is off), right rank/dtype
+    big = needs_int64(x, B, C, z, states, out)
+    if seq_idx is None:
+        seq_arg = torch.empty((1, 1), dtype=torch.int32, device=x.device)
+    else:
+        seq_arg = seq_idx
+    calls = [
+        KernelCall(
+            decay_cumsum,
+            (nchunks, -(-nheads // cfg.cumsum_block_h), batch),
+            (dt, A, dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi),
+             dt_buf, cum_buf, Q, cfg.cumsum_block_h, dt_bias is not None, bool(dt_softplus)),
+        ),
+        KernelCall(
+            chunk_state_pass_i64 if big else chunk_state_pass,
+            (-(-headdim // cfg.state_block_p), -(-dstate // cfg.state_block_n), batch * nheads),
+            (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
+             Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
+             init is not None, seq_idx is not None, cfg.state_load_latency),
+        ),
+        KernelCall(
+            chunk_scan_i64 if big else chunk_scan,
+            (nchunks * (Q // cfg.scan_block_q), -(-headdim // cfg.scan_block_p), batch * nheads),
+            (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
+             seq_arg, states, out, Q, cfg.scan_block_q, cfg.scan_block_p, cfg.dstate_pad,
+             nheads // ngroups, 0 if D is None else D.dim(), z is not None, seq_idx is not None),
+        ),
+    ]
+    return calls
+
+
+def compile_variants():
+    """Problems whose plans cover the kernel variants the dispatcher picks, for the CPU
+    compile check: every dtype x chunk size with all options on, then the tile sizes
+    (headdim/dstate buckets), option subsets and 64-bit indexing at one dtype.
+
+    Each item: (name, dict of problem parameters for `plan_for_problem`).
+    """
+    items = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for Q in SUPPORTED_CHUNK_SIZES:
+            items.append((f"{str(dtype)[6:]}-Q{Q}-all", dict(dtype=dtype, chunk_size=Q)))
+    bf = torch.bfloat16
+    for (h, p, n) in ((8, 16, 16), (8, 32, 32), (64, 80, 64), (2, 256, 256), (128, 64, 96)):
+        items.append((f"bf16-h{h}-p{p}-n{n}", dict(dtype=bf, nheads=h, headdim=p, dstate=n)))
+    items.append(("bf16-no-options", dict(dtype=bf, options=())))
+    items.append(("bf16-D-head", dict(dtype=bf, options=("D_head",))))
+    items.append(("bf16-int64", dict(dtype=bf, int64=True)))
+    items.append(("bf16-fp32-states-fp16-dt",
+                  dict(dtype=bf, state_dtype=torch.float32, dt_dtype=torch.float16)))
+    return items
+
+
+ALL_OPTIONS = ("D_chan", "z", "dt_bias", "softplus", "init", "seq_idx")
+
+
+def plan_for_problem(dtype=torch.bfloat16, chunk_size=128, batch=4, seqlen=16384, nheads=8,
+                     ngroups=1, headdim=64, dstate=128, options=ALL_OPTIONS, int64=False,
+                     state_dtype=None, dt_dtype=torch.float32, device="meta"):
+    """The forward plan for a problem, on `meta` tensors by default (for compiling)."""
+    b, l, h, g, p, n, Q = batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size
+    if int64:
+        l = max(l, -(-(2**31) // (b * h * p)) + 1)
+    e = lambda *s, dt=dtype: torch.empty(s, dtype=dt, device=device)  # noqa: E731
+    nc = -(-l // Q)
+    x = e(b, l, h, p)
+    f32 = torch.float32
+    D = e(h, p, dt=f32) if "D_chan" in options else e(h, dt=f32) if "D_head" in options else None
+    cfg = default_config(b, h, p, n, Q, dtype)
+    return forward_plan(
+        x, e(b, l, h, dt=dt_dtype), e(h, dt=f32), e(b, l, g, n), e(b, l, g, n),
+        e(b, l, h, p) if "z" in options else None, D,
+        e(h, dt=f32) if "dt_bias" in options else None, 0.0, float("inf"), "softplus" in options,
+        e(b, h, p, n, dt=f32) if "init" in options else None,
+        e(b, l, dt=torch.int32) if "seq_idx" in options else None,
+        e(b, h, nc * Q, dt=f32), e(b, h, nc * Q, dt=f32),
+        e(b, h, nc, p, n, dt=state_dtype or dtype), e(b, h, p, n, dt=f32), x, cfg)
