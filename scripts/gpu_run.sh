@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .kit/extra/*.w
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 STEPS=${1:-tests,demo,sweep,bench}
 if [[ $STEPS == *tests* ]]; then
-  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -m gpu tests/ -n 12 -rP -p no:cacheprovider \
+  MAMBA2_TEST_LOG="$OUT/checks.log" timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -m gpu tests/ -n 12 -v -p no:cacheprovider -p no:benchmark \
     --junitxml="$OUT/gpu_tests.xml" ${PYTEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
   echo "tests rc=$?"; tail -n 25 "$OUT/gpu_tests.log"
 fi

@@ -6,6 +6,7 @@ Final and varlen states use the same scale.
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -62,6 +63,14 @@ def make_problem(b, l, h, g, p, n, dtype, opts, seed=0):
     return inp, kw
 
 
+def log_result(msg):
+    """Errors of every check, appended as they happen (survives a killed test run)."""
+    path = os.environ.get("MAMBA2_TEST_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}: {msg}\n")
+
+
 def rel_err(a, ref):
     return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
@@ -82,10 +91,12 @@ def check(inp, kw, chunk_size, dtype, compare_mamba=True, state_dtype=None):
         m_y, m_h = rel_err(ym, y_ref), rel_err(hm, h_ref)
         msg += f"; mamba_ssm out err {m_y:.2e}, final-state err {m_h:.2e}"
         print(msg)
+        log_result(msg)
         assert e_y <= 1.5 * m_y, msg
         assert e_h <= 1.5 * m_h, msg
     else:
         print(msg)
+        log_result(msg)
     assert e_y <= tol, msg
     assert e_h <= tol, msg
     return y, h
@@ -195,8 +206,10 @@ def test_varlen_states(with_init):
         _, vm = f(**inp, chunk_size=128, cu_seqlens=cu, return_varlen_states=True, **kw)
         m_v = rel_err(vm, v_ref)
         msg += f"; mamba_ssm varlen err {m_v:.2e}"
+        log_result(msg)
         assert e_v <= 1.5 * m_v, msg
     print(msg)
+    log_result(msg)
     assert e_v <= 2e-2 and e_y <= 2e-2, msg
 
 

@@ -111,10 +111,45 @@ def bench(args):
             print(json.dumps(row), flush=True)
             del fwd
             torch.cuda.empty_cache()
+    if args.breakdown:
+        rows.append(breakdown(shapes[0]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"versions": impls.versions(), "rows": rows}, f, indent=1)
     return 0
+
+
+def breakdown(shape):
+    """Kernel time of each of our launches alone (CUDA graph), at one shape."""
+    import cuda.tile as ct
+
+    from . import interface, launch
+    from .bench import problems, timing
+
+    inp = problems.make_inputs(shape)
+    b, l, h, g, p, n = shape.dims()
+    Q = shape.chunk
+    nc = -(-l // Q)
+    dev = inp["x"].device
+    dt_buf = torch.empty((b, h, nc * Q), dtype=torch.float32, device=dev)
+    cum = torch.empty_like(dt_buf)
+    states = torch.empty((b, h, nc, p, n), dtype=inp["C"].dtype, device=dev)
+    final = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
+    out = torch.empty_like(inp["x"])
+    cfg = launch.default_config(b, h, p, n, Q, inp["x"].dtype, launch.num_sms(0))
+    calls = launch.forward_plan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], None,
+                                inp["D"], None, -float("inf"), float("inf"), False,
+                                inp["initial_states"], None, dt_buf, cum, states, final, out, cfg)
+    row = {"shape": shape.name, "impl": "breakdown", "config": str(cfg)}
+    for call in calls:
+        name = call.kernel._annotated_function.pyfunc.__name__
+
+        def run(call=call):
+            ct.launch(torch.cuda.current_stream(), call.grid, call.kernel, call.args)
+        run()
+        row[name] = timing.time_graph(run, reps=30)["median_ms"]
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main(argv=None):
@@ -125,6 +160,7 @@ def main(argv=None):
     pb.add_argument("--impls", default="mamba2-cutile,mamba_ssm,tilegym")
     pb.add_argument("--reps", type=int, default=50)
     pb.add_argument("--json", default=None)
+    pb.add_argument("--breakdown", action="store_true", help="also time each of our kernels")
     args = parser.parse_args(argv)
     if args.cmd == "bench":
         return bench(args)

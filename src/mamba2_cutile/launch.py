@@ -38,6 +38,8 @@ class ForwardConfig:
     scan_block_q: int
     scan_block_p: int
     dstate_pad: int
+    state_occupancy: int = 0        # 0: let the compiler choose
+    scan_occupancy: int = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,6 +98,13 @@ def needs_int64(*tensors) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=None)
+def hinted(kernel, occupancy: int):
+    """`kernel` with an occupancy hint; created once per (kernel, hint) and kept, because each
+    new kernel object has its own compile cache."""
+    return kernel if occupancy == 0 else kernel.replace_hints(occupancy=occupancy)
+
+
 @dataclass
 class KernelCall:
     kernel: object
@@ -124,14 +133,14 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              dt_buf, cum_buf, Q, cfg.cumsum_block_h, dt_bias is not None, bool(dt_softplus)),
         ),
         KernelCall(
-            chunk_state_pass_i64 if big else chunk_state_pass,
+            hinted(chunk_state_pass_i64 if big else chunk_state_pass, cfg.state_occupancy),
             (-(-headdim // cfg.state_block_p), -(-dstate // cfg.state_block_n), batch * nheads),
             (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
              Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
              init is not None, seq_idx is not None, cfg.state_load_latency),
         ),
         KernelCall(
-            chunk_scan_i64 if big else chunk_scan,
+            hinted(chunk_scan_i64 if big else chunk_scan, cfg.scan_occupancy),
             (nchunks * (Q // cfg.scan_block_q), -(-headdim // cfg.scan_block_p), batch * nheads),
             (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
              seq_arg, states, out, Q, cfg.scan_block_q, cfg.scan_block_p, cfg.dstate_pad,
