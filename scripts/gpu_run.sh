@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .kit/extra/*.w
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 STEPS=${1:-tests,demo,sweep,bench}
 if [[ $STEPS == *tests* ]]; then
-  MAMBA2_TEST_LOG="$OUT/checks.log" timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -m gpu tests/ -n 12 -v -p no:cacheprovider -p no:benchmark \
+  MAMBA2_TEST_LOG="$OUT/checks.log" timeout ${TEST_TIMEOUT:-330} python3 -m pytest -m gpu tests/ -n ${TEST_WORKERS:-10} -v -p no:cacheprovider -p no:benchmark --timeout=${TEST_CASE_TIMEOUT:-240} \
     --junitxml="$OUT/gpu_tests.xml" ${PYTEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
   echo "tests rc=$?"; tail -n 25 "$OUT/gpu_tests.log"
 fi
@@ -18,13 +18,14 @@ fi
 if [[ $STEPS == *sweep* ]]; then
   for cfg in ${SWEEP_CONFIGS:-state_block_n=16 state_block_n=32 state_block_n=64 scan_block_q=64}; do
     MAMBA2_CUTILE_CONFIG=$cfg timeout 120 python3 -m mamba2_cutile bench --impls mamba2-cutile \
-      --shapes seed --reps 30 2>&1 | grep -E '^\{' | sed "s/^/$cfg /" >> "$OUT/sweep.log"
+      --shapes seed --reps 30 --breakdown 2>&1 | grep -E '^\{' | sed "s/^/$cfg /" >> "$OUT/sweep.log"
   done
   cat "$OUT/sweep.log" | python3 -c "
 import sys, json
 for line in sys.stdin:
     cfg, js = line.split(' ', 1); r = json.loads(js)
-    print(cfg, r.get('status'), r.get('graph', {}).get('median_ms'), r.get('first_call_s'))"
+    if r.get('impl') == 'breakdown': print('   ', {k: round(v, 4) for k, v in r.items() if isinstance(v, float)})
+    else: print(cfg, r.get('status'), r.get('graph', {}).get('median_ms'), r.get('first_call_s'))"
 fi
 if [[ $STEPS == *bench* ]]; then
   DISABLE_AUTOTUNE=1 timeout 300 python3 -m mamba2_cutile bench --shapes ${BENCH_SHAPES:-seed} \

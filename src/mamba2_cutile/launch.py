@@ -40,6 +40,8 @@ class ForwardConfig:
     dstate_pad: int
     state_occupancy: int = 0        # 0: let the compiler choose
     scan_occupancy: int = 0
+    scan_load_latency: int = 0      # 0: let the compiler choose
+    scan_persistent: int = 0        # >0: a persistent grid of this many programs per SM
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,9 +55,10 @@ def default_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132) -
     bp = min(64, max(16, next_pow2(headdim)))
     p_tiles = -(-headdim // bp)
     # The chunk loop of chunk_state_pass is sequential, so the grid must fill the GPU by
-    # splitting the state: the widest n-tile that still gives every SM a program.
+    # splitting the state: the widest n-tile that still gives most SMs a program (measured on
+    # the H200 at the seed problem: 128 programs of 64x32 beat 256 of 64x16 and 64 of 64x64).
     bn = np_
-    while bn > 16 and batch * nheads * p_tiles * (-(-dstate // bn)) < sms:
+    while bn > 16 and batch * nheads * p_tiles * (-(-dstate // bn)) < (3 * sms) // 4:
         bn //= 2
     big = np_ >= 256 or dtype == torch.float32
     bq = min(chunk_size, 64 if big else 128)
@@ -64,7 +67,7 @@ def default_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132) -
         cumsum_block_h=min(16, max(2, next_pow2(nheads))),
         state_block_p=bp,
         state_block_n=bn,
-        state_load_latency=4,
+        state_load_latency=8,
         scan_block_q=bq,
         scan_block_p=bp,
         dstate_pad=np_,
@@ -75,7 +78,7 @@ def default_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132) -
 def _env_overrides(cfg: ForwardConfig) -> ForwardConfig:
     """MAMBA2_CUTILE_CONFIG="state_block_n=32,scan_block_q=64" overrides fields (for tuning)."""
     spec = os.environ.get("MAMBA2_CUTILE_CONFIG", "").strip()
-    if not spec:
+    if not spec or spec == "default":
         return cfg
     fields = {}
     for item in spec.split(","):
@@ -85,6 +88,10 @@ def _env_overrides(cfg: ForwardConfig) -> ForwardConfig:
             raise ValueError(f"MAMBA2_CUTILE_CONFIG: unknown field {key!r}")
         fields[key] = int(value)
     return replace(cfg, **fields)
+
+
+def _sms_of(t) -> int:
+    return num_sms(t.device.index or 0) if t.device.type == "cuda" else 132
 
 
 def needs_int64(*tensors) -> bool:
@@ -125,6 +132,13 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         seq_arg = torch.empty((1, 1), dtype=torch.int32, device=x.device)
     else:
         seq_arg = seq_idx
+    scan_tiles = (nchunks * (Q // cfg.scan_block_q), -(-headdim // cfg.scan_block_p),
+                  batch * nheads)
+    if cfg.scan_persistent:
+        n_tiles = scan_tiles[0] * scan_tiles[1] * scan_tiles[2]
+        scan_grid = (min(n_tiles, cfg.scan_persistent * _sms_of(x)), 1, 1)
+    else:
+        scan_grid = scan_tiles
     calls = [
         KernelCall(
             decay_cumsum,
@@ -141,10 +155,11 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         ),
         KernelCall(
             hinted(chunk_scan_i64 if big else chunk_scan, cfg.scan_occupancy),
-            (nchunks * (Q // cfg.scan_block_q), -(-headdim // cfg.scan_block_p), batch * nheads),
+            scan_grid,
             (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
              seq_arg, states, out, Q, cfg.scan_block_q, cfg.scan_block_p, cfg.dstate_pad,
-             nheads // ngroups, 0 if D is None else D.dim(), z is not None, seq_idx is not None),
+             nheads // ngroups, 0 if D is None else D.dim(), z is not None, seq_idx is not None,
+             cfg.scan_load_latency, cfg.scan_persistent > 0),
         ),
     ]
     return calls

@@ -12,12 +12,87 @@ M is the causal mask (and, with seq_idx, the same-sequence mask); the masked C @
 exponents are masked *before* exp2 so no inf is ever formed.
 
 Tiles: C, B (BLOCK_Q, NP) with NP = the whole (padded) dstate; X (BLOCK_Q, BLOCK_P);
-h_c (BLOCK_P, NP). Grid: (num_chunks * Q / BLOCK_Q, cdiv(P, BLOCK_P), B * H).
+h_c (BLOCK_P, NP). Grid: (num_chunks * Q / BLOCK_Q, cdiv(P, BLOCK_P), B * H), or with
+PERSISTENT a fixed (programs,) grid looping over those tiles.
 """
 
 import cuda.tile as ct
 
 from ._common import int64_variant, mma_operand
+
+
+def _scan_tile(
+    x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, p_tile, bh,
+    Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
+    NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int], D_MODE: ct.Constant[int],
+    HAS_Z: ct.Constant[bool], HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
+):
+    """One output tile: BLOCK_Q tokens (query block `qblk`) x BLOCK_P channels of one head."""
+    nheads = x.shape[2]
+    batch = bh // nheads
+    head = bh % nheads
+    group = head // HEADS_PER_GROUP
+    blocks_per_chunk = Q // BLOCK_Q
+    chunk = qblk // blocks_per_chunk
+    first_blk = chunk * blocks_per_chunk          # first key block of this chunk
+    ZERO = ct.PaddingMode.ZERO
+    LAT = None if LOAD_LATENCY == 0 else LOAD_LATENCY   # 0: the compiler decides
+
+    ct_q = ct.load(c, index=(batch, qblk, group, 0), shape=(1, BLOCK_Q, 1, NP),
+                   padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, NP))
+    ct_q = mma_operand(ct_q, x.dtype)
+    g_q = ct.load(cum, index=(batch, head, qblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
+    row = qblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)   # token index of each query
+
+    h = ct.load(states, index=(batch, head, chunk, p_tile, 0), shape=(1, 1, 1, BLOCK_P, NP),
+                padding_mode=ZERO, latency=LAT).reshape((BLOCK_P, NP))
+    acc = ct.mma(ct_q, mma_operand(h.transpose(), x.dtype),
+                 ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32))
+    state_scale = ct.exp2(g_q)
+    if HAS_SEQ:
+        s_q = ct.load(seq_idx, index=(batch, qblk), shape=(1, BLOCK_Q),
+                      padding_mode=ZERO).reshape((BLOCK_Q,))
+        # the carried state belongs to the sequence of the token before the chunk
+        prev = ct.maximum(chunk * Q - 1, 0)
+        s_prev = ct.load(seq_idx, index=(batch, prev), shape=(1, 1)).reshape((1,))
+        state_scale = ct.where(s_q == s_prev, state_scale, 0.0)
+    acc = acc * state_scale[:, None]
+
+    for kblk in range(first_blk, qblk + 1):
+        bt = ct.load(b, index=(batch, kblk, group, 0), shape=(1, BLOCK_Q, 1, NP),
+                     padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, NP))
+        cb = ct.mma(ct_q, mma_operand(bt.transpose(), x.dtype),
+                    ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
+        g_k = ct.load(cum, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
+        dt_k = ct.load(dt, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
+        col = kblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
+        keep = row[:, None] >= col[None, :]
+        if HAS_SEQ:
+            s_k = ct.load(seq_idx, index=(batch, kblk), shape=(1, BLOCK_Q),
+                          padding_mode=ZERO).reshape((BLOCK_Q,))
+            keep = keep & (s_q[:, None] == s_k[None, :])
+        expo = ct.where(keep, g_q[:, None] - g_k[None, :], -float("inf"))
+        # dt is folded into the decayed C B^T in fp32, so X enters the MMA unrounded
+        # (fp16/bf16 are exact in tf32): one rounding instead of two
+        cb = cb * ct.exp2(expo) * dt_k[None, :]
+        xk = ct.load(x, index=(batch, kblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
+                     padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_P))
+        acc = ct.mma(cb.astype(ct.tfloat32), xk.astype(ct.tfloat32), acc)
+
+    xq = ct.load(x, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
+                 padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P)).astype(ct.float32)
+    if D_MODE == 1:
+        acc = acc + ct.load(D, index=(head,), shape=(1,)).reshape((1, 1)) * xq
+    if D_MODE == 2:
+        dp = ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P), padding_mode=ZERO)
+        acc = acc + dp * xq
+    if HAS_Z:
+        zq = ct.load(z, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
+                     padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_P))
+        zq = zq.astype(ct.float32)
+        acc = acc * (zq / (1.0 + ct.exp(-zq)))
+    ct.store(out, index=(batch, qblk, head, p_tile),
+             tile=acc.reshape((1, BLOCK_Q, 1, BLOCK_P)).astype(out.dtype))
 
 
 def chunk_scan_fn(
@@ -39,70 +114,24 @@ def chunk_scan_fn(
     D_MODE: ct.Constant[int],     # 0: no D, 1: per head, 2: per (head, channel)
     HAS_Z: ct.Constant[bool],
     HAS_SEQ: ct.Constant[bool],
+    LOAD_LATENCY: ct.Constant[int],
+    PERSISTENT: ct.Constant[bool],
 ):
-    qblk, p_tile, bh = ct.bid(0), ct.bid(1), ct.bid(2)
-    nheads = x.shape[2]
-    batch = bh // nheads
-    head = bh % nheads
-    group = head // HEADS_PER_GROUP
-    blocks_per_chunk = Q // BLOCK_Q
-    chunk = qblk // blocks_per_chunk
-    first_blk = chunk * blocks_per_chunk          # first key block of this chunk
-    ZERO = ct.PaddingMode.ZERO
-
-    ct_q = ct.load(c, index=(batch, qblk, group, 0), shape=(1, BLOCK_Q, 1, NP),
-                   padding_mode=ZERO).reshape((BLOCK_Q, NP))
-    ct_q = mma_operand(ct_q, x.dtype)
-    g_q = ct.load(cum, index=(batch, head, qblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
-    row = qblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)   # token index of each query
-
-    h = ct.load(states, index=(batch, head, chunk, p_tile, 0), shape=(1, 1, 1, BLOCK_P, NP),
-                padding_mode=ZERO).reshape((BLOCK_P, NP))
-    acc = ct.mma(ct_q, mma_operand(h.transpose(), x.dtype),
-                 ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32))
-    state_scale = ct.exp2(g_q)
-    if HAS_SEQ:
-        s_q = ct.load(seq_idx, index=(batch, qblk), shape=(1, BLOCK_Q),
-                      padding_mode=ZERO).reshape((BLOCK_Q,))
-        # the carried state belongs to the sequence of the token before the chunk
-        prev = ct.maximum(chunk * Q - 1, 0)
-        s_prev = ct.load(seq_idx, index=(batch, prev), shape=(1, 1)).reshape((1,))
-        state_scale = ct.where(s_q == s_prev, state_scale, 0.0)
-    acc = acc * state_scale[:, None]
-
-    for kblk in range(first_blk, qblk + 1):
-        bt = ct.load(b, index=(batch, kblk, group, 0), shape=(1, BLOCK_Q, 1, NP),
-                     padding_mode=ZERO).reshape((BLOCK_Q, NP))
-        cb = ct.mma(ct_q, mma_operand(bt.transpose(), x.dtype),
-                    ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
-        g_k = ct.load(cum, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
-        col = kblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
-        keep = row[:, None] >= col[None, :]
-        if HAS_SEQ:
-            s_k = ct.load(seq_idx, index=(batch, kblk), shape=(1, BLOCK_Q),
-                          padding_mode=ZERO).reshape((BLOCK_Q,))
-            keep = keep & (s_q[:, None] == s_k[None, :])
-        expo = ct.where(keep, g_q[:, None] - g_k[None, :], -float("inf"))
-        cb = cb * ct.exp2(expo)
-        dt_k = ct.load(dt, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
-        xk = ct.load(x, index=(batch, kblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
-                     padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P))
-        dtx = xk.astype(ct.float32) * dt_k[:, None]
-        acc = ct.mma(cb.astype(ct.tfloat32), dtx.astype(ct.tfloat32), acc)
-
-    xq = ct.load(x, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
-                 padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P)).astype(ct.float32)
-    if D_MODE == 1:
-        acc = acc + ct.load(D, index=(head,), shape=(1,)).reshape((1, 1)) * xq
-    if D_MODE == 2:
-        dp = ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P), padding_mode=ZERO)
-        acc = acc + dp * xq
-    if HAS_Z:
-        zq = ct.load(z, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
-                     padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P)).astype(ct.float32)
-        acc = acc * (zq / (1.0 + ct.exp(-zq)))
-    ct.store(out, index=(batch, qblk, head, p_tile),
-             tile=acc.reshape((1, BLOCK_Q, 1, BLOCK_P)).astype(out.dtype))
+    if PERSISTENT:
+        # a fixed grid walks the tiles, so the loads of the next tile overlap this one's math
+        n_q = ct.num_tiles(cum, 2, shape=(1, 1, BLOCK_Q))
+        n_p = ct.cdiv(x.shape[3], BLOCK_P)
+        total = n_q * n_p * x.shape[0] * x.shape[2]
+        for t in range(ct.bid(0), total, ct.num_blocks(0)):
+            qblk = t % n_q
+            rest = t // n_q
+            _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, rest % n_p,
+                       rest // n_p, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
+                       HAS_SEQ, LOAD_LATENCY)
+    else:
+        _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, ct.bid(0), ct.bid(1),
+                   ct.bid(2), Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
+                   HAS_SEQ, LOAD_LATENCY)
 
 
 chunk_scan = ct.kernel(chunk_scan_fn)
