@@ -157,10 +157,9 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
             hinted(chunk_scan_i64 if big else chunk_scan, cfg.scan_occupancy),
             scan_grid,
             (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
-             seq_arg, states, init if init is not None else final, out, Q, cfg.scan_block_q,
-             cfg.scan_block_p, cfg.dstate_pad, nheads // ngroups, 0 if D is None else D.dim(),
-             z is not None, seq_idx is not None, init is not None, cfg.scan_load_latency,
-             cfg.scan_persistent > 0),
+             seq_arg, states, out, Q, cfg.scan_block_q, cfg.scan_block_p, cfg.dstate_pad,
+             nheads // ngroups, 0 if D is None else D.dim(), z is not None, seq_idx is not None,
+             cfg.scan_load_latency, cfg.scan_persistent > 0),
         ),
     ]
     return calls

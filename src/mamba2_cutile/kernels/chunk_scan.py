@@ -22,11 +22,10 @@ from ._common import int64_variant, mma_operand
 
 
 def _scan_tile(
-    x, b, c, z, D, dt, cum, seq_idx, states, init, out, qblk, p_tile, bh,
+    x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, p_tile, bh,
     Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
     NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int], D_MODE: ct.Constant[int],
-    HAS_Z: ct.Constant[bool], HAS_SEQ: ct.Constant[bool], HAS_INIT: ct.Constant[bool],
-    LOAD_LATENCY: ct.Constant[int],
+    HAS_Z: ct.Constant[bool], HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
 ):
     """One output tile: BLOCK_Q tokens (query block `qblk`) x BLOCK_P channels of one head."""
     nheads = x.shape[2]
@@ -45,17 +44,10 @@ def _scan_tile(
     g_q = ct.load(cum, index=(batch, head, qblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
     row = qblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)   # token index of each query
 
-    zero_acc = ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32)
-    if HAS_INIT and chunk == 0:
-        # the first chunk reads the caller's float32 initial state, not its rounded copy
-        h0 = ct.load(init, index=(batch, head, p_tile, 0), shape=(1, 1, BLOCK_P, NP),
-                     padding_mode=ZERO).reshape((BLOCK_P, NP))
-        acc = ct.mma(ct_q.astype(ct.tfloat32), h0.transpose().astype(ct.tfloat32), zero_acc)
-    else:
-        h = ct.load(states, index=(batch, head, chunk, p_tile, 0),
-                    shape=(1, 1, 1, BLOCK_P, NP), padding_mode=ZERO,
-                    latency=LAT).reshape((BLOCK_P, NP))
-        acc = ct.mma(ct_q, mma_operand(h.transpose(), x.dtype), zero_acc)
+    h = ct.load(states, index=(batch, head, chunk, p_tile, 0), shape=(1, 1, 1, BLOCK_P, NP),
+                padding_mode=ZERO, latency=LAT).reshape((BLOCK_P, NP))
+    acc = ct.mma(ct_q, mma_operand(h.transpose(), x.dtype),
+                 ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32))
     state_scale = ct.exp2(g_q)
     if HAS_SEQ:
         s_q = ct.load(seq_idx, index=(batch, qblk), shape=(1, BLOCK_Q),
@@ -113,7 +105,6 @@ def chunk_scan_fn(
     cum,         # (B, H, Lp) float32
     seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
     states,      # (B, H, C, P, N) entry state of each chunk
-    init,        # (B, H, P, N) float32 initial state (ignored unless HAS_INIT)
     out,         # (B, L, H, P)
     Q: ct.Constant[int],
     BLOCK_Q: ct.Constant[int],
@@ -123,7 +114,6 @@ def chunk_scan_fn(
     D_MODE: ct.Constant[int],     # 0: no D, 1: per head, 2: per (head, channel)
     HAS_Z: ct.Constant[bool],
     HAS_SEQ: ct.Constant[bool],
-    HAS_INIT: ct.Constant[bool],
     LOAD_LATENCY: ct.Constant[int],
     PERSISTENT: ct.Constant[bool],
 ):
@@ -135,16 +125,15 @@ def chunk_scan_fn(
         for t in range(ct.bid(0), total, ct.num_blocks(0)):
             qblk = t % n_q
             rest = t // n_q
-            _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, init, out, qblk, rest % n_p,
+            _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, rest % n_p,
                        rest // n_p, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
-                       HAS_SEQ, HAS_INIT, LOAD_LATENCY)
+                       HAS_SEQ, LOAD_LATENCY)
     else:
-        _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, init, out, ct.bid(0), ct.bid(1),
+        _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, ct.bid(0), ct.bid(1),
                    ct.bid(2), Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
-                   HAS_SEQ, HAS_INIT, LOAD_LATENCY)
+                   HAS_SEQ, LOAD_LATENCY)
 
 
 chunk_scan = ct.kernel(chunk_scan_fn)
 chunk_scan_i64 = ct.kernel(int64_variant(
-    chunk_scan_fn,
-    ["x", "b", "c", "z", "D", "dt", "cum", "seq_idx", "states", "init", "out"]))
+    chunk_scan_fn, ["x", "b", "c", "z", "D", "dt", "cum", "seq_idx", "states", "out"]))
