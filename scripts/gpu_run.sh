@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gp
 STEPS=${1:-tests,demo,sweep,bench}
 if [[ $STEPS == *tests* ]]; then
   MAMBA2_TEST_LOG="$OUT/checks.log" timeout ${TEST_TIMEOUT:-330} python3 -m pytest -m gpu tests/ -n ${TEST_WORKERS:-10} -v -p no:cacheprovider -p no:benchmark --timeout=${TEST_CASE_TIMEOUT:-240} \
-    --junitxml="$OUT/gpu_tests.xml" ${PYTEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
+    --junitxml="$OUT/gpu_tests.xml" ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests.log" 2>&1
   echo "tests rc=$?"; tail -n 25 "$OUT/gpu_tests.log"
 fi
 if [[ $STEPS == *demo* ]]; then
