@@ -274,3 +274,33 @@ def test_check_env_reads_values(monkeypatch):
     monkeypatch.setenv("MAMBA2_CUTILE_CHECK", "1")
     with pytest.raises(ValueError, match="seq_idx must be non-decreasing"):
         mamba_chunk_scan_combined(**inp, chunk_size=64, seq_idx=seq)
+
+
+TUNING_OPTIONS = [
+    {"scan_lowp": 1}, {"scan_head_major": 1}, {"scan_persistent": 2}, {"scan_persistent": 1},
+    {"state_block_n": 16}, {"state_block_n": 64, "state_block_p": 32}, {"scan_block_q": 64},
+    {"scan_load_latency": 4}, {"state_occupancy": 2}, {"scan_lowp": 1, "scan_head_major": 1},
+    {"scan_warps": 8},
+]
+
+
+@pytest.mark.parametrize("overrides", TUNING_OPTIONS, ids=lambda o: ",".join(
+    f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_config_variants(overrides, dtype):
+    """Every config option a tuner may pick gives a correct answer (all options on)."""
+    from dataclasses import replace
+
+    from mamba2_cutile import launch
+    from mamba2_cutile.interface import ssd_forward_cuda
+
+    b, l, h, g, p, n, Q = 2, 700, 4, 2, 64, 128, 256
+    inp, kw = make_problem(b, l, h, g, p, n, dtype, OPTS["all"], seed=3)
+    cfg = replace(launch.default_config(b, h, p, n, Q, dtype), **overrides)
+    y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
+    dt_limit = kw.pop("dt_limit")
+    y, hf, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit, config=cfg, **kw)
+    e_y, e_h = rel_err(y, y_ref), rel_err(hf, h_ref)
+    msg = f"{overrides}: out err {e_y:.2e}, final-state err {e_h:.2e}"
+    log_result(msg)
+    assert e_y <= TOL[dtype] and e_h <= TOL[dtype], msg

@@ -24,6 +24,19 @@ def _is_int64(annotation) -> bool:
                for m in getattr(annotation, "__metadata__", ()))
 
 
+def _array_constraint(t: torch.Tensor, index_dtype) -> ArrayConstraint:
+    """What the JIT would know of a freshly allocated tensor: unit strides are constants, 16-byte divisibility of strides and of sizes, a 16-byte aligned base (torch's
+    allocations are). So the CPU compile picks the same TMA/vector paths as the GPU one."""
+    per16 = max(1, 16 // t.element_size())
+    return ArrayConstraint(
+        _DT[t.dtype], t.dim(), index_dtype=index_dtype, stride_lower_bound_incl=0,
+        alias_groups=(), may_alias_internally=False,
+        stride_constant=tuple(1 if s == 1 else None for s in t.stride()),
+        stride_divisible_by=tuple(per16 if s % per16 == 0 else 1 for s in t.stride()),
+        shape_divisible_by=tuple(16 if d % 16 == 0 else 1 for d in t.shape),
+        base_addr_divisible_by=16)
+
+
 def signature_of(kernel, args) -> KernelSignature:
     fn = kernel._annotated_function.pyfunc
     hints = typing.get_type_hints(fn, include_extras=True)
@@ -34,10 +47,7 @@ def signature_of(kernel, args) -> KernelSignature:
         if _is_constant(ann):
             constraints.append(ConstantConstraint(value))
         elif isinstance(value, torch.Tensor):
-            constraints.append(ArrayConstraint(
-                _DT[value.dtype], value.dim(),
-                index_dtype=ct.int64 if _is_int64(ann) else ct.int32,
-                stride_lower_bound_incl=0, alias_groups=(), may_alias_internally=False))
+            constraints.append(_array_constraint(value, ct.int64 if _is_int64(ann) else ct.int32))
         elif isinstance(value, bool):
             constraints.append(ConstantConstraint(value))
         elif isinstance(value, float):

@@ -42,6 +42,9 @@ class ForwardConfig:
     scan_occupancy: int = 0
     scan_load_latency: int = 0      # 0: let the compiler choose
     scan_persistent: int = 0        # >0: a persistent grid of this many programs per SM
+    scan_lowp: int = 0              # 1: (C B^T) X MMA in the input dtype (fp16/bf16), not tf32
+    scan_head_major: int = 0        # 1: grid (batch*heads, query blocks, p tiles)
+    scan_warps: int = 0             # num_worker_warps hint of chunk_scan (0: compiler's choice)
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,10 +109,15 @@ def needs_int64(*tensors) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def hinted(kernel, occupancy: int):
-    """`kernel` with an occupancy hint; created once per (kernel, hint) and kept, because each
-    new kernel object has its own compile cache."""
-    return kernel if occupancy == 0 else kernel.replace_hints(occupancy=occupancy)
+def hinted(kernel, occupancy: int = 0, warps: int = 0):
+    """`kernel` with occupancy / worker-warp hints (0: the compiler's choice); created once per
+    (kernel, hints) and kept, because each new kernel object has its own compile cache."""
+    hints = {}
+    if occupancy:
+        hints["occupancy"] = occupancy
+    if warps:
+        hints["num_worker_warps"] = warps
+    return kernel.replace_hints(**hints) if hints else kernel
 
 
 @dataclass
@@ -137,6 +145,8 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     if cfg.scan_persistent:
         n_tiles = scan_tiles[0] * scan_tiles[1] * scan_tiles[2]
         scan_grid = (min(n_tiles, cfg.scan_persistent * _sms_of(x)), 1, 1)
+    elif cfg.scan_head_major:
+        scan_grid = (scan_tiles[2], scan_tiles[0], scan_tiles[1])
     else:
         scan_grid = scan_tiles
     calls = [
@@ -154,12 +164,14 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              init is not None, seq_idx is not None, cfg.state_load_latency),
         ),
         KernelCall(
-            hinted(chunk_scan_i64 if big else chunk_scan, cfg.scan_occupancy),
+            hinted(chunk_scan_i64 if big else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
             scan_grid,
             (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
              seq_arg, states, out, Q, cfg.scan_block_q, cfg.scan_block_p, cfg.dstate_pad,
              nheads // ngroups, 0 if D is None else D.dim(), z is not None, seq_idx is not None,
-             cfg.scan_load_latency, cfg.scan_persistent > 0),
+             cfg.scan_load_latency, cfg.scan_persistent > 0,
+             bool(cfg.scan_lowp) and x.dtype != torch.float32,
+             bool(cfg.scan_head_major) and not cfg.scan_persistent),
         ),
     ]
     return calls
@@ -184,6 +196,14 @@ def compile_variants():
     items.append(("bf16-int64", dict(dtype=bf, int64=True)))
     items.append(("bf16-fp32-states-fp16-dt",
                   dict(dtype=bf, state_dtype=torch.float32, dt_dtype=torch.float16)))
+    # tuning options a config may select
+    items.append(("bf16-persistent", dict(dtype=bf, overrides=dict(scan_persistent=2))))
+    items.append(("bf16-lowp-head-major", dict(dtype=bf, overrides=dict(scan_lowp=1,
+                                                                       scan_head_major=1))))
+    items.append(("fp16-lowp-Q256", dict(dtype=torch.float16, chunk_size=256,
+                                         overrides=dict(scan_lowp=1))))
+    items.append(("bf16-8-warps-occupancy-2", dict(dtype=bf, overrides=dict(
+        scan_warps=8, scan_occupancy=2, state_occupancy=2))))
     return items
 
 
@@ -192,7 +212,7 @@ ALL_OPTIONS = ("D_chan", "z", "dt_bias", "softplus", "init", "seq_idx")
 
 def plan_for_problem(dtype=torch.bfloat16, chunk_size=128, batch=4, seqlen=16384, nheads=8,
                      ngroups=1, headdim=64, dstate=128, options=ALL_OPTIONS, int64=False,
-                     state_dtype=None, dt_dtype=torch.float32, device="meta"):
+                     state_dtype=None, dt_dtype=torch.float32, device="meta", overrides=None):
     """The forward plan for a problem, on `meta` tensors by default (for compiling)."""
     b, l, h, g, p, n, Q = batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size
     if int64:
@@ -202,7 +222,7 @@ def plan_for_problem(dtype=torch.bfloat16, chunk_size=128, batch=4, seqlen=16384
     x = e(b, l, h, p)
     f32 = torch.float32
     D = e(h, p, dt=f32) if "D_chan" in options else e(h, dt=f32) if "D_head" in options else None
-    cfg = default_config(b, h, p, n, Q, dtype)
+    cfg = replace(default_config(b, h, p, n, Q, dtype), **(overrides or {}))
     return forward_plan(
         x, e(b, l, h, dt=dt_dtype), e(h, dt=f32), e(b, l, g, n), e(b, l, g, n),
         e(b, l, h, p) if "z" in options else None, D,

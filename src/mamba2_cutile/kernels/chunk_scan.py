@@ -12,8 +12,9 @@ M is the causal mask (and, with seq_idx, the same-sequence mask); the masked C @
 exponents are masked *before* exp2 so no inf is ever formed.
 
 Tiles: C, B (BLOCK_Q, NP) with NP = the whole (padded) dstate; X (BLOCK_Q, BLOCK_P);
-h_c (BLOCK_P, NP). Grid: (num_chunks * Q / BLOCK_Q, cdiv(P, BLOCK_P), B * H), or with
-PERSISTENT a fixed (programs,) grid looping over those tiles.
+h_c (BLOCK_P, NP). Grid: (num_chunks * Q / BLOCK_Q, cdiv(P, BLOCK_P), B * H); with HEAD_MAJOR
+(B * H, num_chunks * Q / BLOCK_Q, cdiv(P, BLOCK_P)); with PERSISTENT a fixed (programs,) grid
+looping over the tiles.
 """
 
 import cuda.tile as ct
@@ -26,6 +27,7 @@ def _scan_tile(
     Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
     NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int], D_MODE: ct.Constant[int],
     HAS_Z: ct.Constant[bool], HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
+    LOWP: ct.Constant[bool],
 ):
     """One output tile: BLOCK_Q tokens (query block `qblk`) x BLOCK_P channels of one head."""
     nheads = x.shape[2]
@@ -72,12 +74,16 @@ def _scan_tile(
                           padding_mode=ZERO).reshape((BLOCK_Q,))
             keep = keep & (s_q[:, None] == s_k[None, :])
         expo = ct.where(keep, g_q[:, None] - g_k[None, :], -float("inf"))
-        # dt is folded into the decayed C B^T in fp32, so X enters the MMA unrounded
-        # (fp16/bf16 are exact in tf32): one rounding instead of two
+        # dt is folded into the decayed C B^T in fp32, so X enters the MMA unrounded: one
+        # rounding (of the weights) instead of two. LOWP rounds the weights to the input
+        # dtype (half the MMA cost of tf32, mamba_ssm's choice); otherwise tf32.
         cb = cb * ct.exp2(expo) * dt_k[None, :]
         xk = ct.load(x, index=(batch, kblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
                      padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_P))
-        acc = ct.mma(cb.astype(ct.tfloat32), xk.astype(ct.tfloat32), acc)
+        if LOWP:
+            acc = ct.mma(mma_operand(cb, x.dtype), mma_operand(xk, x.dtype), acc)
+        else:
+            acc = ct.mma(cb.astype(ct.tfloat32), xk.astype(ct.tfloat32), acc)
 
     xq = ct.load(x, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
                  padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P)).astype(ct.float32)
@@ -116,6 +122,8 @@ def chunk_scan_fn(
     HAS_SEQ: ct.Constant[bool],
     LOAD_LATENCY: ct.Constant[int],
     PERSISTENT: ct.Constant[bool],
+    LOWP: ct.Constant[bool],      # the (C B^T) X MMA in the input dtype instead of tf32
+    HEAD_MAJOR: ct.Constant[bool],
 ):
     if PERSISTENT:
         # a fixed grid walks the tiles, so the loads of the next tile overlap this one's math
@@ -127,11 +135,16 @@ def chunk_scan_fn(
             rest = t // n_q
             _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, rest % n_p,
                        rest // n_p, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
-                       HAS_SEQ, LOAD_LATENCY)
+                       HAS_SEQ, LOAD_LATENCY, LOWP)
+    elif HEAD_MAJOR:
+        # (batch*heads, query blocks, p tiles): neighbouring programs share a chunk's B and C
+        _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, ct.bid(1), ct.bid(2),
+                   ct.bid(0), Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
+                   HAS_SEQ, LOAD_LATENCY, LOWP)
     else:
         _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, ct.bid(0), ct.bid(1),
                    ct.bid(2), Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
-                   HAS_SEQ, LOAD_LATENCY)
+                   HAS_SEQ, LOAD_LATENCY, LOWP)
 
 
 chunk_scan = ct.kernel(chunk_scan_fn)
