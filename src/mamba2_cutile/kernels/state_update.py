@@ -1,0 +1,124 @@
+"""The decode step: the selective state update of K new tokens per batch row, in place.
+
+For batch row r, its state slot s (row r, or state_batch_indices[r]), head i (group
+g = i // HEADS_PER_GROUP), channel p, state entry n, and each new token t = 0..K-1 in order:
+
+    dt'    = dt[r,t,i,p] + dt_bias[i,p]          (softplus(dt') if SOFTPLUS)
+    h[p,n] = exp(A[i,p,n] * dt') * h[p,n] + dt' * x[r,t,i,p] * B[r,t,g,n]
+    y[r,t,i,p] = sum_n h[p,n] * C[r,t,g,n] + D[i,p] * x[r,t,i,p]   (* z * sigmoid(z) if HAS_Z)
+
+h = state[s, i] is loaded once, kept on chip in float32 across the K steps (optionally copied
+to out_states[r, t, i] after each step), and stored back in the state's dtype at the end.
+A negative slot marks a padding row: y is 0, nothing else is read or written.
+
+Per-head layouts (the usual Mamba-2 case): DT_HEAD reads dt as (B, K, H), A_HEAD reads A as
+(H,) (one exp per channel instead of one per state entry), D_MODE / BIAS_MODE 1 read D /
+dt_bias as (H,); 2 reads them as (H, P); 0 means absent.
+
+Tiles: the state (BLOCK_P, NP), NP = dstate rounded up to a power of two (zero padding).
+Grid: (batch, nheads, cdiv(P, BLOCK_P)). Memory-bound: the state is read and written once.
+"""
+
+import cuda.tile as ct
+
+from ._common import int64_variant
+
+
+def state_update_fn(
+    state,       # (S, H, P, N) float32/bf16/fp16, updated in place
+    x,           # (B, K, H, P)
+    dt,          # (B, K, H) if DT_HEAD else (B, K, H, P)
+    A,           # (H,) if A_HEAD else (H, P, N)
+    b,           # (B, K, G, N)
+    c,           # (B, K, G, N)
+    D,           # (H,) / (H, P) per D_MODE (ignored if 0)
+    z,           # (B, K, H, P) (ignored unless HAS_Z)
+    dt_bias,     # (H,) / (H, P) per BIAS_MODE (ignored if 0)
+    slots,       # (B,) int32 (ignored unless HAS_IDX)
+    out_states,  # (B, K, H, P, N) (ignored unless HAS_OUT)
+    y,           # (B, K, H, P) x's dtype
+    BLOCK_P: ct.Constant[int],
+    NP: ct.Constant[int],
+    HEADS_PER_GROUP: ct.Constant[int],
+    DT_HEAD: ct.Constant[bool],
+    A_HEAD: ct.Constant[bool],
+    D_MODE: ct.Constant[int],
+    BIAS_MODE: ct.Constant[int],
+    HAS_Z: ct.Constant[bool],
+    SOFTPLUS: ct.Constant[bool],
+    HAS_IDX: ct.Constant[bool],
+    HAS_OUT: ct.Constant[bool],
+):
+    row, head, p_tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    group = head // HEADS_PER_GROUP
+    nsteps = x.shape[1]
+    ZERO = ct.PaddingMode.ZERO
+
+    slot = ct.full((1,), 0, dtype=ct.int32).item() + row
+    if HAS_IDX:
+        slot = ct.load(slots, index=(row,), shape=(1,)).item()
+
+    if slot >= 0:
+        h = ct.load(state, index=(slot, head, p_tile, 0), shape=(1, 1, BLOCK_P, NP),
+                    padding_mode=ZERO).reshape((BLOCK_P, NP)).astype(ct.float32)
+        if A_HEAD:
+            a = ct.load(A, index=(head,), shape=(1,)).reshape((1, 1)).astype(ct.float32)
+        else:
+            a = ct.load(A, index=(head, p_tile, 0), shape=(1, BLOCK_P, NP),
+                        padding_mode=ZERO).reshape((BLOCK_P, NP)).astype(ct.float32)
+        for t in range(nsteps):
+            if DT_HEAD:
+                d = ct.load(dt, index=(row, t, head), shape=(1, 1, 1)).reshape((1, 1))
+                d = ct.broadcast_to(d.astype(ct.float32), (BLOCK_P, 1))
+            else:
+                d = ct.load(dt, index=(row, t, head, p_tile), shape=(1, 1, 1, BLOCK_P),
+                            padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
+            if BIAS_MODE == 1:
+                d = d + ct.load(dt_bias, index=(head,), shape=(1,)).reshape(
+                    (1, 1)).astype(ct.float32)
+            if BIAS_MODE == 2:
+                d = d + ct.load(dt_bias, index=(head, p_tile), shape=(1, BLOCK_P),
+                                padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
+            if SOFTPLUS:
+                # softplus(v) = log1p(e^v), and v itself above 20 (torch's threshold);
+                # log1p(u) = log(w) * u / (w - 1), w = 1 + u: exact to rounding for tiny u
+                u = ct.exp(ct.minimum(d, 20.0))
+                w = 1.0 + u
+                log1p_u = ct.where(w == 1.0, u, ct.log(w) * (u / (w - 1.0)))
+                d = ct.where(d > 20.0, d, log1p_u)
+            xv = ct.load(x, index=(row, t, head, p_tile), shape=(1, 1, 1, BLOCK_P),
+                         padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
+            bv = ct.load(b, index=(row, t, group, 0), shape=(1, 1, 1, NP),
+                         padding_mode=ZERO).reshape((1, NP)).astype(ct.float32)
+            cv = ct.load(c, index=(row, t, group, 0), shape=(1, 1, 1, NP),
+                         padding_mode=ZERO).reshape((1, NP)).astype(ct.float32)
+            h = h * ct.exp(a * d) + (d * xv) * bv
+            if HAS_OUT:
+                ct.store(out_states, index=(row, t, head, p_tile, 0),
+                         tile=h.reshape((1, 1, 1, BLOCK_P, NP)).astype(out_states.dtype))
+            yv = ct.sum(h * cv, axis=1, keepdims=True)                  # (BLOCK_P, 1)
+            if D_MODE == 1:
+                yv = yv + ct.load(D, index=(head,), shape=(1,)).reshape(
+                    (1, 1)).astype(ct.float32) * xv
+            if D_MODE == 2:
+                yv = yv + ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P),
+                                  padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(
+                                      ct.float32) * xv
+            if HAS_Z:
+                zv = ct.load(z, index=(row, t, head, p_tile), shape=(1, 1, 1, BLOCK_P),
+                             padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
+                yv = yv * (zv / (1.0 + ct.exp(-zv)))
+            ct.store(y, index=(row, t, head, p_tile),
+                     tile=yv.reshape((1, 1, 1, BLOCK_P)).astype(y.dtype))
+        ct.store(state, index=(slot, head, p_tile, 0),
+                 tile=h.reshape((1, 1, BLOCK_P, NP)).astype(state.dtype))
+    else:
+        zeros = ct.full((1, 1, 1, BLOCK_P), 0.0, dtype=y.dtype)
+        for t in range(nsteps):
+            ct.store(y, index=(row, t, head, p_tile), tile=zeros)
+
+
+state_update = ct.kernel(state_update_fn)
+state_update_i64 = ct.kernel(int64_variant(
+    state_update_fn, ["state", "x", "dt", "A", "b", "c", "D", "z", "dt_bias", "slots",
+                      "out_states", "y"]))
