@@ -1,4 +1,8 @@
-"""`python -m mamba2_cutile` / `mamba2-cutile`: the demo (default) and the benchmark."""
+"""`python -m mamba2_cutile` / `mamba2-cutile`: the demo (default), `bench`, `verify`, `tune`.
+
+This module only parses arguments and dispatches: bench/runner.py runs the benchmark cases,
+bench/report.py writes the table/JSON/CSV/PNG, verify.py holds the correctness matrix and
+tuning.py the tuning cache and search."""
 
 from __future__ import annotations
 
@@ -72,98 +76,247 @@ def demo(args):
     return 0 if ok else 1
 
 
-def bench(args):
-    from .bench import impls, problems, roofline, timing
+NO_GPU = "no CUDA GPU found (torch.cuda.is_available() is False); it needs an NVIDIA GPU{hint}"
 
-    shapes = []
-    for key in args.shapes.split(","):
-        shapes += problems.REGISTRY[key]
-    names = args.impls.split(",")
-    rows = []
-    for shape in shapes:
-        b, l, h, g, p, n = shape.dims()
-        inp = problems.make_inputs(shape)
-        floor = roofline.floor_ms(roofline.forward_bytes(b, l, h, g, p, n),
-                                  roofline.forward_flops(b, l, h, g, p, n, shape.chunk))
-        ref_out = None
-        for name in names:
-            fwd = impls.IMPLS[name](inp, shape.chunk)
-            row = {"shape": shape.name, "dims": [b, l, h, g, p, n, shape.chunk], "impl": name,
-                   "floor_ms": floor}
-            if fwd is None:
-                row["status"] = "n/a"
-                rows.append(row)
-                print(json.dumps(row))
-                continue
-            try:
-                row["first_call_s"] = timing.time_first_call(fwd)
-                out = fwd()[0]
-                if ref_out is None:
-                    ref_out = out
-                row["max_diff_vs_first"] = _rel_err(out, ref_out)
-                row["status"] = "ok" if row["max_diff_vs_first"] < 2e-2 else "MISMATCH"
-                row["graph"] = timing.time_graph(fwd, reps=args.reps)
-                row["eager"] = timing.time_eager(fwd, reps=max(5, args.reps // 2))
-                row["pct_of_floor"] = 100 * floor / row["graph"]["median_ms"]
-            except Exception as e:  # noqa: BLE001 - a failing baseline is reported, not fatal
-                row["status"] = f"error: {type(e).__name__}: {str(e)[:200]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            del fwd
-            torch.cuda.empty_cache()
-    if args.breakdown:
-        rows.append(breakdown(shapes[0]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"versions": impls.versions(), "rows": rows}, f, indent=1)
+
+def _no_gpu(cmd, hint=""):
+    print(f"mamba2-cutile {cmd}: " + NO_GPU.format(hint=hint), file=sys.stderr)
+    return 2
+
+
+def _select_shapes(args):
+    from .bench import problems
+
+    dtype = problems.parse_dtype(args.dtype) if args.dtype else None
+    return problems.select(args.shapes, custom=args.custom or (), seqlens=args.seqlen,
+                           dstates=args.dstate, match=args.match, dtype=dtype)
+
+
+def _list_shapes(args):
+    from .bench import impls, problems
+
+    shapes = _select_shapes(args)
+    for key, group in problems.REGISTRY.items():
+        print(f"{key}: {', '.join(s.name for s in group)}")
+    print(f"selected ({len(shapes)}):")
+    for s in shapes:
+        ref = ("" if s.token_heads <= impls.REFERENCE_MAX_TOKEN_HEADS
+               else "  [reference skipped: > 2^20 token-heads]")
+        print(f"  {s.name:<24} {s.describe()}{ref}")
     return 0
 
 
-def breakdown(shape):
-    """Kernel time of each of our launches alone (CUDA graph), at one shape."""
-    import cuda.tile as ct
+def bench_decode_cmd(args):
+    """Decode mode: the state update at a 7B-class configuration, batch 1 to 256, beside
+    mamba_ssm's Triton selective_state_update."""
+    from .bench import decode as decode_bench
 
-    from . import interface, launch
-    from .bench import problems, timing
+    if not torch.cuda.is_available():
+        return _no_gpu("bench --mode decode")
+    rows = decode_bench.bench_decode(reps=args.reps)
+    print(decode_bench.format_rows(rows))
+    for path in [args.json] + ([f"{args.out}/bench-decode.json"] if args.out else []):
+        if path:
+            import os
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump({"rows": rows}, f, indent=1)
+            print(f"wrote {path}")
+    return 0
 
-    inp = problems.make_inputs(shape)
-    b, l, h, g, p, n = shape.dims()
-    Q = shape.chunk
-    nc = -(-l // Q)
-    dev = inp["x"].device
-    dt_buf = torch.empty((b, h, nc * Q), dtype=torch.float32, device=dev)
-    cum = torch.empty_like(dt_buf)
-    states = torch.empty((b, h, nc, p, n), dtype=inp["C"].dtype, device=dev)
-    final = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
-    out = torch.empty_like(inp["x"])
-    cfg = launch.default_config(b, h, p, n, Q, inp["x"].dtype, launch.num_sms(0))
-    calls = launch.forward_plan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], None,
-                                inp["D"], None, -float("inf"), float("inf"), False,
-                                inp["initial_states"], None, dt_buf, cum, states, final, out, cfg)
-    row = {"shape": shape.name, "impl": "breakdown", "config": str(cfg)}
-    for call in calls:
-        name = call.kernel._annotated_function.pyfunc.__name__
 
-        def run(call=call):
-            ct.launch(torch.cuda.current_stream(), call.grid, call.kernel, call.args)
-        run()
-        row[name] = timing.time_graph(run, reps=30)["median_ms"]
-    print(json.dumps(row), flush=True)
-    return row
+def bench(args):
+    from .bench import impls, report, runner
+
+    if args.mode == "decode":
+        return bench_decode_cmd(args)
+    if args.list:
+        return _list_shapes(args)
+    shapes = _select_shapes(args)
+    if not shapes:
+        print("mamba2-cutile bench: no shape selected (see --list)", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        return _no_gpu("bench", " (`mamba2-cutile bench --list` shows the shapes)")
+    names = [n.strip() for n in args.impls.split(",") if n.strip()]
+    unknown = [n for n in names if n not in impls.known()]
+    if unknown or not names:
+        raise ValueError(f"unknown implementation(s) {unknown}; known: {', '.join(impls.known())}")
+    console = report.make_console()
+    meta = runner.meta(args.mode, args.reps, names, sys.argv)
+    timer = runner.CudaTimer(reps=args.reps)
+    rows = []
+    with report.Progress(len(shapes) * len(names), f"bench {args.mode}", console,
+                         enabled=not args.no_progress) as bar:
+        for shape in shapes:
+            new = runner.run_case(shape, names, args.mode, timer,
+                                  on_impl=lambda s, n: bar.step(f"{s.name} {n}"))
+            rows += new
+            if args.jsonl:
+                for r in new:
+                    print(json.dumps(report._jsonable(r)), flush=True)
+    breakdown = []
+    if args.breakdown:
+        breakdown.append(runner.breakdown(shapes[0]))
+        if args.jsonl:
+            print(json.dumps(breakdown[-1]), flush=True)
+    report.render_table(rows, meta, console, title=f"mamba2-cutile benchmark ({args.mode})")
+    report.render_breakdown(breakdown, console)
+    if args.out:
+        paths = report.write_all(args.out, rows, meta, breakdown)
+        print("wrote " + ", ".join(p for p in paths.values() if p)
+              + ("" if paths["png"] else " (no PNG: matplotlib missing or nothing timed)"))
+    if args.json:
+        report.write_json(args.json, rows, meta, breakdown)
+        print(f"wrote {args.json}")
+    bad = [r for r in rows if r["status"].startswith("MISMATCH")
+           or (r["impl"] == impls.OURS and r["status"].startswith("error"))]
+    return 1 if bad else 0
+
+
+def verify_cmd(args):
+    from . import verify
+
+    cases = verify.select(args.match)
+    if args.list:
+        for c in cases:
+            print(f"{c.name:<36} {c.describe()}")
+        return 0
+    if not cases:
+        print("mamba2-cutile verify: no case selected (see --list)", file=sys.stderr)
+        return 2
+    device = "cpu" if args.cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        return _no_gpu("verify", " (--cpu checks the PyTorch path instead)")
+    from .bench import report
+    console = report.make_console()
+    with report.Progress(len(cases), f"verify ({device})", console) as bar:
+        results = verify.run(cases, device, progress=lambda c: bar.step(c.name))
+    verify.render(results, console)
+    if args.json:
+        report._ensure_dir(args.json)
+        with open(args.json, "w") as f:
+            json.dump(report._jsonable({"device": device, "results": results}), f, indent=1)
+    return verify.exit_code(results)
+
+
+def tune_cmd(args):
+    from . import tuning
+
+    if args.show:
+        print(f"tuning cache: {tuning.cache_path()}")
+        for k, v in sorted(tuning.entries().items()):
+            print(f"  {k}: {v.get('overrides')}  (default {v.get('default_ms')} ms, "
+                  f"best {v.get('best_ms')} ms)")
+        print(f"shipped table: {tuning.SHIPPED} ({len(tuning._shipped())} entries)")
+        return 0
+    space = tuning.parse_space(args.space)
+    shapes = _select_shapes(args)
+    if not shapes:
+        print("mamba2-cutile tune: no shape selected", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        return _no_gpu("tune", " (--show prints the cache without one)")
+    from . import launch
+    from .bench import report
+    n_cands = sum(len(tuning.candidates(
+        launch.default_config(s.batch, s.nheads, s.headdim, s.dstate, s.chunk, s.dtype,
+                              launch.num_sms(torch.cuda.current_device())), space))
+        for s in shapes)
+    console = report.make_console()
+    with report.Progress(n_cands, "tune", console) as bar:
+        res = tuning.tune(shapes, space, reps=args.reps, min_gain=args.min_gain,
+                          store_results=not args.dry_run,
+                          progress=lambda s, o: bar.step(f"{s.name} {o or 'default'}"))
+    for r in res:
+        d, b = r["default_ms"], r["best_ms"]
+        gain = f"{d / b:.3f}x" if d and b else "?"
+        print(f"{r['shape']}: default {d if d is None else round(d, 4)} ms, best "
+              f"{b if b is None else round(b, 4)} ms ({gain}) {r['best']} -> stored "
+              f"{r['overrides']}{'' if r['stored'] else ' (not on disk)'}")
+        for over, ms in r["results"]:
+            print(f"    {str(over or 'default'):<60} "
+                  f"{ms if isinstance(ms, str) else f'{ms:.4f} ms'}")
+        print(f"    key {r['key']}")
+    print(f"tuning cache: {tuning.cache_path()}")
+    return 0
+
+
+def _add_shape_args(p, default):
+    p.add_argument("--shapes", default=default,
+                   help="comma-separated registry sets (default, seed, sweep, models, options, "
+                        "all) or shape names; see --list")
+    p.add_argument("--custom", action="append", metavar="B,T,H,G,P,N,Q[,dtype]",
+                   help="an extra shape (repeatable)")
+    p.add_argument("--seqlen", help="keep only these sequence lengths, e.g. 4K,16K")
+    p.add_argument("--dstate", help="keep only these dstates, e.g. 64,128")
+    p.add_argument("--match", help="keep only shapes whose name matches this regex")
+    p.add_argument("--dtype", help="run every shape in this dtype (bf16, fp16, fp32)")
+
+
+def build_parser():
+    from . import verify
+
+    parser = argparse.ArgumentParser(prog="mamba2-cutile", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd")
+    pb = sub.add_parser(
+        "bench", help="time ours beside mamba_ssm, TileGym and the PyTorch reference",
+        description="Time mamba2-cutile beside mamba_ssm, TileGym and the PyTorch reference "
+                    "(same inputs, outputs cross-checked first). Kernel time: CUDA graph, L2 "
+                    "flushed, median/min/max; eager wall time; first call; roofline floor; "
+                    "peak memory. Missing implementations are reported, not fatal.")
+    pb.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd", "decode"), default="fwd",
+                    help="forward, backward alone (after one forward), both, or the decode "
+                         "step (batch 1..256 at H=128 P=64 N=128 G=8)")
+    _add_shape_args(pb, "default")
+    pb.add_argument("--impls", default="mamba2-cutile,mamba_ssm,tilegym,reference",
+                    help="comma-separated: mamba2-cutile, mamba_ssm, tilegym, reference")
+    pb.add_argument("--reps", type=int, default=50, help="CUDA-graph replays per timing")
+    pb.add_argument("--out", metavar="DIR", help="write bench-<mode>.json/.csv/.png here")
+    pb.add_argument("--json", metavar="FILE", help="also write the JSON to this file")
+    pb.add_argument("--jsonl", action="store_true", help="print each row as a JSON line")
+    pb.add_argument("--breakdown", action="store_true",
+                    help="also time each of our kernels alone at the first shape")
+    pb.add_argument("--list", action="store_true", help="list the shapes and exit")
+    pb.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    pv = sub.add_parser("verify", help="correctness matrix against the float64 recurrence",
+                        description=verify.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    pv.add_argument("--match", help="only cases whose name matches this regex")
+    pv.add_argument("--list", action="store_true", help="list the cases and exit")
+    pv.add_argument("--cpu", action="store_true",
+                    help="run the CPU (PyTorch) path instead of the GPU kernels")
+    pv.add_argument("--json", metavar="FILE", help="write the results as JSON")
+
+    pt = sub.add_parser("tune", help="search ForwardConfig overrides, store the winners",
+                        description="Time the full forward for a small space of ForwardConfig "
+                                    "overrides at each shape and store each bucket's winner in "
+                                    "the tuning cache (mamba2_cutile.tuning).")
+    _add_shape_args(pt, "seed")
+    pt.add_argument("--space", help="e.g. 'state_block_n=16,32,64;state_load_latency=4,8;"
+                                    "scan_persistent=0,2' (that is the default)")
+    pt.add_argument("--reps", type=int, default=30)
+    pt.add_argument("--min-gain", type=float, default=0.01,
+                    help="store a non-default config only if it is this much faster")
+    pt.add_argument("--dry-run", action="store_true", help="time, but store nothing")
+    pt.add_argument("--show", action="store_true", help="print the cache and exit")
+    return parser
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="mamba2-cutile", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd")
-    pb = sub.add_parser("bench", help="time the forward beside mamba_ssm and TileGym")
-    pb.add_argument("--shapes", default="seed", help="registry keys: seed,sweep,models")
-    pb.add_argument("--impls", default="mamba2-cutile,mamba_ssm,tilegym")
-    pb.add_argument("--reps", type=int, default=50)
-    pb.add_argument("--json", default=None)
-    pb.add_argument("--breakdown", action="store_true", help="also time each of our kernels")
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.cmd == "bench":
-        return bench(args)
+    try:
+        if args.cmd == "bench":
+            return bench(args)
+        if args.cmd == "verify":
+            return verify_cmd(args)
+        if args.cmd == "tune":
+            return tune_cmd(args)
+    except ValueError as e:           # bad shape/space specs: one line, not a traceback
+        print(f"mamba2-cutile {args.cmd}: {e}", file=sys.stderr)
+        return 2
     return demo(args)
 
 

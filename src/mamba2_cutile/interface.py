@@ -250,7 +250,7 @@ def ssd_forward_cuda(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     import cuda.tile as ct
 
     b, l, h, p = x.shape
-    g, n = B.shape[2], B.shape[3]
+    n = B.shape[3]
     Q = chunk_size
     dev = x.device
     state_dtype = state_dtype if state_dtype is not None else C.dtype
@@ -281,7 +281,8 @@ def ssd_forward_cuda(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     cum_buf = torch.empty((b, h, nchunks * Q), dtype=torch.float32, device=dev)
     states = torch.empty((b, h, nchunks, p, n), dtype=state_dtype, device=dev)
     cfg = config or launch.default_config(b, h, p, n, Q, x.dtype,
-                                          launch.num_sms(dev.index or 0))
+                                          launch.num_sms(dev.index or 0), seqlen=l,
+                                          device_index=dev.index or 0)
     stream = torch.cuda.current_stream(dev)
     for call in launch.forward_plan(x, dt, A, B, C, z, D, dt_bias, lo, hi, dt_softplus, init,
                                     seq_idx, dt_buf, cum_buf, states, final, out, cfg):

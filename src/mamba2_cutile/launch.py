@@ -52,8 +52,11 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132) -> ForwardConfig:
-    """The dispatcher: a good config from the shape alone (no search, no sync)."""
+def default_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132, seqlen=None,
+                   device_index=None) -> ForwardConfig:
+    """The dispatcher: a good config from the shape alone (no search, no sync), then the
+    tuning cache's overrides for the shape's bucket on this GPU when `seqlen` and
+    `device_index` are given (`mamba2-cutile tune` fills it), then MAMBA2_CUTILE_CONFIG."""
     np_ = max(16, next_pow2(dstate))
     bp = min(64, max(16, next_pow2(headdim)))
     p_tiles = -(-headdim // bp)
@@ -75,6 +78,11 @@ def default_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132) -
         scan_block_p=bp,
         dstate_pad=np_,
     )
+    if seqlen is not None and device_index is not None:
+        from . import tuning
+        cfg = tuning.apply_forward(cfg, batch=batch, seqlen=seqlen, nheads=nheads,
+                                   headdim=headdim, dstate=dstate, dtype=dtype,
+                                   device_index=device_index)
     return _env_overrides(cfg)
 
 

@@ -14,10 +14,15 @@ def _stats(samples_ms):
             "max_ms": max(samples_ms), "n": len(samples_ms)}
 
 
-def time_graph(fn, reps=50, warmup=3, flush_l2=True):
-    """Median/min/max milliseconds of `fn` replayed as a CUDA graph."""
+def time_graph(fn, reps=50, warmup=3, flush_l2=True, stream=None):
+    """Median/min/max milliseconds of `fn` replayed as a CUDA graph.
+
+    `stream`: warm up and capture on this stream (default: a new side stream for the warm-up
+    and torch's capture stream). Pass the stream a backward's forward ran on, so that
+    autograd issues the backward kernels on the capturing stream.
+    """
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda") if flush_l2 else None
-    s = torch.cuda.Stream()
+    s = stream if stream is not None else torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(warmup):
@@ -25,7 +30,7 @@ def time_graph(fn, reps=50, warmup=3, flush_l2=True):
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         fn()
     for _ in range(warmup):
         graph.replay()
@@ -64,3 +69,16 @@ def time_first_call(fn):
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+def peak_memory_mib(fn):
+    """MiB of torch.cuda.max_memory_allocated above what was allocated before one call of
+    `fn` (its outputs included)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return peak / 2**20

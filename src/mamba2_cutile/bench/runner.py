@@ -1,0 +1,304 @@
+"""Runs benchmark cases and returns rows (plain dicts); `report` turns rows into tables/files.
+
+For each shape, every implementation gets the same inputs (and, for backward modes, the same
+dout/dfinal_states). Each one is called once (first-call time: compile and any autotuning),
+its outputs are cross-checked by name against those of the first implementation that ran
+(status MISMATCH when the relative error exceeds `CHECK_TOL`; the row is still timed and the
+table flags it), its peak memory is measured over one call, then it is timed as a CUDA graph
+(kernel time, L2 flushed) and eagerly (wall time with launch overhead).
+
+A row (JSON-ready; nested dicts are flattened by report.flatten for CSV):
+
+    shape, dims [b, l, h, g, p, n, chunk], dtype, options, mode, impl, status,
+    first_call_s, checked_against, max_diff_vs_first, diff_detail {name: rel err},
+    peak_mem_mib, graph {median_ms, min_ms, max_ms, n}, eager {...}, graph_error,
+    floor_ms, floor_bytes, floor_flops, floor_bound, pct_of_floor,
+    speedup_vs {impl: t_impl / t_ours} (our rows), ours_speedup (t_row / t_ours, others)
+
+status: "ok", "MISMATCH (<name> <err>)", "missing", "n/a (...)", "skipped (...)",
+"error: <Exception>: <message>".
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from . import impls, problems, roofline
+
+#: cross-check tolerance on max|a - b| / max|b|, by (mode kind, input dtype)
+CHECK_TOL = {("fwd", torch.bfloat16): 2e-2, ("fwd", torch.float16): 2e-2,
+             ("fwd", torch.float32): 5e-3,
+             ("bwd", torch.bfloat16): 5e-2, ("bwd", torch.float16): 5e-2,
+             ("bwd", torch.float32): 1e-2}
+FORWARD_OUTPUTS = ("out", "final")
+MODES = ("fwd", "bwd", "fwdbwd")
+
+
+def rel_err(a, ref) -> float:
+    a, ref = a.detach().double(), ref.detach().double()
+    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def compare(outs: dict, ref: dict, dtype, mode):
+    """(worst relative error, {name: err}, status) of outputs against reference outputs,
+    over the names both have (shapes must agree)."""
+    detail = {}
+    for name, t in outs.items():
+        r = ref.get(name)
+        if r is None or t is None:
+            continue
+        if tuple(t.shape) != tuple(r.shape):
+            detail[name] = float("inf")
+            continue
+        detail[name] = rel_err(t, r)
+    if not detail:
+        return None, detail, "ok"
+    worst = max(detail.values(), key=lambda e: float("inf") if e != e else e)
+    bad = []
+    for name, e in detail.items():
+        kind = "fwd" if name in FORWARD_OUTPUTS else "bwd"
+        tol = CHECK_TOL.get((kind, dtype), 2e-2 if kind == "fwd" else 5e-2)
+        if not e <= tol:                         # NaN counts as a mismatch
+            bad.append((float("inf") if e != e else e / tol, name, e))
+    if not bad:
+        return worst, detail, "ok"
+    _, name, e = max(bad)
+    return worst, detail, f"MISMATCH ({name} {e:.1e})"
+
+
+class CudaTimer:
+    """Timing on the GPU (bench.timing): CUDA-graph kernel time, eager wall time, first call,
+    peak memory."""
+
+    def __init__(self, reps=50, eager_reps=None):
+        from . import timing
+        self.t = timing
+        self.reps = reps
+        self.eager_reps = eager_reps or max(5, reps // 2)
+
+    def new_stream(self):
+        return torch.cuda.Stream()
+
+    def first_call(self, fn, stream):
+        with torch.cuda.stream(stream):
+            return self.t.time_first_call(fn)
+
+    def call(self, fn, stream):
+        with torch.cuda.stream(stream):
+            out = fn()
+        torch.cuda.synchronize()
+        return out
+
+    def peak_mem(self, fn, stream):
+        with torch.cuda.stream(stream):
+            return self.t.peak_memory_mib(fn)
+
+    def graph(self, fn, stream):
+        return self.t.time_graph(fn, reps=self.reps, stream=stream)
+
+    def eager(self, fn, stream):
+        with torch.cuda.stream(stream):
+            return self.t.time_eager(fn, reps=self.eager_reps)
+
+    def cleanup(self):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+class WallTimer:
+    """CPU stand-in for CudaTimer (tests, dry runs): wall-clock time, no graphs, no memory."""
+
+    def __init__(self, reps=3):
+        self.reps = reps
+
+    def new_stream(self):
+        return None
+
+    def first_call(self, fn, stream):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def call(self, fn, stream):
+        return fn()
+
+    def peak_mem(self, fn, stream):
+        return None
+
+    def _stats(self, fn):
+        from .timing import _stats
+        samples = []
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return _stats(samples)
+
+    graph = eager = lambda self, fn, stream: self._stats(fn)
+
+    def cleanup(self):
+        pass
+
+
+def case_floor(shape, mode):
+    b, l, h, g, p, n = shape.dims()
+    elem = torch.empty((), dtype=shape.dtype).element_size()
+    return roofline.problem_floor(b, l, h, g, p, n, shape.chunk, mode, elem=elem,
+                                  has_z="z" in shape.options, states=True,
+                                  seq_idx="seq_idx" in shape.options)
+
+
+def base_row(shape, impl, mode):
+    floor, by, fl, bound = case_floor(shape, mode)
+    return {"shape": shape.name, "dims": [*shape.dims(), shape.chunk],
+            "dtype": problems.dtype_name(shape.dtype), "options": list(shape.options),
+            "series": shape.series, "mode": mode, "impl": impl, "status": "pending",
+            "floor_ms": floor, "floor_bytes": by, "floor_flops": fl, "floor_bound": bound}
+
+
+def _error_status(e: BaseException) -> str:
+    msg = " ".join(str(e).split())[:200]
+    return f"error: {type(e).__name__}: {msg}"
+
+
+def run_case(shape, names, mode="fwd", timer=None, device="cuda", on_impl=None):
+    """Rows of one shape, one per implementation in `names` (in that order)."""
+    timer = timer or CudaTimer()
+    inp = problems.make_inputs(shape, device=device)
+    grads = problems.make_grad_outputs(shape, device=device) if mode != "fwd" else None
+    rows, ref_outs, ref_name = [], None, None
+    for name in names:
+        if on_impl:
+            on_impl(shape, name)
+        row = base_row(shape, name, mode)
+        rows.append(row)
+        fn = outs = None
+        try:
+            stream = timer.new_stream()
+            try:
+                fn = impls.build(name, inp, shape, mode, grads, stream)
+            except impls.Skip as e:
+                row["status"] = str(e)
+                continue
+            except NotImplementedError:
+                row["status"] = impls.NO_BACKWARD if name == impls.OURS else "n/a"
+                continue
+            try:
+                row["first_call_s"] = timer.first_call(fn, stream)
+            except NotImplementedError as e:
+                row["status"] = (impls.NO_BACKWARD if name == impls.OURS
+                                 else f"n/a ({' '.join(str(e).split())[:80]})")
+                continue
+            outs = timer.call(fn, stream)
+            if ref_outs is None:
+                ref_outs, ref_name = outs, name
+                row["status"] = "ok"
+            else:
+                worst, detail, status = compare(outs, ref_outs, shape.dtype, mode)
+                row.update(checked_against=ref_name, max_diff_vs_first=worst,
+                           diff_detail=detail, status=status)
+                outs = None
+            row["peak_mem_mib"] = timer.peak_mem(fn, stream)
+            try:
+                row["graph"] = timer.graph(fn, stream)
+            except Exception as e:  # noqa: BLE001 - e.g. not capturable: eager time still counts
+                row["graph_error"] = _error_status(e)
+            row["eager"] = timer.eager(fn, stream)
+            if "graph" in row:
+                row["pct_of_floor"] = 100.0 * row["floor_ms"] / row["graph"]["median_ms"]
+        except Exception as e:  # noqa: BLE001 - a failing implementation is reported, not fatal
+            row["status"] = _error_status(e)
+        finally:
+            del fn, outs
+            gc.collect()
+            timer.cleanup()
+    del ref_outs, inp, grads
+    add_speedups(rows)
+    return rows
+
+
+def kernel_ms(row):
+    g = row.get("graph")
+    return g["median_ms"] if g else None
+
+
+def add_speedups(rows):
+    """Within one case: our row gets speedup_vs {impl: t_impl / t_ours}; every other timed row
+    gets ours_speedup = t_row / t_ours (> 1: ours is faster)."""
+    ours = next((r for r in rows if r["impl"] == impls.OURS and kernel_ms(r)), None)
+    if ours is None:
+        return rows
+    t0 = kernel_ms(ours)
+    ours["speedup_vs"] = {}
+    for r in rows:
+        if r is ours or not kernel_ms(r):
+            continue
+        r["ours_speedup"] = kernel_ms(r) / t0
+        ours["speedup_vs"][r["impl"]] = kernel_ms(r) / t0
+    return rows
+
+
+def run(shapes, names=None, mode="fwd", timer=None, device="cuda", progress=None):
+    """Rows of every shape x implementation. `progress(shape, impl)` is called before each."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    names = list(names or impls.ORDER)
+    rows = []
+    for shape in shapes:
+        rows += run_case(shape, names, mode, timer, device, on_impl=progress)
+    return rows
+
+
+def breakdown(shape, reps=30):
+    """Kernel time of each of our launches alone (CUDA graph), at one shape (plain problem:
+    D per head, zero initial state, final state)."""
+    import cuda.tile as ct
+
+    from .. import launch
+    from . import timing
+
+    inp = problems.make_inputs(shape)
+    b, l, h, g, p, n = shape.dims()
+    Q = shape.chunk
+    nc = -(-l // Q)
+    dev = inp["x"].device
+    dt_buf = torch.empty((b, h, nc * Q), dtype=torch.float32, device=dev)
+    cum = torch.empty_like(dt_buf)
+    states = torch.empty((b, h, nc, p, n), dtype=inp["C"].dtype, device=dev)
+    final = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
+    out = torch.empty_like(inp["x"])
+    cfg = launch.default_config(b, h, p, n, Q, inp["x"].dtype, launch.num_sms(0))
+    calls = launch.forward_plan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], None,
+                                inp["D"], None, -float("inf"), float("inf"), False,
+                                inp["initial_states"], None, dt_buf, cum, states, final, out, cfg)
+    row = {"shape": shape.name, "impl": "breakdown", "config": str(cfg), "kernels": {}}
+    for call in calls:
+        name = call.kernel._annotated_function.pyfunc.__name__
+
+        def launch_one(call=call):
+            ct.launch(torch.cuda.current_stream(), call.grid, call.kernel, call.args)
+        launch_one()
+        ms = timing.time_graph(launch_one, reps=reps)["median_ms"]
+        row[name] = ms                       # flat, as before (scripts/gpu_run.sh reads it)
+        row["kernels"][name.removesuffix("_fn")] = ms
+    row["total_ms"] = sum(row["kernels"].values())
+    return row
+
+
+def meta(mode, reps, names, argv=None):
+    """Run-level facts for the report: versions, roofline constants, TileGym tuning."""
+    import datetime
+
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "mode": mode,
+            "reps": reps, "impls": list(names), "versions": impls.versions(),
+            "roofline": roofline.CONSTANTS,
+            "roofline_constants": {"hbm_bytes_per_s": roofline.HBM_BYTES_PER_S,
+                                   "tc_flops_per_s": roofline.TC_FLOPS_PER_S},
+            "tilegym": (impls.tilegym_tuning() if impls.available("tilegym") else "missing"),
+            "timing": "kernel: CUDA graph replay, L2 flushed, median (min-max); eager: wall "
+                      "time of a Python call incl. launch overhead; first: first call "
+                      "(compile/autotune); peak: max_memory_allocated delta over one call",
+            "argv": list(argv) if argv is not None else None}

@@ -1,0 +1,399 @@
+"""CPU: the tuning cache (keys, atomic merged writes, concurrency, fallbacks) and the search."""
+
+import json
+import multiprocessing
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+from mamba2_cutile import tuning
+
+H200 = dict(gpu="NVIDIA H200", sms=132)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh cache directory, and a fresh in-memory state."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv(tuning.ENV_DIR, str(d))
+    monkeypatch.delenv(tuning.ENV_DISABLE, raising=False)
+    tuning.reload()
+    tuning._warned.clear()
+    yield d
+    tuning.reload()
+
+
+def key(**kw):
+    args = dict(batch=4, seqlen=16384, nheads=8, headdim=64, dstate=128, chunk_size=128,
+                dtype=torch.bfloat16, cuda_tile="1.7.0", tileiras="13.4.92", **H200)
+    args.update(kw)
+    return tuning.make_key(tuning.FORWARD, **args)
+
+
+# --------------------------------------------------------------------------- keys
+
+def test_key_string_and_parse():
+    k = key()
+    assert str(k) == ("forward|bh=32|T=16384|P=64|N=128|Q=128|bf16|NVIDIA H200|sms=132"
+                      "|cuda-tile=1.7.0|tileiras=13.4.92")
+    assert tuning.TuningKey.parse(str(k)) == k
+    assert k.bucket == str(k).split("|cuda-tile=")[0]
+    with pytest.raises(ValueError):
+        tuning.TuningKey.parse("forward|bh=32")
+
+
+def test_key_buckets_not_exact_shapes():
+    # batch*heads to powers of two; seqlen to powers of four (>= 1K); dims padded (>= 16)
+    assert key(batch=3) == key(batch=4)                     # 24 and 32 heads -> 32
+    assert key(batch=5) != key(batch=4)                     # 40 -> 64
+    assert key(batch=2, nheads=16) == key()                 # 32 either way
+    assert key(seqlen=16000) == key(seqlen=16384) == key(seqlen=4097)
+    assert key(seqlen=16385) != key()
+    assert key(seqlen=16385).seqlen == 65536
+    assert key(seqlen=1).seqlen == 1024 and key(seqlen=1000).seqlen == 1024
+    assert key(seqlen=5000).seqlen == 16384
+    assert key(headdim=80).headdim == 128 and key(headdim=80) == key(headdim=128)
+    assert key(dstate=96).dstate == 128 and key(dstate=8).dstate == 16
+    assert key(headdim=64) != key(headdim=32)
+    assert key(chunk_size=256) != key()                     # chunk and dtype are exact
+    assert key(dtype=torch.float16) != key()
+    assert key(dtype=torch.float16).dtype == "fp16" and key(dtype=torch.float32).dtype == "fp32"
+    assert key(gpu="NVIDIA B200") != key() and key(sms=114) != key()
+    assert key(cuda_tile="1.8.0") != key() and key(tileiras="13.5.0") != key()
+    assert key(cuda_tile="1.8.0").bucket == key().bucket
+
+
+def test_bucket_helpers():
+    assert [tuning.bucket_bh(v) for v in (1, 2, 3, 24, 32, 33, 160)] == [1, 2, 4, 32, 32, 64, 256]
+    assert [tuning.bucket_seqlen(v) for v in (0, 1024, 1025, 4096, 262144, 300000)] == \
+        [1024, 1024, 4096, 4096, 262144, 1048576]
+    assert [tuning.pad_dim(v) for v in (1, 16, 17, 80, 256)] == [16, 16, 32, 128, 256]
+
+
+def test_make_key_without_gpu_and_versions():
+    k = tuning.make_key(batch=1, seqlen=10, nheads=2, headdim=8, dstate=8, chunk_size=64,
+                        dtype=torch.float32)
+    if not torch.cuda.is_available():
+        assert (k.gpu, k.sms) == ("none", 0)
+    assert k.cuda_tile and k.tileiras
+
+
+def test_tileiras_version_read_and_fallback(monkeypatch):
+    v = tuning.tileiras_version()
+    assert isinstance(v, str) and v
+    try:
+        import cuda.tile  # noqa: F401
+        from importlib.metadata import version
+        version("nvidia-cuda-tileiras")
+        assert v[0].isdigit()                 # e.g. 13.4.92, read from the installed tileiras
+    except Exception:  # noqa: BLE001
+        pass
+    tuning.tileiras_version.cache_clear()
+    try:
+        monkeypatch.setitem(sys.modules, "cuda.tile._compile", None)   # import fails
+        import importlib.metadata as md
+
+        def no_version(name):
+            raise md.PackageNotFoundError(name)
+        monkeypatch.setattr(md, "version", no_version)
+        assert tuning.tileiras_version() == "unknown"
+    finally:
+        tuning.tileiras_version.cache_clear()
+
+
+# --------------------------------------------------------------------------- storage
+
+def test_cache_dir_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv(tuning.ENV_DIR, str(tmp_path / "a"))
+    assert tuning.cache_dir() == tmp_path / "a"
+    monkeypatch.delenv(tuning.ENV_DIR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tuning.cache_dir() == tmp_path / "xdg" / "mamba2-cutile"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert tuning.cache_dir() == tmp_path / "home" / ".cache" / "mamba2-cutile"
+
+
+def test_store_lookup_roundtrip(cache):
+    assert tuning.lookup(key()) is None
+    assert not cache.exists()                      # a lookup creates nothing
+    assert tuning.store(key(), {"state_block_n": 32}, {"default_ms": 0.4})
+    assert tuning.lookup(key()) == {"state_block_n": 32}
+    assert tuning.lookup(str(key())) == {"state_block_n": 32}
+    assert tuning.lookup(key(seqlen=5000)) == {"state_block_n": 32}     # same bucket
+    assert tuning.lookup(key(chunk_size=256)) is None
+    # a fresh process state reads it back from disk
+    tuning.reload()
+    assert tuning.lookup(key()) == {"state_block_n": 32}
+    doc = json.loads((cache / tuning.FILE_NAME).read_text())
+    assert doc["schema"] == tuning.SCHEMA
+    entry = doc["entries"][str(key())]
+    assert entry["overrides"] == {"state_block_n": 32} and entry["default_ms"] == 0.4
+    # the returned dict is a copy
+    tuning.lookup(key())["state_block_n"] = 64
+    assert tuning.lookup(key()) == {"state_block_n": 32}
+    # an empty dict ("the default is best") is a stored answer, not a miss
+    tuning.store(key(batch=64), {})
+    assert tuning.lookup(key(batch=64)) == {}
+
+
+def test_store_rejects_bad_values(cache):
+    with pytest.raises(TypeError):
+        tuning.store(key(), {"state_block_n": "32"})
+    with pytest.raises(TypeError):
+        tuning.store(key(), {"scan_persistent": True})
+
+
+def test_atomic_write_leaves_no_temp_files(cache):
+    for i in range(5):
+        tuning.store(key(batch=2 ** i), {"state_block_n": 16})
+    names = sorted(os.listdir(cache))
+    assert names == [tuning.FILE_NAME, tuning.FILE_NAME + ".lock"]
+    assert len(json.loads((cache / tuning.FILE_NAME).read_text())["entries"]) == 5
+
+
+def test_failed_write_keeps_old_file(cache, monkeypatch):
+    tuning.store(key(), {"state_block_n": 32})
+    before = (cache / tuning.FILE_NAME).read_bytes()
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tuning.os, "fsync", disk_full)
+    with pytest.warns(RuntimeWarning, match="cannot write"):
+        assert tuning.store(key(batch=64), {"state_block_n": 16}) is False
+    assert (cache / tuning.FILE_NAME).read_bytes() == before          # untouched
+    assert sorted(os.listdir(cache)) == [tuning.FILE_NAME, tuning.FILE_NAME + ".lock"]
+    assert tuning.lookup(key(batch=64)) == {"state_block_n": 16}       # kept in memory
+    assert tuning.lookup(key()) == {"state_block_n": 32}
+
+
+def test_merge_with_other_writers(cache):
+    """A store merges with what another process wrote since this one read the file."""
+    tuning.store(key(), {"state_block_n": 32})
+    doc = json.loads((cache / tuning.FILE_NAME).read_text())
+    doc["entries"]["other|key"] = {"overrides": {"scan_persistent": 2}}
+    (cache / tuning.FILE_NAME).write_text(json.dumps(doc))
+    tuning.store(key(batch=64), {"state_block_n": 16})
+    entries = json.loads((cache / tuning.FILE_NAME).read_text())["entries"]
+    assert set(entries) == {str(key()), str(key(batch=64)), "other|key"}
+    assert tuning.lookup("other|key") == {"scan_persistent": 2}       # now seen here too
+
+
+def _writer(cache_dir, worker, n, queue):
+    os.environ[tuning.ENV_DIR] = cache_dir
+    tuning.reload()
+    ok = True
+    for i in range(n):
+        k = tuning.make_key(batch=1, seqlen=1024 * 4 ** (i % 3), nheads=2 ** (i // 3),
+                            headdim=64, dstate=128, chunk_size=128, dtype=torch.bfloat16,
+                            gpu=f"GPU{worker}", sms=132, cuda_tile="1.7.0", tileiras="13.4.92")
+        ok &= tuning.store(k, {"state_block_n": 16 * (1 + i % 3)})
+    queue.put((worker, ok))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
+def test_concurrent_writers_all_keys_present(cache):
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    workers, n = 6, 12
+    procs = [ctx.Process(target=_writer, args=(str(cache), w, n, queue)) for w in range(workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    results = dict(queue.get(timeout=10) for _ in range(workers))
+    assert all(results.values())
+    entries = json.loads((cache / tuning.FILE_NAME).read_text())["entries"]
+    assert len(entries) == workers * n
+    assert {k.split("|")[7] for k in entries} == {f"GPU{w}" for w in range(workers)}
+    assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]
+    tuning.reload()
+    assert len(tuning.entries()) == workers * n
+
+
+def test_unusable_directory_falls_back_to_memory(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(tuning.ENV_DIR, str(blocker / "cache"))
+    tuning.reload()
+    assert tuning.lookup(key()) is None
+    with pytest.warns(RuntimeWarning, match="keeping tuned configs in memory"):
+        assert tuning.store(key(), {"state_block_n": 32}) is False
+    assert tuning.lookup(key()) == {"state_block_n": 32}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # warned once, not on every store
+        assert tuning.store(key(batch=64), {"state_block_n": 16}) is False
+    assert tuning.lookup(key(batch=64)) == {"state_block_n": 16}
+    tuning.reload()
+
+
+def test_read_only_filesystem_falls_back_to_memory(cache, monkeypatch):
+    tuning.store(key(), {"state_block_n": 32})
+
+    def read_only(*a, **k):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(tuning.tempfile, "mkstemp", read_only)
+    with pytest.warns(RuntimeWarning):
+        assert tuning.store(key(batch=64), {"state_block_n": 16}) is False
+    assert tuning.lookup(key(batch=64)) == {"state_block_n": 16}
+    assert tuning.lookup(key()) == {"state_block_n": 32}
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                    reason="root ignores directory permissions")
+def test_read_only_directory_permissions(cache):
+    cache.mkdir()
+    tuning.store(key(), {"state_block_n": 32})
+    os.chmod(cache, 0o555)
+    try:
+        with pytest.warns(RuntimeWarning):
+            assert tuning.store(key(batch=64), {"state_block_n": 16}) is False
+        assert tuning.lookup(key(batch=64)) == {"state_block_n": 16}
+        tuning.reload()
+        assert tuning.lookup(key()) == {"state_block_n": 32}           # still readable
+    finally:
+        os.chmod(cache, 0o755)
+
+
+@pytest.mark.parametrize("content", ["{not json", "", "[]", '{"entries": 5}',
+                                     '{"entries": {"k": 3, "j": {"overrides": 1}}}', "\xff\xfe"])
+def test_corrupt_file_tolerated(cache, content):
+    cache.mkdir()
+    (cache / tuning.FILE_NAME).write_text(content, errors="surrogateescape")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert tuning.lookup(key()) is None
+        assert tuning.lookup("k") is None
+        assert tuning.store(key(), {"state_block_n": 32})
+    doc = json.loads((cache / tuning.FILE_NAME).read_text())
+    assert doc["entries"][str(key())]["overrides"] == {"state_block_n": 32}
+
+
+def test_shipped_table(cache, tmp_path, monkeypatch):
+    doc = json.loads(tuning.SHIPPED.read_text())
+    assert doc["schema"] == tuning.SCHEMA and isinstance(doc["entries"], dict)
+    shipped = tmp_path / "shipped.json"
+    old = key(cuda_tile="1.6.0", tileiras="13.3.0")
+    shipped.write_text(json.dumps({"schema": 1, "entries": {
+        str(old): {"overrides": {"scan_persistent": 2}},
+        str(key(batch=64)): {"overrides": {"state_block_n": 64}}}}))
+    monkeypatch.setattr(tuning, "SHIPPED", shipped)
+    tuning.reload()
+    assert tuning.lookup(key(batch=64)) == {"state_block_n": 64}       # exact
+    assert tuning.lookup(key()) == {"scan_persistent": 2}               # other toolchain
+    assert tuning.lookup(key(gpu="NVIDIA B200")) is None                # other GPU: no
+    tuning.store(key(), {"state_block_n": 16})                          # user cache wins
+    assert tuning.lookup(key()) == {"state_block_n": 16}
+
+
+# --------------------------------------------------------------------------- dispatcher hook
+
+@pytest.fixture
+def launch():
+    pytest.importorskip("cuda.tile")
+    from mamba2_cutile import launch
+    return launch
+
+
+def seed_cfg(launch, **kw):
+    args = dict(batch=4, nheads=8, headdim=64, dstate=128, chunk_size=128,
+                dtype=torch.bfloat16)
+    args.update(kw)
+    return launch.default_config(args["batch"], args["nheads"], args["headdim"],
+                                 args["dstate"], args["chunk_size"], args["dtype"])
+
+
+def test_valid_overrides(launch):
+    cfg = seed_cfg(launch)
+    assert tuning.valid_overrides(cfg, {"state_block_n": 64}) == {"state_block_n": 64}
+    assert tuning.valid_overrides(cfg, {"scan_persistent": 2, "state_load_latency": 4})
+    for bad in ({"chunk_size": 64}, {"dstate_pad": 256}, {"state_block_n": 48},
+                {"state_block_n": 256}, {"scan_block_q": 256}, {"nope": 1},
+                {"state_load_latency": 11}, {"scan_persistent": -1}, {"state_block_p": 2.0}):
+        assert tuning.valid_overrides(cfg, bad) is None, bad
+
+
+def test_apply_forward(cache, launch, monkeypatch):
+    monkeypatch.setattr(tuning, "device_info", lambda idx=0: ("NVIDIA H200", 132))
+    cfg = seed_cfg(launch)
+    kw = dict(batch=4, seqlen=16384, nheads=8, headdim=64, dstate=128, dtype=torch.bfloat16,
+              device_index=0)
+    assert tuning.apply_forward(cfg, **kw) is cfg                       # nothing stored
+    k = tuning.make_key(batch=4, seqlen=16384, nheads=8, headdim=64, dstate=128,
+                        chunk_size=128, dtype=torch.bfloat16, device_index=0)
+    tuning.store(k, {"state_block_n": 64, "scan_persistent": 2})        # invalidates the memo
+    out = tuning.apply_forward(cfg, **kw)
+    assert out.state_block_n == 64 and out.scan_persistent == 2
+    assert out.chunk_size == cfg.chunk_size and out.dstate_pad == cfg.dstate_pad
+    assert tuning.apply_forward(cfg, **dict(kw, seqlen=9000)) == out    # same bucket
+    monkeypatch.setenv(tuning.ENV_DISABLE, "0")
+    assert tuning.apply_forward(cfg, **kw) is cfg
+    monkeypatch.delenv(tuning.ENV_DISABLE)
+    tuning.store(k, {"chunk_size": 64})                                 # invalid: ignored
+    with pytest.warns(RuntimeWarning, match="invalid"):
+        assert tuning.apply_forward(cfg, **kw) is cfg
+
+
+def test_apply_forward_never_raises(cache, launch, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("driver exploded")
+    monkeypatch.setattr(tuning, "make_key", boom)
+    cfg = seed_cfg(launch)
+    with pytest.warns(RuntimeWarning, match="lookup failed"):
+        assert tuning.apply_forward(cfg, batch=4, seqlen=100, nheads=8, headdim=64,
+                                    dstate=128, dtype=torch.bfloat16) is cfg
+
+
+# --------------------------------------------------------------------------- search
+
+def test_parse_space():
+    assert tuning.parse_space(None) == tuning.DEFAULT_SPACE
+    assert tuning.parse_space("state_block_n=16,32; scan_persistent=0,2") == \
+        {"state_block_n": (16, 32), "scan_persistent": (0, 2)}
+    with pytest.raises(ValueError):
+        tuning.parse_space("state_block_n=")
+    with pytest.raises(ValueError):
+        tuning.parse_space("state_block_n=a,b")
+
+
+def test_candidates(launch):
+    cfg = seed_cfg(launch)                 # seed: state_block_n 32, latency 8, persistent 0
+    cands = tuning.candidates(cfg, tuning.DEFAULT_SPACE)
+    assert cands[0] == {}
+    assert len(cands) == 12                # 3 x 2 x 2, the default combination once
+    assert {"state_block_n": 16} in cands and {"scan_persistent": 2} in cands
+    assert all(k not in ("chunk_size", "dstate_pad") for c in cands for k in c)
+    small = seed_cfg(launch, dstate=32)    # dstate_pad 32: state_block_n 64 is invalid
+    assert all(c.get("state_block_n", 0) <= 32 for c in tuning.candidates(small, {
+        "state_block_n": (16, 32, 64)}))
+    with pytest.raises(ValueError):
+        tuning.candidates(cfg, {"chunk_size": (64,)})
+
+
+def test_search_and_choose():
+    times = {(): 1.0, (("a", 1),): 0.8, (("a", 2),): 0.9}
+
+    def measure(over):
+        if over.get("a") == 3:
+            raise RuntimeError("compile failed")
+        return times[tuple(sorted(over.items()))]
+    seen = []
+    best, ms, results = tuning.search([{}, {"a": 1}, {"a": 2}, {"a": 3}], measure, seen.append)
+    assert best == {"a": 1} and ms == 0.8 and len(seen) == 4
+    assert isinstance(results[3][1], str) and "compile failed" in results[3][1]
+    assert tuning.choose(best, ms, 1.0) == {"a": 1}
+    assert tuning.choose(best, 0.995, 1.0) == {}                        # under min_gain
+    assert tuning.choose(None, None, 1.0) == {}
+    assert tuning.search([{"a": 3}], measure) == (None, None, [({"a": 3}, results[3][1])])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_tune_needs_gpu():
+    pytest.importorskip("cuda.tile")
+    from mamba2_cutile.bench import problems
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        tuning.tune([problems.SEED])
