@@ -45,6 +45,7 @@ class ForwardConfig:
     scan_lowp: int = 0              # 1: (C B^T) X MMA in the input dtype (fp16/bf16), not tf32
     scan_head_major: int = 0        # 1: grid (batch*heads, query blocks, p tiles)
     scan_warps: int = 0             # num_worker_warps hint of chunk_scan (0: compiler's choice)
+    state_scale_x: int = 0          # 1: chunk_state_pass weights X instead of B
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,7 +170,8 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
             (-(-headdim // cfg.state_block_p), -(-dstate // cfg.state_block_n), batch * nheads),
             (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
              Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
-             init is not None, seq_idx is not None, cfg.state_load_latency),
+             init is not None, seq_idx is not None, cfg.state_load_latency,
+             bool(cfg.state_scale_x)),
         ),
         KernelCall(
             hinted(chunk_scan_i64 if big else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
@@ -212,6 +214,8 @@ def compile_variants():
                                          overrides=dict(scan_lowp=1))))
     items.append(("bf16-8-warps-occupancy-2", dict(dtype=bf, overrides=dict(
         scan_warps=8, scan_occupancy=2, state_occupancy=2))))
+    items.append(("fp32-scale-x-Q256", dict(dtype=torch.float32, chunk_size=256,
+                                            overrides=dict(state_scale_x=1))))
     return items
 
 

@@ -36,6 +36,7 @@ def chunk_state_pass_fn(
     HAS_INIT: ct.Constant[bool],
     HAS_SEQ: ct.Constant[bool],
     LOAD_LATENCY: ct.Constant[int],
+    SCALE_X: ct.Constant[bool],
 ):
     p_tile, n_tile, bh = ct.bid(0), ct.bid(1), ct.bid(2)
     nheads = x.shape[2]
@@ -78,8 +79,13 @@ def chunk_state_pass_fn(
             w = ct.where(s == s_last, w, 0.0)
             carry = ct.where(seq_prev == s_last, carry, 0.0)
             seq_prev = s_last
-        bw = mma_operand(bt.astype(ct.float32) * w[:, None], x.dtype)
-        hid = ct.mma(mma_operand(xt.transpose(), x.dtype), bw, hid * carry[:, None])
+        # the weights go on the smaller operand: (w X)^T B == X^T (w B), one rounding either way
+        if SCALE_X:
+            xw = mma_operand(xt.astype(ct.float32) * w[:, None], x.dtype)
+            hid = ct.mma(xw.transpose(), mma_operand(bt, x.dtype), hid * carry[:, None])
+        else:
+            bw = mma_operand(bt.astype(ct.float32) * w[:, None], x.dtype)
+            hid = ct.mma(mma_operand(xt.transpose(), x.dtype), bw, hid * carry[:, None])
 
     ct.store(final, index=(batch, head, p_tile, n_tile),
              tile=hid.reshape((1, 1, BLOCK_P, BLOCK_N)))
