@@ -304,3 +304,55 @@ def test_config_variants(overrides, dtype):
     msg = f"{overrides}: out err {e_y:.2e}, final-state err {e_h:.2e}"
     log_result(msg)
     assert e_y <= TOL[dtype] and e_h <= TOL[dtype], msg
+
+
+def test_more_than_65535_batch_heads():
+    """batch * heads above CUDA's 65535 limit of grid axes y and z."""
+    inp, kw = make_problem(600, 3, 128, 1, 4, 16, torch.bfloat16, {"D": "h", "init": True})
+    check(inp, kw, 64, torch.bfloat16, compare_mamba=False)
+
+
+def test_tiny_headdim_and_dstate():
+    inp, kw = make_problem(2, 130, 4, 2, 1, 1, torch.bfloat16, OPTS["all"])
+    check(inp, kw, 64, torch.bfloat16, compare_mamba=False)
+
+
+def test_mixed_dtypes():
+    """bf16 x and z, fp16 B and C, a bf16 dt view, bf16 D/dt_bias/initial_states, fp16 states."""
+    inp, kw = make_problem(2, 300, 4, 2, 64, 64, torch.bfloat16, OPTS["all"])
+    inp["B"], inp["C"] = inp["B"].half(), inp["C"].half()
+    wide = torch.zeros(2, 300, 3 * 4, device="cuda", dtype=torch.bfloat16)
+    wide[..., 4:8] = inp["dt"].bfloat16()
+    inp["dt"] = wide[..., 4:8]                       # strided bf16 view, as from in_proj
+    for k in ("D", "dt_bias", "initial_states"):
+        kw[k] = kw[k].bfloat16()
+    check(inp, kw, 128, torch.bfloat16, compare_mamba=False, state_dtype=torch.float16)
+
+
+def test_empty_batch():
+    inp, kw = make_problem(1, 64, 2, 1, 16, 16, torch.bfloat16, {})
+    inp = {k: (v[:0] if k != "A" else v) for k, v in inp.items()}
+    y, h = mamba_chunk_scan_combined(**inp, chunk_size=64, return_final_states=True)
+    assert y.shape == (0, 64, 2, 16) and h.shape == (0, 2, 16, 16)
+
+
+@pytest.mark.parametrize("cu_list", [[0, 0, 5, 25, 400], [0, 10, 400], [0, 128, 256, 400],
+                                     [0, 100, 400, 400]], ids=str)
+def test_varlen_edges(cu_list):
+    """Leading/trailing empty sequences, a first sequence ending inside chunk 0, sequences
+    ending on chunk boundaries; with initial states."""
+    l = cu_list[-1]
+    inp, kw = make_problem(1, l, 4, 2, 32, 48, torch.bfloat16, {"init": True, "D": "h"})
+    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+    seq = torch.zeros(1, l, dtype=torch.int32, device="cuda")
+    for s, (a, e) in enumerate(zip(cu_list[:-1], cu_list[1:])):
+        seq[0, a:e] = s
+    kw["seq_idx"] = seq
+    _, h_ref, v_ref = reference.ssd_recurrence(**inp, cu_seqlens=cu, **kw)
+    _, h, v = mamba_chunk_scan_combined(**inp, chunk_size=128, cu_seqlens=cu,
+                                        return_final_states=True, return_varlen_states=True,
+                                        state_dtype=torch.float32, **kw)
+    e_v = rel_err(v, v_ref)
+    log_result(f"varlen err {e_v:.2e}")
+    assert e_v <= 2e-2, f"varlen err {e_v:.2e}"
+    assert rel_err(h, h_ref) <= 2e-2

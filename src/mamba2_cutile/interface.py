@@ -268,7 +268,7 @@ def ssd_forward_cuda(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     nchunks = -(-l // Q)
     final = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
     out = torch.empty((b, l, h, p), dtype=x.dtype, device=dev)
-    if l == 0:
+    if l == 0 or b * h == 0:     # nothing to launch (a zero-sized grid is a launch error)
         final = init.clone() if init is not None else final.zero_()
         varlen = None
         if cu_seqlens is not None:
@@ -300,7 +300,7 @@ def _empty_varlen(cu_seqlens, init, shape, dtype):
     nseq = cu_seqlens.shape[0] - 1
     res = torch.zeros((nseq,) + shape, dtype=torch.float32, device=cu_seqlens.device)
     if init is not None and nseq:
-        res[0] = init[0]
+        res[:] = init[0]          # l = 0: every sequence is empty and starts at token 0
     return res.to(dtype)
 
 
@@ -329,11 +329,13 @@ def varlen_states_from_chunks(x, B, dt_buf, cum_buf, states, init, cu_seqlens, Q
     expo = torch.where(valid[..., None], g_last[:, None, :] - gq, -math.inf)
     w = torch.exp2(expo) * dq
     st = torch.einsum("sqh,sqhp,sqhn->shpn", w, xs, Bs)
-    running = (start < chunk * Q) | (torch.arange(nseq, device=dev) == 0)
-    running = running & (end > start)
+    # the carried state belongs to the sequence: it began before chunk c, or at token 0 (it
+    # then owns the initial state, even after leading empty sequences)
+    running = ((start < chunk * Q) | (start == 0)) & (end > start)
     carry = torch.where(running[:, None], torch.exp2(g_last), 0.0)            # (s, h)
     st = st + carry[:, :, None, None] * states[0][:, chunk].transpose(0, 1).float()
     if init is not None and nseq:
-        # an empty first sequence keeps the initial state
-        st[0] = torch.where(end[0] > start[0], st[0], init[0])
+        # an empty sequence at token 0 keeps the initial state
+        keep = ((end <= start) & (start == 0))[:, None, None, None]
+        st = torch.where(keep, init[0].float()[None], st)
     return st

@@ -15,7 +15,7 @@ import torch
 
 from .kernels.chunk_scan import chunk_scan, chunk_scan_i64
 from .kernels.chunk_state_pass import chunk_state_pass, chunk_state_pass_i64
-from .kernels.decay_cumsum import decay_cumsum
+from .kernels.decay_cumsum import decay_cumsum, decay_cumsum_i64
 
 SUPPORTED_CHUNK_SIZES = (64, 128, 256)
 MAX_HEADDIM = 256
@@ -143,31 +143,28 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
     nchunks = cum_buf.shape[2] // Q
-    # stand-ins for absent optional tensors: never read (their flag is off), right rank/dtype
-    big = needs_int64(x, B, C, z, states, out)
-    if seq_idx is None:
+    if seq_idx is None:      # stand-in for an absent seq_idx: never read (its flag is off)
         seq_arg = torch.empty((1, 1), dtype=torch.int32, device=x.device)
     else:
         seq_arg = seq_idx
-    scan_tiles = (nchunks * (Q // cfg.scan_block_q), -(-headdim // cfg.scan_block_p),
-                  batch * nheads)
+    big = needs_int64(x, dt, B, C, z, seq_idx, init, dt_buf, cum_buf, states, out)
+    n_q = -(-seqlen // cfg.scan_block_q)       # query blocks holding at least one token
+    p_tiles = -(-headdim // cfg.scan_block_p)
     if cfg.scan_persistent:
-        n_tiles = scan_tiles[0] * scan_tiles[1] * scan_tiles[2]
+        n_tiles = n_q * p_tiles * batch * nheads
         scan_grid = (min(n_tiles, cfg.scan_persistent * _sms_of(x)), 1, 1)
-    elif cfg.scan_head_major:
-        scan_grid = (scan_tiles[2], scan_tiles[0], scan_tiles[1])
     else:
-        scan_grid = scan_tiles
+        scan_grid = (n_q * batch * nheads, p_tiles, 1)
     calls = [
         KernelCall(
-            decay_cumsum,
-            (nchunks, -(-nheads // cfg.cumsum_block_h), batch),
+            decay_cumsum_i64 if big else decay_cumsum,
+            (batch * nchunks, -(-nheads // cfg.cumsum_block_h), 1),
             (dt, A, dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi),
              dt_buf, cum_buf, Q, cfg.cumsum_block_h, dt_bias is not None, bool(dt_softplus)),
         ),
         KernelCall(
             hinted(chunk_state_pass_i64 if big else chunk_state_pass, cfg.state_occupancy),
-            (-(-headdim // cfg.state_block_p), -(-dstate // cfg.state_block_n), batch * nheads),
+            (batch * nheads, -(-headdim // cfg.state_block_p), -(-dstate // cfg.state_block_n)),
             (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
              Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
              init is not None, seq_idx is not None, cfg.state_load_latency,

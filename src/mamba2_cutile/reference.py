@@ -84,7 +84,7 @@ def _varlen_from_per_token(states_after, cu_seqlens, h0, shape, dtype, device):
         start, end = bounds[s], bounds[s + 1]
         if end > start:
             out.append(states_after[end - 1][0])
-        elif s == 0 and h0 is not None:      # an empty first sequence keeps the initial state
+        elif start == 0 and h0 is not None:  # an empty sequence at token 0 keeps h0
             out.append(h0[0])
         else:
             out.append(torch.zeros(shape, dtype=dtype, device=device))
@@ -173,7 +173,7 @@ def _varlen_from_chunks(cu_seqlens, Q, G, dtc, xc, Bc, entry, h0, dtype):
     for s in range(len(bounds) - 1):
         start, end = bounds[s], bounds[s + 1]
         if end <= start:
-            keep_h0 = s == 0 and h0 is not None
+            keep_h0 = start == 0 and h0 is not None
             out.append(h0[0] if keep_h0 else entry.new_zeros(nh, p, n))
             continue
         c, last = (end - 1) // Q, (end - 1) % Q
@@ -181,7 +181,7 @@ def _varlen_from_chunks(cu_seqlens, Q, G, dtc, xc, Bc, entry, h0, dtype):
         g = G[0, c]                                                            # (Q, h)
         w = torch.exp(g[last] - g[lo:last + 1]) * dtc[0, c, lo:last + 1]      # (t, h)
         st = torch.einsum("th,thp,thn->hpn", w, xc[0, c, lo:last + 1], Bc[0, c, lo:last + 1])
-        if start < c * Q or s == 0:    # the sequence was already running when the chunk began
+        if start < c * Q or start == 0:    # running when the chunk began, or owns h0
             st = st + torch.exp(g[last])[:, None, None] * entry[0, c]
         out.append(st)
     if not out:

@@ -12,9 +12,8 @@ M is the causal mask (and, with seq_idx, the same-sequence mask); the masked C @
 exponents are masked *before* exp2 so no inf is ever formed.
 
 Tiles: C, B (BLOCK_Q, NP) with NP = the whole (padded) dstate; X (BLOCK_Q, BLOCK_P);
-h_c (BLOCK_P, NP). Grid: (num_chunks * Q / BLOCK_Q, cdiv(P, BLOCK_P), B * H); with HEAD_MAJOR
-(B * H, num_chunks * Q / BLOCK_Q, cdiv(P, BLOCK_P)); with PERSISTENT a fixed (programs,) grid
-looping over the tiles.
+h_c (BLOCK_P, NP). Grid: (cdiv(L, BLOCK_Q) * B * H, cdiv(P, BLOCK_P)), query blocks fastest
+(HEAD_MAJOR: heads fastest); with PERSISTENT a fixed (programs,) grid looping over the tiles.
 """
 
 import cuda.tile as ct
@@ -125,27 +124,30 @@ def chunk_scan_fn(
     LOWP: ct.Constant[bool],      # the (C B^T) X MMA in the input dtype instead of tf32
     HEAD_MAJOR: ct.Constant[bool],
 ):
+    # Query blocks run to cdiv(L, BLOCK_Q) only: a block past the last token would load
+    # tiles lying entirely outside x, which is undefined.
+    n_q = ct.cdiv(x.shape[1], BLOCK_Q)
+    n_bh = x.shape[0] * x.shape[2]
     if PERSISTENT:
         # a fixed grid walks the tiles, so the loads of the next tile overlap this one's math
-        n_q = ct.num_tiles(cum, 2, shape=(1, 1, BLOCK_Q))
         n_p = ct.cdiv(x.shape[3], BLOCK_P)
-        total = n_q * n_p * x.shape[0] * x.shape[2]
-        for t in range(ct.bid(0), total, ct.num_blocks(0)):
+        for t in range(ct.bid(0), n_q * n_p * n_bh, ct.num_blocks(0)):
             qblk = t % n_q
             rest = t // n_q
             _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, rest % n_p,
                        rest // n_p, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
                        HAS_SEQ, LOAD_LATENCY, LOWP)
-    elif HEAD_MAJOR:
-        # (batch*heads, query blocks, p tiles): neighbouring programs share a chunk's B and C
-        _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, ct.bid(1), ct.bid(2),
-                   ct.bid(0), Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
-                   HAS_SEQ, LOAD_LATENCY, LOWP)
     else:
-        _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, ct.bid(0), ct.bid(1),
-                   ct.bid(2), Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
-                   HAS_SEQ, LOAD_LATENCY, LOWP)
-
+        # grid (n_q * B * H, p tiles): batch*heads on axis 0 has no 65535 limit
+        t = ct.bid(0)
+        if HEAD_MAJOR:
+            # neighbouring programs are the heads of one query block: they share B and C
+            qblk, bh = t // n_bh, t % n_bh
+        else:
+            qblk, bh = t % n_q, t // n_q
+        _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, ct.bid(1), bh, Q,
+                   BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
+                   LOAD_LATENCY, LOWP)
 
 chunk_scan = ct.kernel(chunk_scan_fn)
 chunk_scan_i64 = ct.kernel(int64_variant(

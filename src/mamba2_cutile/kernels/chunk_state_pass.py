@@ -11,7 +11,7 @@ seq_idx: a token only contributes if it belongs to the sequence of the chunk's l
 the carried state is dropped when that sequence differs from the one the carry belongs to.
 (Non-decreasing seq_idx makes this the exact reset of the recurrence.)
 
-Grid: (cdiv(P, BLOCK_P), cdiv(N, BLOCK_N), B * H). The chunk loop is sequential inside a
+Grid: (B * H, cdiv(P, BLOCK_P), cdiv(N, BLOCK_N)). The chunk loop is sequential inside a
 program; independent (batch, head, p-tile, n-tile) slices run in parallel.
 """
 
@@ -38,7 +38,7 @@ def chunk_state_pass_fn(
     LOAD_LATENCY: ct.Constant[int],
     SCALE_X: ct.Constant[bool],
 ):
-    p_tile, n_tile, bh = ct.bid(0), ct.bid(1), ct.bid(2)
+    bh, p_tile, n_tile = ct.bid(0), ct.bid(1), ct.bid(2)
     nheads = x.shape[2]
     batch = bh // nheads
     head = bh % nheads

@@ -7,16 +7,15 @@ Both are written in a [batch, head, token] layout padded to a whole number of ch
 later kernels read them with contiguous (TMA) loads and the last entry of every chunk is the
 decay of its last real token (padding adds dt' = 0), which makes partial chunks exact.
 
-Tiles: dt (1, Q, BLOCK_H) read from [batch, token, head]; grid (num_chunks, cdiv(H, BLOCK_H), B).
+Tiles: dt (1, Q, BLOCK_H) read from [batch, token, head]; grid (B * num_chunks, cdiv(H, BLOCK_H)).
 """
 
 import cuda.tile as ct
 
-from ._common import LOG2E
+from ._common import LOG2E, int64_variant
 
 
-@ct.kernel
-def decay_cumsum(
+def decay_cumsum_fn(
     dt,          # (B, L, H) any float dtype, any strides
     A,           # (H,) float32
     dt_bias,     # (H,) float32 (ignored unless HAS_BIAS)
@@ -29,7 +28,9 @@ def decay_cumsum(
     HAS_BIAS: ct.Constant[bool],
     SOFTPLUS: ct.Constant[bool],
 ):
-    chunk, head_tile, batch = ct.bid(0), ct.bid(1), ct.bid(2)
+    num_chunks = cum_out.shape[2] // Q
+    batch, chunk = ct.bid(0) // num_chunks, ct.bid(0) % num_chunks
+    head_tile = ct.bid(1)
     seqlen = dt.shape[1]
     d = ct.load(dt, index=(batch, chunk, head_tile), shape=(1, Q, BLOCK_H),
                 padding_mode=ct.PaddingMode.ZERO).reshape((Q, BLOCK_H)).astype(ct.float32)
@@ -54,3 +55,8 @@ def decay_cumsum(
              tile=d.transpose().reshape((1, BLOCK_H, Q)))
     ct.store(cum_out, index=(batch, head_tile, chunk),
              tile=g.transpose().reshape((1, BLOCK_H, Q)))
+
+
+decay_cumsum = ct.kernel(decay_cumsum_fn)
+decay_cumsum_i64 = ct.kernel(int64_variant(decay_cumsum_fn,
+                                           ["dt", "A", "dt_bias", "dt_out", "cum_out"]))
