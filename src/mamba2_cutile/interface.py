@@ -1,8 +1,9 @@
 """Public API: `mamba_chunk_scan_combined`, a drop-in for mamba_ssm's function of that name.
 
 Arguments are validated once here (shapes, dtypes, devices; values only on CPU or with
-MAMBA2_CUTILE_CHECK=1, so the GPU path never synchronizes). CUDA tensors run the cuTile
-kernels; CPU tensors run the chunked PyTorch version in `reference` (correct, slow).
+MAMBA2_CUTILE_CHECK=1, so the GPU path never synchronizes), then the custom op
+`torch.ops.mamba2_cutile.ssd_forward` (`ops.py`) runs: the cuTile kernels for CUDA tensors, the
+chunked PyTorch version in `reference` for CPU tensors (correct, slow).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 
 import torch
 
-from . import launch, reference
+from . import launch, ops  # noqa: F401 - ops registers torch.ops.mamba2_cutile
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _GPU_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -115,7 +116,8 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
             if t is not None and t.dtype not in _GPU_FLOATS:
                 raise TypeError(f"{name} must be float16, bfloat16 or float32 on the GPU, "
                                 f"got {t.dtype}")
-    if not x.is_cuda or os.environ.get("MAMBA2_CUTILE_CHECK", "") not in ("", "0"):
+    wants_check = not x.is_cuda or os.environ.get("MAMBA2_CUTILE_CHECK", "") not in ("", "0")
+    if wants_check and not torch.compiler.is_compiling():   # value reads would break a graph
         _check_values(seq_idx, cu_seqlens if return_varlen_states else None, l)
 
 
@@ -147,88 +149,16 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
               dt_limit, return_varlen_states, state_dtype)
     varlen_cu = cu_seqlens if return_varlen_states else None
     keep_dtype = state_dtype if state_dtype is not None else C.dtype
-    if x.is_cuda:
-        out, final, varlen = _SSDForward.apply(
-            x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, varlen_cu,
-            dt_softplus, tuple(float(v) for v in dt_limit), keep_dtype)
-    else:
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-        out, final, varlen = reference.ssd_chunked(
-            x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
-            initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=varlen_cu,
-            dt_softplus=dt_softplus, dt_limit=dt_limit, dtype=compute)
-        out = out.to(x.dtype)
-        final = final.to(torch.float32)
-        varlen = None if varlen is None else varlen.to(keep_dtype)
+    lo, hi = (float(v) for v in dt_limit)
+    out, final, varlen = torch.ops.mamba2_cutile.ssd_forward(
+        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, varlen_cu,
+        bool(dt_softplus), lo, hi, keep_dtype)
     result = (out,)
     if return_final_states:
         result += (final,)
     if return_varlen_states:
         result += (varlen,)
     return result[0] if len(result) == 1 else result
-
-
-class _SSDForward(torch.autograd.Function):
-    """The cuTile forward. Until the cuTile backward kernels land, the backward recomputes the
-    forward with the chunked PyTorch SSD (float32) and differentiates it: exact gradients as
-    mamba_ssm defines them (softplus, the dt_limit clamp, seq_idx resets), but slow, and it
-    materializes per-chunk C B^T. Only the inputs are saved (less than mamba_ssm saves)."""
-
-    @staticmethod
-    def forward(ctx, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                cu_seqlens, dt_softplus, dt_limit, state_dtype):
-        out, final, varlen = ssd_forward_cuda(x, dt, A, B, C, chunk_size, D, z, dt_bias,
-                                              initial_states, seq_idx, cu_seqlens, dt_softplus,
-                                              dt_limit, state_dtype)
-        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
-        ctx.chunk_size, ctx.dt_softplus, ctx.dt_limit = chunk_size, dt_softplus, dt_limit
-        if varlen is not None:
-            ctx.mark_non_differentiable(varlen)
-        return out, final, varlen
-
-    @staticmethod
-    def backward(ctx, g_out, g_final, g_varlen):
-        x, dt, A, B, C, D, z, dt_bias, h0, seq_idx = ctx.saved_tensors
-        wanted = ctx.needs_input_grad
-        grads = reference_backward(
-            dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=h0),
-            dict(x=wanted[0], dt=wanted[1], A=wanted[2], B=wanted[3], C=wanted[4], D=wanted[6],
-                 z=wanted[7], dt_bias=wanted[8], initial_states=wanted[9]),
-            g_out, g_final, ctx.chunk_size, seq_idx, ctx.dt_softplus, ctx.dt_limit)
-        return (grads["x"], grads["dt"], grads["A"], grads["B"], grads["C"], None, grads["D"],
-                grads["z"], grads["dt_bias"], grads["initial_states"], None, None, None, None,
-                None)
-
-
-def reference_backward(inputs, wanted, g_out, g_final, chunk_size, seq_idx=None,
-                       dt_softplus=False, dt_limit=(0.0, float("inf"))):
-    """Gradients of (out, final_states) w.r.t. the `wanted` inputs, by differentiating the
-    chunked PyTorch SSD in float32. Returns a dict name -> gradient (None where not wanted),
-    each in its input's dtype."""
-    names = [k for k, t in inputs.items() if t is not None and wanted.get(k)]
-    grads = dict.fromkeys(inputs)
-    if not names or (g_out is None and g_final is None):
-        return grads
-    with torch.enable_grad():
-        leaves = {k: (t.detach().requires_grad_(True) if k in names else t)
-                  for k, t in inputs.items()}
-        out, final, _ = reference.ssd_chunked(
-            leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size,
-            D=leaves["D"], z=leaves["z"], dt_bias=leaves["dt_bias"],
-            initial_states=leaves["initial_states"], seq_idx=seq_idx, dt_softplus=dt_softplus,
-            dt_limit=dt_limit, dtype=torch.float32)
-        outs, gs = [], []
-        if g_out is not None:
-            outs.append(out)
-            gs.append(g_out.to(out.dtype))
-        if g_final is not None:
-            outs.append(final)
-            gs.append(g_final.to(final.dtype))
-        got = torch.autograd.grad(outs, [leaves[k] for k in names], gs, allow_unused=True)
-    for k, g in zip(names, got):
-        t = inputs[k]
-        grads[k] = torch.zeros_like(t) if g is None else g.to(t.dtype)
-    return grads
 
 
 def _as_kernel_input(t, dtype=None):

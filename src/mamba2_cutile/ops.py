@@ -1,0 +1,89 @@
+"""The SSD chunked scan as a `torch.library` custom op, with a fake (meta) implementation and
+its autograd, so `torch.compile` traces models that call it without a graph break.
+
+`mamba2_cutile::ssd_forward` takes validated arguments (see `interface`), runs the cuTile
+kernels on CUDA tensors and the chunked PyTorch SSD on CPU tensors, and returns
+(out, final_states, varlen_states); varlen_states is an empty tensor unless cu_seqlens is given.
+
+Backward: the explicit chunked backward (`chunked_backward`, plain PyTorch stages, float32;
+float64 for float64 inputs), the blueprint of the cuTile backward kernels. It recomputes what
+it needs from the saved inputs: nothing larger than the inputs is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import chunked_backward, reference
+
+
+def _compute_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("mamba2_cutile::ssd_forward", mutates_args=())
+def ssd_forward(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+                D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
+                initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
+                cu_seqlens: Optional[Tensor], dt_softplus: bool, dt_lo: float, dt_hi: float,
+                state_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    if x.is_cuda:
+        from .interface import ssd_forward_cuda
+        out, final, varlen = ssd_forward_cuda(x, dt, A, B, C, chunk_size, D, z, dt_bias,
+                                              initial_states, seq_idx, cu_seqlens, dt_softplus,
+                                              (dt_lo, dt_hi), state_dtype)
+    else:
+        out, final, varlen = reference.ssd_chunked(
+            x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+            initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+            dt_softplus=dt_softplus, dt_limit=(dt_lo, dt_hi), dtype=_compute_dtype(x))
+        out = out.to(x.dtype).contiguous()      # the fake impl promises contiguous outputs
+        final = final.to(torch.float32).contiguous()
+    if varlen is None:
+        varlen = x.new_empty((0,), dtype=state_dtype)
+    return out, final, varlen.to(state_dtype).contiguous()
+
+
+@ssd_forward.register_fake
+def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+      dt_softplus, dt_lo, dt_hi, state_dtype):
+    b, l, h, p = x.shape
+    n = B.shape[3]
+    out = x.new_empty((b, l, h, p))
+    final = x.new_empty((b, h, p, n), dtype=torch.float32)
+    if cu_seqlens is None:
+        varlen = x.new_empty((0,), dtype=state_dtype)
+    else:
+        varlen = x.new_empty((cu_seqlens.shape[0] - 1, h, p, n), dtype=state_dtype)
+    return out, final, varlen
+
+
+_GRAD_INPUTS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+
+def _setup_context(ctx, inputs, output):
+    (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+     dt_softplus, dt_lo, dt_hi, state_dtype) = inputs
+    ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
+    ctx.chunk_size, ctx.dt_softplus, ctx.dt_limit = chunk_size, dt_softplus, (dt_lo, dt_hi)
+    ctx.mark_non_differentiable(output[2])
+
+
+def _backward(ctx, g_out, g_final, g_varlen):
+    x, dt, A, B, C, D, z, dt_bias, h0, seq_idx = ctx.saved_tensors
+    grads = chunked_backward.ssd_chunked_backward(
+        x, dt, A, B, C, ctx.chunk_size, g_out, g_final, D=D, z=z, dt_bias=dt_bias,
+        initial_states=h0, seq_idx=seq_idx, dt_softplus=ctx.dt_softplus,
+        dt_limit=ctx.dt_limit, dtype=_compute_dtype(x))
+    g = [grads[k] for k in _GRAD_INPUTS]
+    # inputs: x dt A B C chunk_size D z dt_bias initial_states seq_idx cu_seqlens softplus lo
+    #         hi state_dtype
+    return (g[0], g[1], g[2], g[3], g[4], None, g[5], g[6], g[7], g[8], None, None, None, None,
+            None, None)
+
+
+torch.library.register_autograd("mamba2_cutile::ssd_forward", _backward,
+                                setup_context=_setup_context)
