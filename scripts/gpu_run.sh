@@ -20,7 +20,7 @@ if [[ $STEPS == *demo* ]]; then
 fi
 if [[ $STEPS == *sweep* ]]; then
   for shape in ${SWEEP_SHAPES:-seed}; do
-    for cfg in ${SWEEP_CONFIGS:-default scan_lowp=1 scan_warps=8 scan_head_major=1 state_scale_x=1 scan_block_q=64,scan_occupancy=2 scan_block_q=64,scan_occupancy=4 scan_lowp=1,scan_occupancy=2}; do
+    for cfg in ${SWEEP_CONFIGS:-default scan_block_n=32 scan_block_n=64 scan_block_n=32,scan_lowp=1 scan_lowp=1 scan_warps=8 scan_head_major=1 state_scale_x=1 scan_block_q=64,scan_occupancy=2 scan_block_q=64,scan_occupancy=4 scan_lowp=1,scan_occupancy=2}; do
       MAMBA2_CUTILE_TUNING=0 MAMBA2_CUTILE_CONFIG=$cfg timeout 150 python3 -m mamba2_cutile bench \
         --impls mamba2-cutile --shapes $shape --reps 30 --breakdown --jsonl --no-progress 2>&1 \
         | grep -E '^\{' | sed "s/^/$cfg /" >> "$OUT/sweep.log"

@@ -46,6 +46,7 @@ class ForwardConfig:
     scan_head_major: int = 0        # 1: grid (batch*heads, query blocks, p tiles)
     scan_warps: int = 0             # num_worker_warps hint of chunk_scan (0: compiler's choice)
     state_scale_x: int = 0          # 1: chunk_state_pass weights X instead of B
+    scan_block_n: int = 0           # dstate tile of chunk_scan's K loop (0: all of dstate_pad)
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,7 +179,8 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              nheads // ngroups, 0 if D is None else D.dim(), z is not None, seq_idx is not None,
              cfg.scan_load_latency, cfg.scan_persistent > 0,
              bool(cfg.scan_lowp) and x.dtype != torch.float32,
-             bool(cfg.scan_head_major) and not cfg.scan_persistent),
+             bool(cfg.scan_head_major) and not cfg.scan_persistent,
+             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad)),
         ),
     ]
     return calls
@@ -213,6 +215,11 @@ def compile_variants():
         scan_warps=8, scan_occupancy=2, state_occupancy=2))))
     items.append(("fp32-scale-x-Q256", dict(dtype=torch.float32, chunk_size=256,
                                             overrides=dict(state_scale_x=1))))
+    for bn in (32, 64):
+        items.append((f"bf16-scan-block-n{bn}", dict(dtype=bf, overrides=dict(scan_block_n=bn))))
+    items.append(("fp16-Q256-scan-block-n32-n96", dict(dtype=torch.float16, chunk_size=256,
+                                                       dstate=96,
+                                                       overrides=dict(scan_block_n=32))))
     return items
 
 

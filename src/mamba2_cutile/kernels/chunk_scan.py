@@ -11,8 +11,8 @@ M is the causal mask (and, with seq_idx, the same-sequence mask); the masked C @
 (BLOCK_Q x BLOCK_Q) never leaves the chip. Only the diagonal block needs the causal mask,
 exponents are masked *before* exp2 so no inf is ever formed.
 
-Tiles: C, B (BLOCK_Q, NP) with NP = the whole (padded) dstate; X (BLOCK_Q, BLOCK_P);
-h_c (BLOCK_P, NP). Grid: (cdiv(L, BLOCK_Q) * B * H, cdiv(P, BLOCK_P)), query blocks fastest
+Tiles: C, B (BLOCK_Q, BLOCK_N), walking NP = the padded dstate in BLOCK_N steps; X (BLOCK_Q,
+BLOCK_P); h_c (BLOCK_P, BLOCK_N). Grid: (cdiv(L, BLOCK_Q) * B * H, cdiv(P, BLOCK_P)), query blocks fastest
 (HEAD_MAJOR: heads fastest); with PERSISTENT a fixed (programs,) grid looping over the tiles.
 """
 
@@ -26,7 +26,7 @@ def _scan_tile(
     Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
     NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int], D_MODE: ct.Constant[int],
     HAS_Z: ct.Constant[bool], HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
-    LOWP: ct.Constant[bool],
+    LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int],
 ):
     """One output tile: BLOCK_Q tokens (query block `qblk`) x BLOCK_P channels of one head."""
     nheads = x.shape[2]
@@ -39,16 +39,21 @@ def _scan_tile(
     ZERO = ct.PaddingMode.ZERO
     LAT = None if LOAD_LATENCY == 0 else LOAD_LATENCY   # 0: the compiler decides
 
-    ct_q = ct.load(c, index=(batch, qblk, group, 0), shape=(1, BLOCK_Q, 1, NP),
-                   padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, NP))
-    ct_q = mma_operand(ct_q, x.dtype)
     g_q = ct.load(cum, index=(batch, head, qblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
     row = qblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)   # token index of each query
 
-    h = ct.load(states, index=(batch, head, chunk, p_tile, 0), shape=(1, 1, 1, BLOCK_P, NP),
-                padding_mode=ZERO, latency=LAT).reshape((BLOCK_P, NP))
-    acc = ct.mma(ct_q, mma_operand(h.transpose(), x.dtype),
-                 ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32))
+    # dstate is walked in BLOCK_N tiles: with several tiles the loop lets the compiler
+    # prefetch the next C/B/h tiles while the current MMAs run. cdiv(N, BLOCK_N), not
+    # NP // BLOCK_N: a tile wholly past dstate would be an out-of-bounds load.
+    n_tiles = ct.cdiv(c.shape[3], BLOCK_N)
+    acc = ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32)
+    for nt in range(n_tiles):
+        c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
+                      padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
+        h = ct.load(states, index=(batch, head, chunk, p_tile, nt),
+                    shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
+                    latency=LAT).reshape((BLOCK_P, BLOCK_N))
+        acc = ct.mma(mma_operand(c_t, x.dtype), mma_operand(h.transpose(), x.dtype), acc)
     state_scale = ct.exp2(g_q)
     if HAS_SEQ:
         s_q = ct.load(seq_idx, index=(batch, qblk), shape=(1, BLOCK_Q),
@@ -60,10 +65,13 @@ def _scan_tile(
     acc = acc * state_scale[:, None]
 
     for kblk in range(first_blk, qblk + 1):
-        bt = ct.load(b, index=(batch, kblk, group, 0), shape=(1, BLOCK_Q, 1, NP),
-                     padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, NP))
-        cb = ct.mma(ct_q, mma_operand(bt.transpose(), x.dtype),
-                    ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
+        cb = ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32)
+        for nt in range(n_tiles):
+            c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
+                          padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
+            bt = ct.load(b, index=(batch, kblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
+                         padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
+            cb = ct.mma(mma_operand(c_t, x.dtype), mma_operand(bt.transpose(), x.dtype), cb)
         g_k = ct.load(cum, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
         dt_k = ct.load(dt, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
         col = kblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
@@ -123,6 +131,7 @@ def chunk_scan_fn(
     PERSISTENT: ct.Constant[bool],
     LOWP: ct.Constant[bool],      # the (C B^T) X MMA in the input dtype instead of tf32
     HEAD_MAJOR: ct.Constant[bool],
+    BLOCK_N: ct.Constant[int],    # dstate tile (divides NP)
 ):
     # Query blocks run to cdiv(L, BLOCK_Q) only: a block past the last token would load
     # tiles lying entirely outside x, which is undefined.
@@ -136,7 +145,7 @@ def chunk_scan_fn(
             rest = t // n_q
             _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, rest % n_p,
                        rest // n_p, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
-                       HAS_SEQ, LOAD_LATENCY, LOWP)
+                       HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N)
     else:
         # grid (n_q * B * H, p tiles): batch*heads on axis 0 has no 65535 limit
         t = ct.bid(0)
@@ -147,7 +156,7 @@ def chunk_scan_fn(
             qblk, bh = t % n_q, t // n_q
         _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, ct.bid(1), bh, Q,
                    BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
-                   LOAD_LATENCY, LOWP)
+                   LOAD_LATENCY, LOWP, BLOCK_N)
 
 chunk_scan = ct.kernel(chunk_scan_fn)
 chunk_scan_i64 = ct.kernel(int64_variant(
