@@ -12,6 +12,7 @@ it needs from the saved inputs: nothing larger than the inputs is kept.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -72,12 +73,28 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[2])
 
 
+def backward_impl(x) -> str:
+    """Which backward runs: "cutile" (the cuTile kernels of `backward.py`, CUDA only) when
+    MAMBA2_CUTILE_BACKWARD=cutile, else "torch" (`chunked_backward`). The default stays
+    "torch" until the cuTile kernels have passed their GPU tests."""
+    want = os.environ.get("MAMBA2_CUTILE_BACKWARD", "torch").strip().lower()
+    if want not in ("torch", "cutile"):
+        raise ValueError(f"MAMBA2_CUTILE_BACKWARD must be 'torch' or 'cutile', got {want!r}")
+    return "cutile" if want == "cutile" and x.is_cuda else "torch"
+
+
 def _backward(ctx, g_out, g_final, g_varlen):
     x, dt, A, B, C, D, z, dt_bias, h0, seq_idx = ctx.saved_tensors
-    grads = chunked_backward.ssd_chunked_backward(
-        x, dt, A, B, C, ctx.chunk_size, g_out, g_final, D=D, z=z, dt_bias=dt_bias,
-        initial_states=h0, seq_idx=seq_idx, dt_softplus=ctx.dt_softplus,
-        dt_limit=ctx.dt_limit, dtype=_compute_dtype(x))
+    if backward_impl(x) == "cutile":
+        from .backward import ssd_backward_cuda
+        grads = ssd_backward_cuda(x, dt, A, B, C, ctx.chunk_size, g_out, g_final, D=D, z=z,
+                                  dt_bias=dt_bias, initial_states=h0, seq_idx=seq_idx,
+                                  dt_softplus=ctx.dt_softplus, dt_limit=ctx.dt_limit)
+    else:
+        grads = chunked_backward.ssd_chunked_backward(
+            x, dt, A, B, C, ctx.chunk_size, g_out, g_final, D=D, z=z, dt_bias=dt_bias,
+            initial_states=h0, seq_idx=seq_idx, dt_softplus=ctx.dt_softplus,
+            dt_limit=ctx.dt_limit, dtype=_compute_dtype(x))
     g = [grads[k] for k in _GRAD_INPUTS]
     # inputs: x dt A B C chunk_size D z dt_bias initial_states seq_idx cu_seqlens softplus lo
     #         hi state_dtype

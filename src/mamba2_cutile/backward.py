@@ -1,0 +1,404 @@
+"""The cuTile backward pass of the chunked SSD: plans, configs, the launcher.
+
+Six launches (no host synchronization, CUDA-graph capturable), following the stages of
+`chunked_backward` (see each kernel's docstring for its equations, tiles and grid):
+
+  1. decay_cumsum        (forward kernel 1) recompute dt' and G2 = log2(e) cumsum(A dt')
+  2. chunk_state_pass    (forward kernel 2) recompute the chunk entry states h_c (fp32)
+  3. bwd_state_pass      reverse pass over chunks: exit-state gradients dS_c, dinitial_states
+  4. bwd_chunk_dx        per chunk: dx, dz, and per-tile partials of dD, ddt_direct, da
+  5. bwd_chunk_dbc       per chunk: dB and dC, summed over each group's heads in-program
+  6. bwd_dt              da -> ddt' -> ddt (clamp, softplus, dt_bias), partials of dA, ddt_bias
+
+then three small fixed-shape torch sums (dA, ddt_bias, dD partials; deterministic) and dtype
+casts. Nothing uses atomics: every cross-program reduction goes through a partial buffer that
+a later kernel or a torch sum reduces in a fixed order, so two runs give equal bits.
+
+Plans are built from tensors (real CUDA tensors, or `meta` tensors for the CPU compile check,
+or CPU float64 tensors for the tile-program emulation in tests/test_backward_emulation.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import launch
+from .kernels.bwd_chunk_dbc import bwd_chunk_dbc, bwd_chunk_dbc_i64
+from .kernels.bwd_chunk_dx import bwd_chunk_dx, bwd_chunk_dx_i64
+from .kernels.bwd_dt import bwd_dt, bwd_dt_i64
+from .kernels.bwd_state_pass import bwd_state_pass, bwd_state_pass_i64
+from .launch import KernelCall, hinted, needs_int64, next_pow2
+
+INF = float("inf")
+NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Tile sizes and hints of the backward launches (all tile sizes powers of two)."""
+    chunk_size: int
+    cumsum_block_h: int          # decay_cumsum and bwd_dt: heads per program
+    state_block_p: int           # chunk_state_pass (recompute of h_c)
+    state_block_n: int
+    bstate_block_p: int          # bwd_state_pass
+    bstate_block_n: int
+    dx_block_q: int              # bwd_chunk_dx: tokens per program (<= chunk_size)
+    dx_block_p: int              # bwd_chunk_dx: channels per program
+    dstate_pad: int              # padded dstate (whole N in bwd_chunk_dx tiles)
+    bc_block_q: int              # bwd_chunk_dbc: tokens per program
+    bc_block_p: int              # bwd_chunk_dbc: p-tile of the dY X^T reduction loop
+    bc_block_n: int              # bwd_chunk_dbc: dstate columns per program
+    lowp: int = 0                # 1: MMAs with computed fp32 operands in the input dtype
+    bstate_occupancy: int = 0    # 0: the compiler's choice
+    dx_occupancy: int = 0
+    bc_occupancy: int = 0
+    dx_warps: int = 8            # num_worker_warps hints (0: the compiler's choice; with it,
+    bc_warps: int = 8            # tileiras 13.4 spills 0.3-1.7 KB per thread in these two)
+
+
+def default_backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
+                            sms=132) -> BackwardConfig:
+    """The dispatcher: a config from the shape alone (no search, no sync), then
+    MAMBA2_CUTILE_BWD_CONFIG overrides ("dx_block_q=32,lowp=1")."""
+    fwd = launch.default_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms)
+    np_ = max(16, next_pow2(dstate))
+    pp = max(16, next_pow2(headdim))
+    # bwd_chunk_dx holds (BQ, NP) B/C tiles and (BP, NP) fp32 h_c / dS_c tiles at once: keep
+    # the p-tile narrow for a wide state or fp32 inputs
+    big = np_ >= 256 or dtype == torch.float32
+    cfg = BackwardConfig(
+        chunk_size=chunk_size,
+        cumsum_block_h=fwd.cumsum_block_h,
+        state_block_p=fwd.state_block_p,
+        state_block_n=fwd.state_block_n,
+        bstate_block_p=fwd.state_block_p,
+        bstate_block_n=fwd.state_block_n,
+        dx_block_q=min(chunk_size, 64),
+        dx_block_p=min(pp, 32 if big else 64),
+        dstate_pad=np_,
+        bc_block_q=min(chunk_size, 64),
+        bc_block_p=min(pp, 64),
+        bc_block_n=min(np_, 64),
+    )
+    return _env_overrides(cfg)
+
+
+def _env_overrides(cfg: BackwardConfig) -> BackwardConfig:
+    spec = os.environ.get("MAMBA2_CUTILE_BWD_CONFIG", "").strip()
+    if not spec or spec == "default":
+        return cfg
+    fields = {}
+    for item in spec.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in BackwardConfig.__dataclass_fields__ or key == "chunk_size":
+            raise ValueError(f"MAMBA2_CUTILE_BWD_CONFIG: unknown field {key!r}")
+        fields[key] = int(value)
+    return replace(cfg, **fields)
+
+
+def check_config(cfg: BackwardConfig, headdim: int, dstate: int):
+    """Tile constraints the kernels rely on (raise early instead of a wrong answer)."""
+    for k, v in cfg.__dict__.items():
+        if k.endswith(("_block_q", "_block_p", "_block_n", "_block_h", "_pad")) and (
+                v < 1 or v & (v - 1)):
+            raise ValueError(f"backward config: {k}={v} is not a power of two")
+    Q = cfg.chunk_size
+    if Q % cfg.dx_block_q or Q % cfg.bc_block_q:
+        raise ValueError("backward config: dx_block_q and bc_block_q must divide chunk_size")
+    if cfg.dstate_pad < dstate:
+        raise ValueError(f"backward config: dstate_pad {cfg.dstate_pad} < dstate {dstate}")
+
+
+@dataclass
+class BackwardBuffers:
+    """Everything the backward launches write (the outputs and the scratch they share)."""
+    dt_buf: torch.Tensor       # (B, H, Lp) dt' (fp32)
+    cum_buf: torch.Tensor      # (B, H, Lp) G2 (fp32)
+    states: torch.Tensor       # (B, H, nc, P, N) entry states (state dtype, default fp32)
+    hbuf: torch.Tensor         # (B, H, P, N) fp32: the recompute's final state, then dh_0
+    dstates: torch.Tensor      # (B, H, nc, P, N) exit-state gradients dS_c
+    da_part: torch.Tensor      # (n_pt * Q / dx_block_q, B, H, Lp) fp32
+    ddt_part: torch.Tensor     # (n_pt, B, H, Lp) fp32
+    dD_part: torch.Tensor | None   # (cdiv(L, dx_block_q), B, H, P) fp32
+    dA_part: torch.Tensor      # (B * nc, H) fp32
+    dbias_part: torch.Tensor | None  # (B * nc, H) fp32
+    dx: torch.Tensor
+    dz: torch.Tensor | None
+    dB: torch.Tensor
+    dC: torch.Tensor
+    ddt: torch.Tensor
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.__dict__.values()
+                   if t is not None)
+
+
+def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtype=None,
+                     buf_dtype=torch.float32, out_dtypes=None) -> BackwardBuffers:
+    """Allocate on x's device (also `meta`). out_dtypes: dtype per gradient name (default: the
+    tensor's own dtype)."""
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    Q = cfg.chunk_size
+    nc = -(-l // Q)
+    lp = nc * Q
+    n_pt = -(-p // cfg.dx_block_p)
+    n_q = -(-l // cfg.dx_block_q)
+    dev = x.device
+    od = dict(x=x.dtype, z=None if z is None else z.dtype, B=B.dtype, C=C.dtype, dt=dt.dtype)
+    od.update(out_dtypes or {})
+    e = lambda *s, dt=buf_dtype: torch.empty(s, dtype=dt, device=dev)  # noqa: E731
+    sdt = state_dtype or buf_dtype
+    return BackwardBuffers(
+        dt_buf=e(b, h, lp), cum_buf=e(b, h, lp), states=e(b, h, nc, p, n, dt=sdt),
+        hbuf=e(b, h, p, n), dstates=e(b, h, nc, p, n, dt=sdt),
+        da_part=e(n_pt * (Q // cfg.dx_block_q), b, h, lp), ddt_part=e(n_pt, b, h, lp),
+        dD_part=None if D is None else e(n_q, b, h, p),
+        dA_part=e(b * nc, h), dbias_part=None if dt_bias is None else e(b * nc, h),
+        dx=e(b, l, h, p, dt=od["x"]), dz=None if z is None else e(b, l, h, p, dt=od["z"]),
+        dB=e(b, l, g, n, dt=od["B"]), dC=e(b, l, g, n, dt=od["C"]), ddt=e(b, l, h, dt=od["dt"]),
+    )
+
+
+def _forward_config(cfg: BackwardConfig, x, B) -> launch.ForwardConfig:
+    b, _, h, p = x.shape
+    fwd = launch.default_config(b, h, p, B.shape[3], cfg.chunk_size, x.dtype)
+    return replace(fwd, cumsum_block_h=cfg.cumsum_block_h, state_block_p=cfg.state_block_p,
+                   state_block_n=cfg.state_block_n)
+
+
+def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
+                  dout, dfinal, bufs: BackwardBuffers, cfg: BackwardConfig):
+    """The six launches of the backward. Inputs as the kernels take them (B, C, z, dout in x's
+    dtype with unit innermost stride; A, D, dt_bias, init, dfinal fp32; seq_idx int32);
+    unused optional inputs None. Reads no tensor values."""
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    Q = cfg.chunk_size
+    hpg = nheads // ngroups
+    nchunks = bufs.cum_buf.shape[2] // Q
+    dev = x.device
+    seq_arg = seq_idx if seq_idx is not None else torch.empty((1, 1), dtype=torch.int32,
+                                                               device=dev)
+    has_z, has_seq = z is not None, seq_idx is not None
+    lowp = bool(cfg.lowp) and x.dtype != torch.float32
+
+    # 1, 2: the forward's first two kernels recompute dt', G2 and the entry states
+    calls = launch.forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
+                                seq_idx, bufs.dt_buf, bufs.cum_buf, bufs.states, bufs.hbuf, x,
+                                _forward_config(cfg, x, B))[:2]
+
+    # 3: reverse pass over chunks
+    big = needs_int64(dout, z, C, bufs.cum_buf, seq_idx, dfinal, bufs.dstates, bufs.hbuf)
+    calls.append(KernelCall(
+        hinted(bwd_state_pass_i64 if big else bwd_state_pass, cfg.bstate_occupancy),
+        (batch * nheads, -(-headdim // cfg.bstate_block_p), -(-dstate // cfg.bstate_block_n)),
+        (dout, z if has_z else dout, C, bufs.cum_buf, seq_arg,
+         dfinal if dfinal is not None else bufs.hbuf, bufs.dstates, bufs.hbuf,
+         Q, cfg.bstate_block_p, cfg.bstate_block_n, hpg, has_z, has_seq, dfinal is not None,
+         init is not None)))
+
+    # 4: dx, dz, partials of dD, ddt, da
+    n_q = -(-seqlen // cfg.dx_block_q)
+    d_mode = 0 if D is None else D.dim()
+    big = needs_int64(x, B, C, z, dout, D, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
+                      bufs.dstates, bufs.dx, bufs.dz, bufs.da_part, bufs.ddt_part, bufs.dD_part)
+    calls.append(KernelCall(
+        hinted(bwd_chunk_dx_i64 if big else bwd_chunk_dx, cfg.dx_occupancy, cfg.dx_warps),
+        (n_q * batch * nheads, -(-headdim // cfg.dx_block_p), 1),
+        (x, B, C, z if has_z else x, dout, D if D is not None else A, bufs.dt_buf, bufs.cum_buf,
+         seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
+         bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
+         Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z, has_seq,
+         lowp)))
+
+    # 5: dB, dC
+    n_qb = -(-seqlen // cfg.bc_block_q)
+    big = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
+                      bufs.dstates, bufs.dB, bufs.dC)
+    calls.append(KernelCall(
+        hinted(bwd_chunk_dbc_i64 if big else bwd_chunk_dbc, cfg.bc_occupancy, cfg.bc_warps),
+        (n_qb * batch * ngroups, -(-dstate // cfg.bc_block_n), 2),
+        (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
+         bufs.dstates, bufs.dB, bufs.dC, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.bc_block_n,
+         hpg, has_z, has_seq, lowp)))
+
+    # 6: dt chain, dA and ddt_bias partials
+    big = needs_int64(dt, bufs.dt_buf, bufs.da_part, bufs.ddt_part, bufs.ddt, bufs.dA_part)
+    calls.append(KernelCall(
+        bwd_dt_i64 if big else bwd_dt,
+        (batch * nchunks, -(-nheads // cfg.cumsum_block_h), 1),
+        (dt, A, dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi), bufs.dt_buf,
+         bufs.da_part, bufs.ddt_part, bufs.ddt, bufs.dA_part,
+         bufs.dbias_part if dt_bias is not None else bufs.dA_part,
+         Q, cfg.dx_block_q, cfg.cumsum_block_h, dt_bias is not None, bool(dt_softplus))))
+    return calls
+
+
+def _as_kernel_input(t, dtype=None):
+    """A tensor the kernels can load: unit innermost stride (for TMA), optional dtype cast."""
+    if t is None:
+        return None
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if t.dim() and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t
+
+
+def run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z=None,
+                 dt_bias=None, initial_states=None, seq_idx=None, dt_softplus=False,
+                 dt_limit=(0.0, INF), state_dtype=None, config=None, *, launch_fn,
+                 buf_dtype=torch.float32, sms=132, return_buffers=False, on_buffers=None):
+    """The backward on any device, launching the plan through `launch_fn(calls)`.
+    `buf_dtype` is the dtype of the fp32 scratch and fp32 kernel inputs (float64 for the CPU
+    emulation; `on_buffers(bufs)` runs before the launches, e.g. to poison them with NaN).
+    Returns the gradient dict (and the buffers with return_buffers)."""
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
+                  initial_states=initial_states)
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    Q = chunk_size
+    f32 = buf_dtype
+    mm = x.dtype
+    out_dtypes = {k: t.dtype for k, t in inputs.items() if t is not None}
+
+    if l == 0 or b * h == 0:
+        grads = {k: None if t is None else torch.zeros_like(t) for k, t in inputs.items()}
+        if initial_states is not None and dfinal_states is not None:
+            grads["initial_states"] = dfinal_states.to(initial_states.dtype).clone()
+        return (grads, None) if return_buffers else grads
+
+    xk = _as_kernel_input(x)
+    Bk, Ck, zk = (_as_kernel_input(t, mm) for t in (B, C, z))
+    dtk = _as_kernel_input(dt)
+    Ak = _as_kernel_input(A, f32)
+    Dk = _as_kernel_input(D, f32)
+    biask = _as_kernel_input(dt_bias, f32)
+    init = _as_kernel_input(initial_states, f32)
+    dfin = _as_kernel_input(dfinal_states, f32)
+    dout = torch.zeros_like(xk) if dout is None else _as_kernel_input(dout, mm)
+    seq = None if seq_idx is None else _as_kernel_input(seq_idx, torch.int32)
+
+    cfg = config or default_backward_config(b, h, g, p, n, Q, mm, sms)
+    check_config(cfg, p, n)
+    lo, hi = dt_limit
+    if (float(lo), float(hi)) == (0.0, INF):    # mamba_ssm clamps only for a non-default limit
+        lo, hi = -INF, INF
+    bufs = allocate_buffers(xk, dtk, Bk, Ck, zk, Dk, biask, cfg, state_dtype, f32, out_dtypes)
+    calls = backward_plan(xk, dtk, Ak, Bk, Ck, zk, Dk, biask, lo, hi, dt_softplus, init, seq,
+                          dout, dfin, bufs, cfg)
+    if on_buffers is not None:
+        on_buffers(bufs)
+    launch_fn(calls)
+
+    grads = dict(x=bufs.dx, dt=bufs.ddt, B=bufs.dB, C=bufs.dC, z=bufs.dz)
+    grads["A"] = bufs.dA_part.sum(dim=0)
+    grads["dt_bias"] = None if dt_bias is None else bufs.dbias_part.sum(dim=0)
+    if D is not None:
+        grads["D"] = bufs.dD_part.sum(dim=(0, 1, 3) if D.dim() == 1 else (0, 1))
+    else:
+        grads["D"] = None
+    grads["initial_states"] = None if initial_states is None else bufs.hbuf
+    grads = {k: None if inputs[k] is None else grads[k].to(inputs[k].dtype) for k in NAMES}
+    return (grads, bufs) if return_buffers else grads
+
+
+def ssd_backward_cuda(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z=None,
+                      dt_bias=None, initial_states=None, seq_idx=None, dt_softplus=False,
+                      dt_limit=(0.0, INF), state_dtype=None, config=None):
+    """Gradients of `ssd_forward_cuda`'s (out, final_states) for the cotangents dout (None: 0)
+    and dfinal_states (None: 0). Inputs must already be validated (as for the forward).
+    Returns a dict x, dt, A, B, C, D, z, dt_bias, initial_states -> gradient in the input's
+    dtype (None for absent inputs); the same values as `chunked_backward.ssd_chunked_backward`.
+    `state_dtype`: dtype of the recomputed entry states and of the exit-state gradients
+    (default float32). No host synchronization: capturable in a CUDA graph."""
+    import cuda.tile as ct
+
+    dev = x.device
+    stream = torch.cuda.current_stream(dev)
+
+    def launch_fn(calls):
+        for call in calls:
+            ct.launch(stream, call.grid, call.kernel, call.args)
+
+    sms = launch.num_sms(dev.index or 0) if dev.type == "cuda" else 132
+    return run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states, D, z, dt_bias,
+                        initial_states, seq_idx, dt_softplus, dt_limit, state_dtype, config,
+                        launch_fn=launch_fn, sms=sms)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU compile check
+# ----------------------------------------------------------------------------------------------
+
+ALL_OPTIONS = ("D_chan", "z", "dt_bias", "softplus", "init", "seq_idx", "dfinal")
+
+
+def backward_compile_variants():
+    """Problems whose plans cover the kernel variants the dispatcher picks: every dtype x chunk
+    size with all options on, then dstate/headdim buckets, option subsets, 64-bit indexing and
+    the lowp option. Each item: (name, dict of parameters for `backward_plan_for_problem`)."""
+    items = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for Q in launch.SUPPORTED_CHUNK_SIZES:
+            items.append((f"{str(dtype)[6:]}-Q{Q}-all", dict(dtype=dtype, chunk_size=Q)))
+    bf = torch.bfloat16
+    items.append(("bf16-h8-g2-p80-n96", dict(dtype=bf, nheads=8, ngroups=2, headdim=80,
+                                             dstate=96)))
+    items.append(("bf16-h2-p256-n256", dict(dtype=bf, nheads=2, headdim=256, dstate=256)))
+    items.append(("bf16-no-options", dict(dtype=bf, options=())))
+    items.append(("bf16-D-head", dict(dtype=bf, options=("D_head", "init"))))
+    items.append(("bf16-int64", dict(dtype=bf, int64=True)))
+    items.append(("bf16-lowp", dict(dtype=bf, overrides=dict(lowp=1))))
+    items.append(("bf16-fp16-dt-bf16-states", dict(dtype=bf, dt_dtype=torch.float16,
+                                                   state_dtype=torch.bfloat16)))
+    return items
+
+
+def backward_plan_for_problem(dtype=torch.bfloat16, chunk_size=128, batch=4, seqlen=16384,
+                              nheads=8, ngroups=1, headdim=64, dstate=128, options=ALL_OPTIONS,
+                              int64=False, state_dtype=None, dt_dtype=torch.float32,
+                              device="meta", overrides=None):
+    """The backward plan for a problem, on `meta` tensors by default (for compiling)."""
+    b, l, h, g, p, n, Q = batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size
+    if int64:
+        l = max(l, -(-(2**31) // (b * h * p)) + 1)
+    e = lambda *s, dt=dtype: torch.empty(s, dtype=dt, device=device)  # noqa: E731
+    f32 = torch.float32
+    x = e(b, l, h, p)
+    dt = e(b, l, h, dt=dt_dtype)
+    A = e(h, dt=f32)
+    Bm, Cm = e(b, l, g, n), e(b, l, g, n)
+    z = e(b, l, h, p) if "z" in options else None
+    D = e(h, p, dt=f32) if "D_chan" in options else e(h, dt=f32) if "D_head" in options else None
+    bias = e(h, dt=f32) if "dt_bias" in options else None
+    init = e(b, h, p, n, dt=f32) if "init" in options else None
+    seq = e(b, l, dt=torch.int32) if "seq_idx" in options else None
+    dfin = e(b, h, p, n, dt=f32) if "dfinal" in options else None
+    dout = e(b, l, h, p)
+    cfg = replace(default_backward_config(b, h, g, p, n, Q, dtype), **(overrides or {}))
+    check_config(cfg, p, n)
+    bufs = allocate_buffers(x, dt, Bm, Cm, z, D, bias, cfg, state_dtype)
+    return backward_plan(x, dt, A, Bm, Cm, z, D, bias, 0.0, INF, "softplus" in options, init,
+                         seq, dout, dfin, bufs, cfg)
+
+
+def workspace_bytes(batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size, dtype,
+                    options=ALL_OPTIONS, state_dtype=None, config=None) -> int:
+    """Scratch the backward allocates besides its outputs (for the README / bench)."""
+    cfg = config or default_backward_config(batch, nheads, ngroups, headdim, dstate,
+                                            chunk_size, dtype)
+    e = lambda *s, dt=dtype: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
+    b, l, h, g, p, n = batch, seqlen, nheads, ngroups, headdim, dstate
+    bufs = allocate_buffers(e(b, l, h, p), e(b, l, h, dt=torch.float32), e(b, l, g, n),
+                            e(b, l, g, n), e(b, l, h, p) if "z" in options else None,
+                            e(h, dt=torch.float32) if "D_head" in options or "D_chan" in options
+                            else None, e(h) if "dt_bias" in options else None, cfg, state_dtype)
+    outputs = (bufs.dx, bufs.dz, bufs.dB, bufs.dC, bufs.ddt)
+    return bufs.nbytes() - sum(t.numel() * t.element_size() for t in outputs if t is not None)
+

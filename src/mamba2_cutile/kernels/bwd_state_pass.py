@@ -1,0 +1,89 @@
+"""Backward kernel 1: the reverse sequential pass over chunks (adjoint of chunk_state_pass).
+
+With dS_c = dLoss/dh_{c+1} (the gradient at chunk c's EXIT state), dY = dout * silu(z):
+
+    dS_{nc-1} = dfinal (or 0)
+    dh_c      = carry_w dS_c  +  dY_c^T (P x Q) @ (state_w * C_c) (Q x N)
+    dS_{c-1}  = dh_c;          dinitial_states = dh_0
+
+(chunked_backward.stage3_reverse_state_pass). One tensor-core MMA per chunk, the weights on the
+C operand, both operands in the input dtype (as the forward's chunk_state_pass).
+Writes dS_c for every chunk (state dtype, default fp32) and dh_0 (fp32) when HAS_INIT.
+
+Tiles: dY (Q, BLOCK_P) from dout/z, C (Q, BLOCK_N), G2 (Q,), seq (Q,), dS (BLOCK_P, BLOCK_N).
+Grid: (B * H, cdiv(P, BLOCK_P), cdiv(N, BLOCK_N)); the chunk loop is sequential (c = nc-1..0).
+"""
+
+import cuda.tile as ct
+
+from ._common import int64_variant, mma_operand
+from .bwd_common import (
+    block_decay,
+    block_seq,
+    carry_weight,
+    load_dy,
+    load_rows,
+    seq_bounds,
+    state_weight,
+)
+
+
+def bwd_state_pass_fn(
+    dout,        # (B, L, H, P) x's dtype
+    z,           # (B, L, H, P) (ignored unless HAS_Z)
+    c,           # (B, L, G, N)
+    cum,         # (B, H, Lp) float32, log2-space per-chunk cumsum (decay_cumsum)
+    seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
+    dfinal,      # (B, H, P, N) float32 (ignored unless HAS_DFINAL)
+    dstates,     # (B, H, C, P, N) out: dS_c, the gradient at each chunk's exit state
+    dinit,       # (B, H, P, N) float32 out: dh_0 (written only if HAS_INIT)
+    Q: ct.Constant[int],
+    BLOCK_P: ct.Constant[int],
+    BLOCK_N: ct.Constant[int],
+    HEADS_PER_GROUP: ct.Constant[int],
+    HAS_Z: ct.Constant[bool],
+    HAS_SEQ: ct.Constant[bool],
+    HAS_DFINAL: ct.Constant[bool],
+    HAS_INIT: ct.Constant[bool],
+):
+    bh, p_tile, n_tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    nheads = dout.shape[2]
+    batch = bh // nheads
+    head = bh % nheads
+    group = head // HEADS_PER_GROUP
+    seqlen = dout.shape[1]
+    num_chunks = cum.shape[2] // Q
+
+    if HAS_DFINAL:
+        dh = ct.load(dfinal, index=(batch, head, p_tile, n_tile), shape=(1, 1, BLOCK_P, BLOCK_N),
+                     padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
+        dh = dh.astype(ct.float32)
+    else:
+        dh = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
+
+    for i in range(num_chunks):
+        chunk = num_chunks - 1 - i
+        ct.store(dstates, index=(batch, head, chunk, p_tile, n_tile),
+                 tile=dh.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(dstates.dtype))
+        dy = load_dy(dout, z, batch, chunk, head, p_tile, Q, BLOCK_P, HAS_Z)
+        ct_ = load_rows(c, batch, chunk, group, n_tile, Q, BLOCK_N).astype(ct.float32)
+        g = block_decay(cum, batch, head, chunk, Q)
+        g_last = ct.extract(g, index=(Q - 1,), shape=(1,))
+        s = block_seq(seq_idx, batch, chunk, Q, HAS_SEQ)
+        before = ct.full((1,), 0, dtype=ct.int32)
+        last = ct.full((1,), 0, dtype=ct.int32)
+        if HAS_SEQ:
+            before, last = seq_bounds(seq_idx, batch, chunk, seqlen, Q)
+        w = state_weight(g, s, before, HAS_SEQ)
+        carry = carry_weight(g_last, before, last, HAS_SEQ)
+        wc = mma_operand(ct_ * w[:, None], c.dtype)
+        dh = ct.mma(mma_operand(dy.transpose(), c.dtype), wc, dh * carry[:, None])
+
+    if HAS_INIT:
+        ct.store(dinit, index=(batch, head, p_tile, n_tile),
+                 tile=dh.reshape((1, 1, BLOCK_P, BLOCK_N)).astype(dinit.dtype))
+
+
+bwd_state_pass = ct.kernel(bwd_state_pass_fn)
+bwd_state_pass_i64 = ct.kernel(int64_variant(
+    bwd_state_pass_fn, ["dout", "z", "c", "cum", "seq_idx", "dfinal", "dstates", "dinit"]))

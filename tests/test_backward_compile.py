@@ -1,0 +1,55 @@
+"""CPU: every backward kernel variant the dispatcher picks compiles for sm_90 and sm_100.
+
+Kernels are compiled from the same plans the GPU path launches (`backward.backward_plan` on
+`meta` tensors): the two recompute launches (forward kernels with fp32 states) and the four
+backward kernels. A launch whose kernel and signature were already compiled for that arch in
+this session (e.g. decay_cumsum across most variants) is not compiled again.
+"""
+
+import pytest
+
+pytest.importorskip("cuda.tile")
+
+from mamba2_cutile import backward, compile_check  # noqa: E402
+
+pytestmark = pytest.mark.compile
+
+VARIANTS = backward.backward_compile_variants()
+_done = set()
+
+
+def _key(call, arch):
+    def describe(a):
+        if hasattr(a, "stride"):
+            per16 = max(1, 16 // a.element_size())
+            return (a.dtype, a.dim(), tuple(s == 1 for s in a.stride()),
+                    tuple(s % per16 == 0 for s in a.stride()), tuple(d % 16 == 0 for d in a.shape))
+        return (type(a).__name__, a if isinstance(a, (bool, int)) else None)
+    return (id(call.kernel), arch, tuple(describe(a) for a in call.args))
+
+
+def test_variant_count():
+    assert len(VARIANTS) <= 16
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+@pytest.mark.parametrize("name, problem", VARIANTS, ids=[n for n, _ in VARIANTS])
+def test_backward_variant_compiles(name, problem, arch):
+    calls = backward.backward_plan_for_problem(**problem)
+    assert len(calls) == 6
+    for call in calls:
+        key = _key(call, arch)
+        if key in _done:
+            continue
+        assert compile_check.compile_call(call, arch) > 0
+        _done.add(key)
+
+
+def test_plan_grids_respect_cuda_limits():
+    """Axes 1 and 2 of every grid stay within 65535, also for huge batch * heads."""
+    calls = backward.backward_plan_for_problem(batch=600, seqlen=3, nheads=128, headdim=4,
+                                               dstate=16, chunk_size=64)
+    for call in calls:
+        assert all(1 <= g for g in call.grid)
+        assert all(g <= 65535 for g in call.grid[1:])
+        assert call.grid[0] < 2**31
