@@ -20,12 +20,12 @@ or CPU float64 tensors for the tile-program emulation in tests/test_backward_emu
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from . import launch
+from .checks import as_kernel_input, config_from_env
 from .kernels.bwd_chunk_dbc import bwd_chunk_dbc, bwd_chunk_dbc_i64
 from .kernels.bwd_chunk_dx import bwd_chunk_dx, bwd_chunk_dx_i64
 from .kernels.bwd_dt import bwd_dt, bwd_dt_i64
@@ -83,21 +83,7 @@ def default_backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size,
         bc_block_p=min(pp, 64),
         bc_block_n=min(np_, 64),
     )
-    return _env_overrides(cfg)
-
-
-def _env_overrides(cfg: BackwardConfig) -> BackwardConfig:
-    spec = os.environ.get("MAMBA2_CUTILE_BWD_CONFIG", "").strip()
-    if not spec or spec == "default":
-        return cfg
-    fields = {}
-    for item in spec.split(","):
-        key, _, value = item.partition("=")
-        key = key.strip()
-        if key not in BackwardConfig.__dataclass_fields__ or key == "chunk_size":
-            raise ValueError(f"MAMBA2_CUTILE_BWD_CONFIG: unknown field {key!r}")
-        fields[key] = int(value)
-    return replace(cfg, **fields)
+    return config_from_env(cfg, "MAMBA2_CUTILE_BWD_CONFIG", frozen=("chunk_size",))
 
 
 def check_config(cfg: BackwardConfig, headdim: int, dstate: int):
@@ -239,17 +225,6 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
     return calls
 
 
-def _as_kernel_input(t, dtype=None):
-    """A tensor the kernels can load: unit innermost stride (for TMA), optional dtype cast."""
-    if t is None:
-        return None
-    if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)
-    if t.dim() and t.stride(-1) != 1:
-        t = t.contiguous()
-    return t
-
-
 def run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z=None,
                  dt_bias=None, initial_states=None, seq_idx=None, dt_softplus=False,
                  dt_limit=(0.0, INF), state_dtype=None, config=None, *, launch_fn,
@@ -273,16 +248,16 @@ def run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z
             grads["initial_states"] = dfinal_states.to(initial_states.dtype).clone()
         return (grads, None) if return_buffers else grads
 
-    xk = _as_kernel_input(x)
-    Bk, Ck, zk = (_as_kernel_input(t, mm) for t in (B, C, z))
-    dtk = _as_kernel_input(dt)
-    Ak = _as_kernel_input(A, f32)
-    Dk = _as_kernel_input(D, f32)
-    biask = _as_kernel_input(dt_bias, f32)
-    init = _as_kernel_input(initial_states, f32)
-    dfin = _as_kernel_input(dfinal_states, f32)
-    dout = torch.zeros_like(xk) if dout is None else _as_kernel_input(dout, mm)
-    seq = None if seq_idx is None else _as_kernel_input(seq_idx, torch.int32)
+    xk = as_kernel_input(x)
+    Bk, Ck, zk = (as_kernel_input(t, mm) for t in (B, C, z))
+    dtk = as_kernel_input(dt)
+    Ak = as_kernel_input(A, f32)
+    Dk = as_kernel_input(D, f32)
+    biask = as_kernel_input(dt_bias, f32)
+    init = as_kernel_input(initial_states, f32)
+    dfin = as_kernel_input(dfinal_states, f32)
+    dout = torch.zeros_like(xk) if dout is None else as_kernel_input(dout, mm)
+    seq = None if seq_idx is None else as_kernel_input(seq_idx, torch.int32)
 
     cfg = config or default_backward_config(b, h, g, p, n, Q, mm, sms)
     check_config(cfg, p, n)

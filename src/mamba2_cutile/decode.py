@@ -28,20 +28,19 @@ a plain PyTorch version with the kernel's rounding points (`_update_torch`);
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from . import launch
+from .checks import (FLOATS, GPU_FLOATS, INTS, check_tensor, config_from_env, expect_shape,
+                     shape_of)
 from .launch import KernelCall, hinted, needs_int64, next_pow2
 
 MAX_DSTATE = 256           # the whole (padded) dstate is one tile
 TILE_ELEMS = 2048          # target state elements per program (BLOCK_P * NP)
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_GPU_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-_INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,22 +65,8 @@ def default_decode_config(batch, nheads, headdim, dstate, sms=132) -> DecodeConf
     bp = min(64, next_pow2(headdim), max(4, TILE_ELEMS // np_))
     while bp > 4 and batch * nheads * -(-headdim // bp) < 2 * sms:
         bp //= 2
-    return _env_overrides(DecodeConfig(block_p=bp, dstate_pad=np_))
-
-
-def _env_overrides(cfg: DecodeConfig) -> DecodeConfig:
-    """MAMBA2_CUTILE_DECODE_CONFIG="block_p=8,occupancy=4" overrides fields (for tuning)."""
-    spec = os.environ.get("MAMBA2_CUTILE_DECODE_CONFIG", "").strip()
-    if not spec or spec == "default":
-        return cfg
-    fields = {}
-    for item in spec.split(","):
-        key, _, value = item.partition("=")
-        key = key.strip()
-        if key not in DecodeConfig.__dataclass_fields__ or key == "dstate_pad":
-            raise ValueError(f"MAMBA2_CUTILE_DECODE_CONFIG: unknown field {key!r}")
-        fields[key] = int(value)
-    return replace(cfg, **fields)
+    return config_from_env(DecodeConfig(block_p=bp, dstate_pad=np_),
+                           "MAMBA2_CUTILE_DECODE_CONFIG", frozen=("dstate_pad",))
 
 
 def _per_head(t, dims):
@@ -166,90 +151,65 @@ def decode_plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_i
 # ----------------------------------------------------------------------------------------------
 # validation
 
-def _shape(t):
-    return tuple(t.shape)
-
-
-def _check_tensor(name, t, ndims, kinds, optional=False):
-    if t is None:
-        if optional:
-            return
-        raise ValueError(f"{name} is required")
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    ndims = (ndims,) if isinstance(ndims, int) else ndims
-    if t.dim() not in ndims:
-        want = " or ".join(str(d) for d in ndims)
-        raise ValueError(f"{name} must have {want} dimensions, got shape {_shape(t)}")
-    if t.dtype not in kinds:
-        what = "a floating-point" if kinds is _FLOATS else "an integer"
-        raise TypeError(f"{name} must be {what} tensor, got dtype {t.dtype}")
-
-
-def _expect(name, t, shape, meaning):
-    if _shape(t) != tuple(shape):
-        raise ValueError(f"{name} must have shape {meaning} = {tuple(shape)}, got {_shape(t)}")
-
-
 def _no_zero_strides(name, t):
     if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
         raise ValueError(f"{name} is written in place and must not be an expanded (stride-0) "
-                         f"view, got strides {t.stride()} for shape {_shape(t)}")
+                         f"view, got strides {t.stride()} for shape {shape_of(t)}")
 
 
 def _validate(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, out_states):
-    _check_tensor("state", state, 4, _FLOATS)
+    check_tensor("state", state, 4, FLOATS)
     nslots, h, p, n = state.shape
-    _check_tensor("x", x, (3, 4), _FLOATS)
+    check_tensor("x", x, (3, 4), FLOATS)
     steps = x.dim() == 4
     if x.shape[-2:] != (h, p):
         raise ValueError(f"x must have shape (batch, [k,] nheads, headdim) with nheads={h}, "
-                         f"headdim={p} (from state), got {_shape(x)}")
+                         f"headdim={p} (from state), got {shape_of(x)}")
     b = x.shape[0]
     k = x.shape[1] if steps else 1
     lead = (b, k) if steps else (b,)
     lead_txt = "(batch, k, " if steps else "(batch, "
-    _check_tensor("dt", dt, x.dim(), _FLOATS)
-    _expect("dt", dt, _shape(x), "x's shape")
-    _check_tensor("A", A, 3, _FLOATS)
-    _expect("A", A, (h, p, n), "(nheads, headdim, dstate)")
-    _check_tensor("B", B, x.dim(), _FLOATS)
+    check_tensor("dt", dt, x.dim(), FLOATS)
+    expect_shape("dt", dt, shape_of(x), "x's shape")
+    check_tensor("A", A, 3, FLOATS)
+    expect_shape("A", A, (h, p, n), "(nheads, headdim, dstate)")
+    check_tensor("B", B, x.dim(), FLOATS)
     if B.shape[:-2] != lead or B.shape[-1] != n:
         raise ValueError(f"B must have shape {lead_txt}ngroups, dstate) with "
                          f"{'batch, k' if steps else 'batch'} = {lead} (from x) and dstate = {n} "
-                         f"(from state), got {_shape(B)}")
+                         f"(from state), got {shape_of(B)}")
     g = B.shape[-2]
-    _check_tensor("C", C, x.dim(), _FLOATS)
-    _expect("C", C, _shape(B), "B's shape")
+    check_tensor("C", C, x.dim(), FLOATS)
+    expect_shape("C", C, shape_of(B), "B's shape")
     if g == 0 or h % g != 0:
         raise ValueError(f"ngroups ({g}, from B) must divide nheads ({h}, from state)")
     if h == 0 or p == 0 or n == 0:
-        raise ValueError(f"state must have nheads, headdim and dstate >= 1, got {_shape(state)}")
-    _check_tensor("D", D, (1, 2), _FLOATS, optional=True)
-    if D is not None and _shape(D) not in ((h, p), (h,)):
+        raise ValueError(f"state must have nheads, headdim and dstate >= 1, got {shape_of(state)}")
+    check_tensor("D", D, (1, 2), FLOATS, optional=True)
+    if D is not None and shape_of(D) not in ((h, p), (h,)):
         raise ValueError(f"D must have shape (nheads, headdim) = ({h}, {p}) or (nheads,) = "
-                         f"({h},), got {_shape(D)}")
-    _check_tensor("z", z, x.dim(), _FLOATS, optional=True)
+                         f"({h},), got {shape_of(D)}")
+    check_tensor("z", z, x.dim(), FLOATS, optional=True)
     if z is not None:
-        _expect("z", z, _shape(x), "x's shape")
-    _check_tensor("dt_bias", dt_bias, (1, 2), _FLOATS, optional=True)
-    if dt_bias is not None and _shape(dt_bias) not in ((h, p), (h,)):
+        expect_shape("z", z, shape_of(x), "x's shape")
+    check_tensor("dt_bias", dt_bias, (1, 2), FLOATS, optional=True)
+    if dt_bias is not None and shape_of(dt_bias) not in ((h, p), (h,)):
         raise ValueError(f"dt_bias must have shape (nheads, headdim) = ({h}, {p}) or "
-                         f"(nheads,) = ({h},), got {_shape(dt_bias)}")
+                         f"(nheads,) = ({h},), got {shape_of(dt_bias)}")
     if not isinstance(dt_softplus, (bool, int)):
         raise TypeError(f"dt_softplus must be a bool, got {type(dt_softplus).__name__}")
-    _check_tensor("state_batch_indices", idx, 1, _INTS, optional=True)
+    check_tensor("state_batch_indices", idx, 1, INTS, optional=True)
     if idx is not None:
-        _expect("state_batch_indices", idx, (b,), "(batch,)")
+        expect_shape("state_batch_indices", idx, (b,), "(batch,)")
     elif nslots < b:
         raise ValueError(f"state has {nslots} slots (state.shape[0]) but batch (x.shape[0]) is "
                          f"{b}: without state_batch_indices row i uses slot i")
-    _check_tensor("out_states", out_states, (4, 5) if not steps else 5, _FLOATS, optional=True)
+    check_tensor("out_states", out_states, (4, 5) if not steps else 5, FLOATS, optional=True)
     if out_states is not None:
         if out_states.dim() == 4:
-            _expect("out_states", out_states, (b, h, p, n), "(batch, nheads, headdim, dstate)")
+            expect_shape("out_states", out_states, (b, h, p, n), "(batch, nheads, headdim, dstate)")
         else:
-            _expect("out_states", out_states, (b, k, h, p, n),
+            expect_shape("out_states", out_states, (b, k, h, p, n),
                     "(batch, k, nheads, headdim, dstate)")
         _no_zero_strides("out_states", out_states)
     _no_zero_strides("state", state)
@@ -262,7 +222,7 @@ def _validate(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, out_states
                              "all tensors must be on one device")
     if x.is_cuda:
         for name, t in tensors.items():
-            if t is not None and t.is_floating_point() and t.dtype not in _GPU_FLOATS:
+            if t is not None and t.is_floating_point() and t.dtype not in GPU_FLOATS:
                 raise TypeError(f"{name} must be float16, bfloat16 or float32 on the GPU, "
                                 f"got {t.dtype}")
         if n > MAX_DSTATE:

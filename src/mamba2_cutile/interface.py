@@ -14,50 +14,26 @@ import os
 import torch
 
 from . import launch, ops  # noqa: F401 - ops registers torch.ops.mamba2_cutile
+from .checks import (FLOATS, GPU_FLOATS, INTS, as_kernel_input, check_tensor, expect_shape,
+                     shape_of)
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_GPU_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-_INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-
-
-def _shape(t):
-    return tuple(t.shape)
-
-
-def _check_tensor(name, t, ndim, kinds, optional=False):
-    if t is None:
-        if optional:
-            return
-        raise ValueError(f"{name} is required")
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {_shape(t)}")
-    if t.dtype not in kinds:
-        what = "a floating-point" if kinds is _FLOATS else "an integer"
-        raise TypeError(f"{name} must be {what} tensor, got dtype {t.dtype}")
-
-
-def _expect(name, t, shape, meaning):
-    if _shape(t) != tuple(shape):
-        raise ValueError(f"{name} must have shape {meaning} = {tuple(shape)}, got {_shape(t)}")
 
 
 def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
               dt_limit, return_varlen_states, state_dtype):
-    _check_tensor("x", x, 4, _FLOATS)
+    check_tensor("x", x, 4, FLOATS)
     b, l, h, p = x.shape
-    _check_tensor("dt", dt, 3, _FLOATS)
-    _expect("dt", dt, (b, l, h), "(batch, seqlen, nheads)")
-    _check_tensor("A", A, 1, _FLOATS)
-    _expect("A", A, (h,), "(nheads,)")
-    _check_tensor("B", B, 4, _FLOATS)
+    check_tensor("dt", dt, 3, FLOATS)
+    expect_shape("dt", dt, (b, l, h), "(batch, seqlen, nheads)")
+    check_tensor("A", A, 1, FLOATS)
+    expect_shape("A", A, (h,), "(nheads,)")
+    check_tensor("B", B, 4, FLOATS)
     if B.shape[:2] != (b, l):
         raise ValueError(f"B must have shape (batch, seqlen, ngroups, dstate) with batch={b}, "
-                         f"seqlen={l}, got {_shape(B)}")
+                         f"seqlen={l}, got {shape_of(B)}")
     g, n = B.shape[2], B.shape[3]
-    _check_tensor("C", C, 4, _FLOATS)
-    _expect("C", C, (b, l, g, n), "B's shape (batch, seqlen, ngroups, dstate)")
+    check_tensor("C", C, 4, FLOATS)
+    expect_shape("C", C, (b, l, g, n), "B's shape (batch, seqlen, ngroups, dstate)")
     if g == 0 or h % g != 0:
         raise ValueError(f"nheads ({h}, from x) must be a multiple of ngroups ({g}, from B)")
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or \
@@ -68,26 +44,26 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
         raise ValueError(f"headdim (x.shape[3]) must be in 1..{launch.MAX_HEADDIM}, got {p}")
     if not 1 <= n <= launch.MAX_DSTATE:
         raise ValueError(f"dstate (B.shape[3]) must be in 1..{launch.MAX_DSTATE}, got {n}")
-    _check_tensor("D", D, (1, 2), _FLOATS, optional=True)
-    if D is not None and _shape(D) not in ((h,), (h, p)):
+    check_tensor("D", D, (1, 2), FLOATS, optional=True)
+    if D is not None and shape_of(D) not in ((h,), (h, p)):
         raise ValueError(f"D must have shape (nheads,) = ({h},) or (nheads, headdim) = "
-                         f"({h}, {p}), got {_shape(D)}")
-    _check_tensor("z", z, 4, _FLOATS, optional=True)
+                         f"({h}, {p}), got {shape_of(D)}")
+    check_tensor("z", z, 4, FLOATS, optional=True)
     if z is not None:
-        _expect("z", z, (b, l, h, p), "x's shape (batch, seqlen, nheads, headdim)")
-    _check_tensor("dt_bias", dt_bias, 1, _FLOATS, optional=True)
+        expect_shape("z", z, (b, l, h, p), "x's shape (batch, seqlen, nheads, headdim)")
+    check_tensor("dt_bias", dt_bias, 1, FLOATS, optional=True)
     if dt_bias is not None:
-        _expect("dt_bias", dt_bias, (h,), "(nheads,)")
-    _check_tensor("initial_states", initial_states, 4, _FLOATS, optional=True)
+        expect_shape("dt_bias", dt_bias, (h,), "(nheads,)")
+    check_tensor("initial_states", initial_states, 4, FLOATS, optional=True)
     if initial_states is not None:
-        _expect("initial_states", initial_states, (b, h, p, n),
+        expect_shape("initial_states", initial_states, (b, h, p, n),
                 "(batch, nheads, headdim, dstate)")
-    _check_tensor("seq_idx", seq_idx, 2, _INTS, optional=True)
+    check_tensor("seq_idx", seq_idx, 2, INTS, optional=True)
     if seq_idx is not None:
-        _expect("seq_idx", seq_idx, (b, l), "(batch, seqlen)")
-    _check_tensor("cu_seqlens", cu_seqlens, 1, _INTS, optional=True)
+        expect_shape("seq_idx", seq_idx, (b, l), "(batch, seqlen)")
+    check_tensor("cu_seqlens", cu_seqlens, 1, INTS, optional=True)
     if cu_seqlens is not None and cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must have num_seqs + 1 >= 2 entries, got {_shape(cu_seqlens)}")
+        raise ValueError(f"cu_seqlens must have num_seqs + 1 >= 2 entries, got {shape_of(cu_seqlens)}")
     if return_varlen_states:
         if cu_seqlens is None:
             raise ValueError("return_varlen_states=True requires cu_seqlens")
@@ -99,7 +75,7 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
         raise TypeError(f"dt_limit must be a pair of numbers (min, max), got {dt_limit!r}") from None
     if math.isnan(lo) or math.isnan(hi) or lo > hi:
         raise ValueError(f"dt_limit must satisfy min <= max, got {dt_limit!r}")
-    if state_dtype is not None and state_dtype not in (_GPU_FLOATS if x.is_cuda else _FLOATS):
+    if state_dtype is not None and state_dtype not in (GPU_FLOATS if x.is_cuda else FLOATS):
         raise TypeError(f"state_dtype must be torch.float16, bfloat16 or float32, got {state_dtype}")
 
     tensors = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias,
@@ -113,7 +89,7 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
     if x.is_cuda:
         for name in ("x", "dt", "B", "C", "z"):
             t = tensors[name]
-            if t is not None and t.dtype not in _GPU_FLOATS:
+            if t is not None and t.dtype not in GPU_FLOATS:
                 raise TypeError(f"{name} must be float16, bfloat16 or float32 on the GPU, "
                                 f"got {t.dtype}")
     wants_check = not x.is_cuda or os.environ.get("MAMBA2_CUTILE_CHECK", "") not in ("", "0")
@@ -161,17 +137,6 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     return result[0] if len(result) == 1 else result
 
 
-def _as_kernel_input(t, dtype=None):
-    """A tensor the kernels can load: unit innermost stride (for TMA), optional dtype cast."""
-    if t is None:
-        return None
-    if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)
-    if t.dim() and t.stride(-1) != 1:
-        t = t.contiguous()
-    return t
-
-
 def ssd_forward_cuda(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                      initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
                      dt_limit=(0.0, float("inf")), state_dtype=None, config=None,
@@ -185,15 +150,15 @@ def ssd_forward_cuda(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     dev = x.device
     state_dtype = state_dtype if state_dtype is not None else C.dtype
     mm = x.dtype
-    x = _as_kernel_input(x)
-    B, C, z = (_as_kernel_input(t, mm) for t in (B, C, z))
-    dt = _as_kernel_input(dt)
-    A = _as_kernel_input(A, torch.float32)
-    D = _as_kernel_input(D, torch.float32)
-    dt_bias = _as_kernel_input(dt_bias, torch.float32)
-    init = _as_kernel_input(initial_states, torch.float32)
+    x = as_kernel_input(x)
+    B, C, z = (as_kernel_input(t, mm) for t in (B, C, z))
+    dt = as_kernel_input(dt)
+    A = as_kernel_input(A, torch.float32)
+    D = as_kernel_input(D, torch.float32)
+    dt_bias = as_kernel_input(dt_bias, torch.float32)
+    init = as_kernel_input(initial_states, torch.float32)
     if seq_idx is not None:
-        seq_idx = _as_kernel_input(seq_idx, torch.int32)
+        seq_idx = as_kernel_input(seq_idx, torch.int32)
 
     nchunks = -(-l // Q)
     final = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)

@@ -8,11 +8,11 @@ launches. Nothing here reads tensor values: plans are safe under CUDA-graph capt
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
+from .checks import config_from_env
 from .kernels.chunk_scan import chunk_scan, chunk_scan_i64
 from .kernels.chunk_state_pass import chunk_state_pass, chunk_state_pass_i64
 from .kernels.decay_cumsum import decay_cumsum, decay_cumsum_i64
@@ -85,22 +85,7 @@ def default_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132, s
         cfg = tuning.apply_forward(cfg, batch=batch, seqlen=seqlen, nheads=nheads,
                                    headdim=headdim, dstate=dstate, dtype=dtype,
                                    device_index=device_index)
-    return _env_overrides(cfg)
-
-
-def _env_overrides(cfg: ForwardConfig) -> ForwardConfig:
-    """MAMBA2_CUTILE_CONFIG="state_block_n=32,scan_block_q=64" overrides fields (for tuning)."""
-    spec = os.environ.get("MAMBA2_CUTILE_CONFIG", "").strip()
-    if not spec or spec == "default":
-        return cfg
-    fields = {}
-    for item in spec.split(","):
-        key, _, value = item.partition("=")
-        key = key.strip()
-        if key not in ForwardConfig.__dataclass_fields__ or key == "chunk_size":
-            raise ValueError(f"MAMBA2_CUTILE_CONFIG: unknown field {key!r}")
-        fields[key] = int(value)
-    return replace(cfg, **fields)
+    return config_from_env(cfg, "MAMBA2_CUTILE_CONFIG", frozen=("chunk_size",))
 
 
 def _sms_of(t) -> int:
