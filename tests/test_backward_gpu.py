@@ -9,7 +9,6 @@ across runs), CUDA-graph capture, configs, 64-bit indexing and edge shapes.
 """
 
 import math
-import os
 from dataclasses import replace
 
 import pytest
@@ -17,28 +16,13 @@ import torch
 
 from mamba2_cutile import backward, reference
 from mamba2_cutile.chunked_backward import ssd_chunked_backward
+from gpu_common import TOL, log_result, rel_err, mamba_ssm_scan  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
-TOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2, torch.float32: 2e-3}
 NAMES = backward.NAMES
 F64 = torch.float64
 DEV = "cuda"
-
-
-def mamba_ssm_fn():
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as f
-        return f
-    except Exception:  # noqa: BLE001 - a missing or broken baseline just skips the comparison
-        return None
-
-
-def log_result(msg):
-    path = os.environ.get("MAMBA2_TEST_LOG")
-    if path:
-        with open(path, "a") as f:
-            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}: {msg}\n")
 
 
 def make_problem(b, l, h, g, p, n, dtype, opts, seed=0, Q=128):
@@ -80,10 +64,6 @@ def make_problem(b, l, h, g, p, n, dtype, opts, seed=0, Q=128):
     dout = r(b, l, h, p).to(dtype)
     dfinal = r(b, h, p, n) if opts.get("dfinal", True) else None
     return inp, kw, dout, dfinal
-
-
-def rel_err(a, ref):
-    return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def ours(inp, kw, Q, dout, dfinal, **extra):
@@ -130,7 +110,7 @@ def recurrence_fn(leaves, kw):
 
 def mamba_grads(inp, kw, Q, dout, dfinal):
     """mamba_ssm's gradients for the same inputs (None if it is absent or refuses them)."""
-    f = mamba_ssm_fn()
+    f = mamba_ssm_scan()
     if f is None:
         return None
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inp.items()}

@@ -8,36 +8,15 @@ Slots no row uses, and padding rows' out_states, must stay bit-exact.
 """
 
 import math
-import os
 
 import pytest
 import torch
 
 from mamba2_cutile import decode, mamba_chunk_scan_combined
 from mamba2_cutile.decode import selective_state_update, selective_state_update_ref
+from gpu_common import TOL, log_result, rel_err, mamba_ssm_state_update  # noqa: F401
 
 pytestmark = pytest.mark.gpu
-
-
-def mamba_ssm_fn():
-    try:
-        from mamba_ssm.ops.triton.selective_state_update import selective_state_update as f
-        return f
-    except Exception:  # noqa: BLE001 - a missing or broken baseline just skips the comparison
-        return None
-
-
-def log_result(msg):
-    path = os.environ.get("MAMBA2_TEST_LOG")
-    if path:
-        with open(path, "a") as f:
-            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}: {msg}\n")
-
-
-def rel_err(a, ref):
-    if ref.numel() == 0:
-        return 0.0
-    return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def make(b=4, k=None, h=8, g=2, p=64, n=128, nslots=None, layout="head", opts=(), idx=None,
@@ -118,7 +97,7 @@ def check(inp, kw, compare_mamba=False):
         tol_o = max(tol_of(out.dtype), tol_s)
         msg += f", out_states err {e_o:.2e} (tol {tol_o:.0e})"
         assert e_o <= tol_o, msg
-    f = mamba_ssm_fn() if compare_mamba else None
+    f = mamba_ssm_state_update() if compare_mamba else None
     if f is not None:
         st_m = inp["state"].clone()
         kw_m = {k: v for k, v in kw.items() if k in ("D", "z", "dt_bias", "dt_softplus")}

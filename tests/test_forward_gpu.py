@@ -6,24 +6,15 @@ Final and varlen states use the same scale.
 """
 
 import math
-import os
 
 import pytest
 import torch
 
 from mamba2_cutile import mamba_chunk_scan_combined, reference
+from gpu_common import TOL, log_result, rel_err, mamba_ssm_scan  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
-TOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2, torch.float32: 2e-3}
-
-
-def mamba_ssm_fn():
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as f
-        return f
-    except Exception:  # noqa: BLE001 - a missing or broken baseline just skips the comparison
-        return None
 
 
 def make_problem(b, l, h, g, p, n, dtype, opts, seed=0):
@@ -63,18 +54,6 @@ def make_problem(b, l, h, g, p, n, dtype, opts, seed=0):
     return inp, kw
 
 
-def log_result(msg):
-    """Errors of every check, appended as they happen (survives a killed test run)."""
-    path = os.environ.get("MAMBA2_TEST_LOG")
-    if path:
-        with open(path, "a") as f:
-            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}: {msg}\n")
-
-
-def rel_err(a, ref):
-    return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
 def check(inp, kw, chunk_size, dtype, compare_mamba=True, state_dtype=None):
     y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
     y, h = mamba_chunk_scan_combined(**inp, chunk_size=chunk_size, return_final_states=True,
@@ -85,7 +64,7 @@ def check(inp, kw, chunk_size, dtype, compare_mamba=True, state_dtype=None):
     e_y, e_h = rel_err(y, y_ref), rel_err(h, h_ref)
     tol = TOL[dtype]
     msg = f"out err {e_y:.2e}, final-state err {e_h:.2e}, tol {tol:.0e}"
-    f = mamba_ssm_fn() if compare_mamba else None
+    f = mamba_ssm_scan() if compare_mamba else None
     if f is not None:
         ym, hm = f(**inp, chunk_size=chunk_size, return_final_states=True, **kw)
         m_y, m_h = rel_err(ym, y_ref), rel_err(hm, h_ref)
@@ -201,7 +180,7 @@ def test_varlen_states(with_init):
     assert v.shape == (6, 4, 48, 80) and v.dtype == torch.bfloat16
     e_v, e_y = rel_err(v, v_ref), rel_err(y, y_ref)
     msg = f"varlen err {e_v:.2e}, out err {e_y:.2e}"
-    f = mamba_ssm_fn()
+    f = mamba_ssm_scan()
     if f is not None and not with_init:   # mamba_ssm drops the initial state from varlen_states
         _, vm = f(**inp, chunk_size=128, cu_seqlens=cu, return_varlen_states=True, **kw)
         m_v = rel_err(vm, v_ref)
