@@ -16,6 +16,7 @@ import torch
 
 from mamba2_cutile import backward, reference
 from mamba2_cutile.chunked_backward import ssd_chunked_backward
+from mamba2_cutile.bench.problems import random_problem
 from gpu_common import TOL, log_result, rel_err, mamba_ssm_scan  # noqa: F401
 
 pytestmark = pytest.mark.gpu
@@ -26,43 +27,21 @@ DEV = "cuda"
 
 
 def make_problem(b, l, h, g, p, n, dtype, opts, seed=0, Q=128):
-    """Realistic Mamba-2 ranges (A in [-16, -1], dt' in [1e-3, 1e-1]); cotangents included."""
+    """Realistic random inputs (bench.problems.random_problem), every option key present in
+    kw (None when off), and the cotangents dout, dfinal drawn from the same generator."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
-    dev = DEV
-    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
-    u = lambda *s: torch.rand(*s, generator=gen, device=dev)  # noqa: E731
-    A = -torch.exp(u(h) * math.log(16.0))
-    dt = torch.exp(u(b, l, h) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-    kw = dict(D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
-              dt_softplus=False, dt_limit=(0.0, math.inf))
-    if opts.get("dt_bias"):
-        bias = torch.log(torch.expm1(torch.full((h,), 0.01, device=dev))) + 0.5 * r(h)
-        kw["dt_bias"] = bias
-        kw["dt_softplus"] = True
-        dt = torch.log(torch.expm1(dt)) - bias
-    if "dt_limit" in opts:
-        kw["dt_limit"] = opts["dt_limit"]
-    inp = dict(x=r(b, l, h, p).to(dtype), dt=dt, A=A, B=r(b, l, g, n).to(dtype),
-               C=r(b, l, g, n).to(dtype))
-    if opts.get("D") == "h":
-        kw["D"] = r(h)
-    if opts.get("D") == "hp":
-        kw["D"] = r(h, p)
-    if opts.get("z"):
-        kw["z"] = r(b, l, h, p).to(dtype)
-    if opts.get("init"):
-        kw["initial_states"] = r(b, h, p, n)
-    if opts.get("seq_idx"):
-        seq = torch.zeros(b, l, dtype=torch.int32, device=dev)
-        # resets inside chunks, exactly on a chunk boundary, one past one, at token 1
-        for cut in (1, l // 5, l // 5 + 1, Q, Q + 1, l // 2, (3 * l) // 4):
-            if 0 < cut < l:
-                seq[:, cut:] += 1
-        if b > 1:
-            seq[-1] = 0
-        kw["seq_idx"] = seq
-    dout = r(b, l, h, p).to(dtype)
-    dfinal = r(b, h, p, n) if opts.get("dfinal", True) else None
+    # seq_idx resets: at token 1, inside chunks, exactly on a chunk boundary, one past one
+    cuts = (1, l // 5, l // 5 + 1, Q, Q + 1, l // 2, (3 * l) // 4)
+    inp, kw = random_problem(b, l, h, g, p, n, dtype, D=opts.get("D"), z=bool(opts.get("z")),
+                             dt_bias=bool(opts.get("dt_bias")), dt_limit=opts.get("dt_limit"),
+                             init=bool(opts.get("init")),
+                             seq_cuts=cuts if opts.get("seq_idx") else None, device=DEV,
+                             gen=gen)
+    kw = {**dict(D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+                 dt_softplus=False, dt_limit=(0.0, math.inf)), **kw}
+    dout = torch.randn(b, l, h, p, generator=gen, device=DEV).to(dtype)
+    dfinal = torch.randn(b, h, p, n, generator=gen, device=DEV) if opts.get("dfinal", True) \
+        else None
     return inp, kw, dout, dfinal
 
 

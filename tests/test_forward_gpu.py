@@ -5,12 +5,12 @@ and never above 1.5x mamba_ssm's own error on the same inputs (when mamba_ssm is
 Final and varlen states use the same scale.
 """
 
-import math
 
 import pytest
 import torch
 
 from mamba2_cutile import mamba_chunk_scan_combined, reference
+from mamba2_cutile.bench.problems import default_seq_cuts, random_problem
 from gpu_common import TOL, log_result, rel_err, mamba_ssm_scan  # noqa: F401
 
 pytestmark = pytest.mark.gpu
@@ -18,40 +18,12 @@ pytestmark = pytest.mark.gpu
 
 
 def make_problem(b, l, h, g, p, n, dtype, opts, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dev = "cuda"
-    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
-    u = lambda *s: torch.rand(*s, generator=gen, device=dev)  # noqa: E731
-    # realistic Mamba-2 ranges: A in [-16, -1], dt in [1e-3, 1e-1]
-    A = -torch.exp(u(h) * math.log(16.0))
-    dt = torch.exp(u(b, l, h) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-    kw = {}
-    if opts.get("dt_bias"):
-        bias = torch.log(torch.expm1(torch.full((h,), 0.01, device=dev))) + 0.5 * r(h)
-        kw["dt_bias"] = bias
-        kw["dt_softplus"] = True
-        dt = torch.log(torch.expm1(dt)) - bias       # so softplus(dt + bias) is in range
-    if "dt_limit" in opts:
-        kw["dt_limit"] = opts["dt_limit"]
-    inp = dict(x=r(b, l, h, p).to(dtype), dt=dt, A=A, B=r(b, l, g, n).to(dtype),
-               C=r(b, l, g, n).to(dtype))
-    if opts.get("D") == "h":
-        kw["D"] = r(h)
-    if opts.get("D") == "hp":
-        kw["D"] = r(h, p)
-    if opts.get("z"):
-        kw["z"] = r(b, l, h, p).to(dtype)
-    if opts.get("init"):
-        kw["initial_states"] = r(b, h, p, n)
-    if opts.get("seq_idx"):
-        seq = torch.zeros(b, l, dtype=torch.int32, device=dev)
-        for cut in (l // 5, l // 5 + 1, l // 2, (3 * l) // 4):
-            if 0 < cut < l:
-                seq[:, cut:] += 1
-        if b > 1:
-            seq[-1] = 0
-        kw["seq_idx"] = seq
-    return inp, kw
+    """Realistic random inputs (bench.problems.random_problem) with the options in `opts`."""
+    return random_problem(b, l, h, g, p, n, dtype, D=opts.get("D"), z=bool(opts.get("z")),
+                          dt_bias=bool(opts.get("dt_bias")), dt_limit=opts.get("dt_limit"),
+                          init=bool(opts.get("init")),
+                          seq_cuts=default_seq_cuts(l) if opts.get("seq_idx") else None,
+                          seed=seed)
 
 
 def check(inp, kw, chunk_size, dtype, compare_mamba=True, state_dtype=None):

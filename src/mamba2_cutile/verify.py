@@ -12,12 +12,13 @@ varlen states, float32 chunk states.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from dataclasses import dataclass
 
 import torch
+
+from .bench import problems
 
 TOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2, torch.float32: 2e-3}
 #: option names a Case may carry
@@ -82,29 +83,13 @@ def make_problem(case: Case, device="cuda", seed=0):
     A in [-16, -1], dt in [1e-3, 1e-1]."""
     b, l, h, g, p, n = (case.batch, case.seqlen, case.nheads, case.ngroups, case.headdim,
                         case.dstate)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
-    u = lambda *s: torch.rand(*s, generator=gen, device=device)  # noqa: E731
-    A = -torch.exp(u(h) * math.log(16.0))
-    dt = torch.exp(u(b, l, h) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-    kw = {}
     o = set(case.opts)
-    if "dt_bias" in o:
-        bias = torch.log(torch.expm1(torch.full((h,), 0.01, device=device))) + 0.5 * r(h)
-        kw.update(dt_bias=bias, dt_softplus=True)
-        dt = torch.log(torch.expm1(dt)) - bias          # softplus(dt + bias) stays in range
-    if "dt_limit" in o:
-        kw["dt_limit"] = (0.004, 0.05)
-    inp = dict(x=r(b, l, h, p).to(case.dtype), dt=dt, A=A, B=r(b, l, g, n).to(case.dtype),
-               C=r(b, l, g, n).to(case.dtype))
-    if "D_head" in o:
-        kw["D"] = r(h)
-    if "D_chan" in o:
-        kw["D"] = r(h, p)
-    if "z" in o:
-        kw["z"] = r(b, l, h, p).to(case.dtype)
-    if "init" in o:
-        kw["initial_states"] = r(b, h, p, n)
+    inp, kw = problems.random_problem(
+        b, l, h, g, p, n, case.dtype, D="hp" if "D_chan" in o else "h" if "D_head" in o else None,
+        z="z" in o, dt_bias="dt_bias" in o, dt_limit=(0.004, 0.05) if "dt_limit" in o else None,
+        init="init" in o,
+        seq_cuts=problems.default_seq_cuts(l) if "seq_idx" in o and "varlen" not in o else None,
+        device=device, seed=seed)
     cu = None
     if "varlen" in o:
         if b != 1 or sum(VARLEN_LENS) != l:
@@ -113,14 +98,6 @@ def make_problem(case: Case, device="cuda", seed=0):
         cu = torch.tensor([0] + lens.cumsum(0).tolist(), dtype=torch.int32, device=device)
         kw["seq_idx"] = torch.repeat_interleave(
             torch.arange(len(VARLEN_LENS), dtype=torch.int32), lens).to(device)[None]
-    elif "seq_idx" in o:
-        seq = torch.zeros(b, l, dtype=torch.int32, device=device)
-        for cut in (l // 5, l // 5 + 1, l // 2, (3 * l) // 4):
-            if 0 < cut < l:
-                seq[:, cut:] += 1
-        if b > 1:
-            seq[-1] = 0
-        kw["seq_idx"] = seq
     return inp, kw, cu
 
 

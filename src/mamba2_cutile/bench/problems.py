@@ -194,6 +194,54 @@ def select(keys="default", custom=(), seqlens=None, dstates=None, match=None, dt
     return out
 
 
+def random_problem(b, l, h, g, p, n, dtype=torch.bfloat16, *, D=None, z=False, dt_bias=False,
+                   dt_limit=None, init=False, seq_cuts=None, device="cuda", seed=0, gen=None):
+    """Random inputs of mamba_chunk_scan_combined in realistic Mamba-2 ranges (A in [-16, -1],
+    dt' in [1e-3, 1e-1]), as (inputs, keyword options) with mamba_ssm's argument names.
+
+    D: None, "h" (per head) or "hp" (per channel). dt_bias: adds dt_bias with softplus, dt then
+    holding pre-softplus values so softplus(dt + dt_bias) stays in range. seq_cuts: token
+    positions where every row but the last (which stays one sequence) starts a new sequence.
+    `gen` lets a caller keep drawing from the same generator afterwards.
+    """
+    gen = gen or torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
+    u = lambda *s: torch.rand(*s, generator=gen, device=device)  # noqa: E731
+    A = -torch.exp(u(h) * math.log(16.0))
+    dt = torch.exp(u(b, l, h) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+    kw = {}
+    if dt_bias:
+        bias = torch.log(torch.expm1(torch.full((h,), 0.01, device=device))) + 0.5 * r(h)
+        kw.update(dt_bias=bias, dt_softplus=True)
+        dt = torch.log(torch.expm1(dt)) - bias
+    if dt_limit is not None:
+        kw["dt_limit"] = dt_limit
+    inp = dict(x=r(b, l, h, p).to(dtype), dt=dt, A=A, B=r(b, l, g, n).to(dtype),
+               C=r(b, l, g, n).to(dtype))
+    if D == "h":
+        kw["D"] = r(h)
+    if D == "hp":
+        kw["D"] = r(h, p)
+    if z:
+        kw["z"] = r(b, l, h, p).to(dtype)
+    if init:
+        kw["initial_states"] = r(b, h, p, n)
+    if seq_cuts is not None:
+        seq = torch.zeros(b, l, dtype=torch.int32, device=device)
+        for cut in seq_cuts:
+            if 0 < cut < l:
+                seq[:, cut:] += 1
+        if b > 1:
+            seq[-1] = 0
+        kw["seq_idx"] = seq
+    return inp, kw
+
+
+def default_seq_cuts(l):
+    """Resets inside chunks and one token apart."""
+    return (l // 5, l // 5 + 1, l // 2, (3 * l) // 4)
+
+
 def make_inputs(shape: Shape, device="cuda", seed=0):
     """The common problem every implementation can run: dt already positive (softplus applied
     when made), D per head, zero initial state, final state returned. Options add z,
