@@ -139,11 +139,37 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
 def ssd_forward_cuda(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                      initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
-                     dt_limit=(0.0, float("inf")), state_dtype=None, config=None,
-                     return_intermediates=False):
+                     dt_limit=(0.0, float("inf")), state_dtype=None, config=None):
     """Launch the forward kernels. Inputs must already be validated. No host synchronization."""
     import cuda.tile as ct
 
+    calls, out, final, (dt_buf, cum_buf, states), (x, B, init) = forward_launches(
+        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
+        dt_limit, state_dtype, config)
+    b, l, h, p = x.shape
+    state_dtype = state_dtype if state_dtype is not None else C.dtype
+    if not calls:                # l = 0 or no heads: nothing to launch
+        final = init.clone() if init is not None else final.zero_()
+        varlen = None
+        if cu_seqlens is not None:
+            varlen = _empty_varlen(cu_seqlens, init, (h, p, B.shape[3]), state_dtype)
+        return out, final, varlen
+    stream = torch.cuda.current_stream(x.device)
+    for call in calls:
+        ct.launch(stream, call.grid, call.kernel, call.args)
+    varlen = None
+    if cu_seqlens is not None:
+        varlen = varlen_states_from_chunks(x, B, dt_buf, cum_buf, states, init, cu_seqlens,
+                                           chunk_size).to(state_dtype)
+    return out, final, varlen
+
+
+def forward_launches(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+                     initial_states=None, seq_idx=None, dt_softplus=False,
+                     dt_limit=(0.0, float("inf")), state_dtype=None, config=None):
+    """The forward's planned launches and the buffers they write, for CUDA inputs:
+    (calls, out, final, (dt_buf, cum_buf, states), (x, B, init) as the kernels read them).
+    `calls` is empty when there is nothing to launch (l = 0 or b * h = 0)."""
     b, l, h, p = x.shape
     n = B.shape[3]
     Q = chunk_size
@@ -163,32 +189,21 @@ def ssd_forward_cuda(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     nchunks = -(-l // Q)
     final = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
     out = torch.empty((b, l, h, p), dtype=x.dtype, device=dev)
-    if l == 0 or b * h == 0:     # nothing to launch (a zero-sized grid is a launch error)
-        final = init.clone() if init is not None else final.zero_()
-        varlen = None
-        if cu_seqlens is not None:
-            varlen = _empty_varlen(cu_seqlens, init, (h, p, n), state_dtype)
-        return out, final, varlen
-    lo, hi = dt_limit
-    if (lo, hi) == (0.0, float("inf")):      # mamba_ssm clamps only for a non-default limit
-        lo, hi = -float("inf"), float("inf")
     dt_buf = torch.empty((b, h, nchunks * Q), dtype=torch.float32, device=dev)
     cum_buf = torch.empty((b, h, nchunks * Q), dtype=torch.float32, device=dev)
     states = torch.empty((b, h, nchunks, p, n), dtype=state_dtype, device=dev)
+    bufs = (dt_buf, cum_buf, states)
+    if l == 0 or b * h == 0:     # a zero-sized grid is a launch error
+        return [], out, final, bufs, (x, B, init)
+    lo, hi = dt_limit
+    if (lo, hi) == (0.0, float("inf")):      # mamba_ssm clamps only for a non-default limit
+        lo, hi = -float("inf"), float("inf")
     cfg = config or launch.default_config(b, h, p, n, Q, x.dtype,
                                           launch.num_sms(dev.index or 0), seqlen=l,
                                           device_index=dev.index or 0)
-    stream = torch.cuda.current_stream(dev)
-    for call in launch.forward_plan(x, dt, A, B, C, z, D, dt_bias, lo, hi, dt_softplus, init,
-                                    seq_idx, dt_buf, cum_buf, states, final, out, cfg):
-        ct.launch(stream, call.grid, call.kernel, call.args)
-    varlen = None
-    if cu_seqlens is not None:
-        varlen = varlen_states_from_chunks(x, B, dt_buf, cum_buf, states, init, cu_seqlens, Q)
-        varlen = varlen.to(state_dtype)
-    if return_intermediates:
-        return out, final, varlen, (dt_buf, cum_buf, states)
-    return out, final, varlen
+    calls = launch.forward_plan(x, dt, A, B, C, z, D, dt_bias, lo, hi, dt_softplus, init,
+                                seq_idx, dt_buf, cum_buf, states, final, out, cfg)
+    return calls, out, final, bufs, (x, B, init)
 
 
 def _empty_varlen(cu_seqlens, init, shape, dtype):

@@ -257,23 +257,15 @@ def breakdown(shape, reps=30):
     D per head, zero initial state, final state)."""
     import cuda.tile as ct
 
-    from .. import launch
+    from .. import interface, launch
     from . import timing
 
     inp = problems.make_inputs(shape)
     b, l, h, g, p, n = shape.dims()
-    Q = shape.chunk
-    nc = -(-l // Q)
-    dev = inp["x"].device
-    dt_buf = torch.empty((b, h, nc * Q), dtype=torch.float32, device=dev)
-    cum = torch.empty_like(dt_buf)
-    states = torch.empty((b, h, nc, p, n), dtype=inp["C"].dtype, device=dev)
-    final = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
-    out = torch.empty_like(inp["x"])
-    cfg = launch.default_config(b, h, p, n, Q, inp["x"].dtype, launch.num_sms(0))
-    calls = launch.forward_plan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], None,
-                                inp["D"], None, -float("inf"), float("inf"), False,
-                                inp["initial_states"], None, dt_buf, cum, states, final, out, cfg)
+    cfg = launch.default_config(b, h, p, n, shape.chunk, shape.dtype, launch.num_sms(0))
+    calls = interface.forward_launches(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
+                                       shape.chunk, D=inp["D"],
+                                       initial_states=inp["initial_states"], config=cfg)[0]
     row = {"shape": shape.name, "impl": "breakdown", "config": str(cfg), "kernels": {}}
     for call in calls:
         name = call.kernel._annotated_function.pyfunc.__name__
