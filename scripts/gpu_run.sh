@@ -10,9 +10,9 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .kit/extra/*.w
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 STEPS=${1:-tests,demo,sweep,bench}
 if [[ $STEPS == *tests* ]]; then
-  MAMBA2_TEST_LOG="$OUT/checks.log" timeout ${TEST_TIMEOUT:-330} python3 -m pytest -m gpu tests/ \
+  MAMBA2_TEST_LOG="$OUT/checks.log" timeout ${TEST_TIMEOUT:-330} python3 -m pytest -m gpu ${PYTEST_PATHS:-tests/} \
     -n ${TEST_WORKERS:-10} -v -p no:cacheprovider -p no:benchmark --timeout=${TEST_CASE_TIMEOUT:-240} \
-    --junitxml="$OUT/gpu_tests.xml" ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests.log" 2>&1
+    --junitxml="$OUT/gpu_tests.xml" --durations=40 ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 25
 fi
 if [[ $STEPS == *demo* ]]; then
@@ -45,3 +45,4 @@ if [[ $STEPS == *decode* ]]; then
   timeout 200 python3 -m mamba2_cutile bench --mode decode --out "$OUT/bench" > "$OUT/decode.log" 2>&1
   echo "decode rc=$?"; cat "$OUT/decode.log"
 fi
+du -sh "${CUDA_TILE_CACHE_DIR:-.kit/cache}" 2>/dev/null

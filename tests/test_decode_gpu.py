@@ -105,6 +105,9 @@ def check(inp, kw, compare_mamba=False):
         for name in ("D", "dt_bias"):        # mamba_ssm takes only (h, p)
             if name in kw_m and kw_m[name].dim() == 1:
                 kw_m[name] = kw_m[name][:, None].expand(h, p)
+            elif name not in kw_m or kw_m[name] is None:
+                # mamba_ssm crashes on None: zeros are the same problem
+                kw_m[name] = torch.zeros(h, device=inp["x"].device)[:, None].expand(h, p)
         y_m = f(st_m, inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], **kw_m)
         m_y, m_s = rel_err(y_m, y_ref.cuda()), rel_err(st_m, state_ref.cuda())
         msg += f"; mamba_ssm y err {m_y:.2e}, state err {m_s:.2e}"

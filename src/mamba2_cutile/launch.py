@@ -43,10 +43,11 @@ class ForwardConfig:
     scan_load_latency: int = 0      # 0: let the compiler choose
     scan_persistent: int = 0        # >0: a persistent grid of this many programs per SM
     scan_lowp: int = 0              # 1: (C B^T) X MMA in the input dtype (fp16/bf16), not tf32
-    scan_head_major: int = 0        # 1: grid (batch*heads, query blocks, p tiles)
+    scan_head_major: int = 0        # 1: heads fastest in the grid (they share B and C tiles)
     scan_warps: int = 0             # num_worker_warps hint of chunk_scan (0: compiler's choice)
     state_scale_x: int = 0          # 1: chunk_state_pass weights X instead of B
     scan_block_n: int = 0           # dstate tile of chunk_scan's K loop (0: all of dstate_pad)
+    state_fresh_acc: int = 0        # 1: chunk_state_pass MMA into a fresh accumulator, then add
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,7 +155,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
             (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
              Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
              init is not None, seq_idx is not None, cfg.state_load_latency,
-             bool(cfg.state_scale_x)),
+             bool(cfg.state_scale_x), bool(cfg.state_fresh_acc)),
         ),
         KernelCall(
             hinted(chunk_scan_i64 if big else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
@@ -164,7 +165,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              nheads // ngroups, 0 if D is None else D.dim(), z is not None, seq_idx is not None,
              cfg.scan_load_latency, cfg.scan_persistent > 0,
              bool(cfg.scan_lowp) and x.dtype != torch.float32,
-             bool(cfg.scan_head_major) and not cfg.scan_persistent,
+             bool(cfg.scan_head_major),
              min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad)),
         ),
     ]
@@ -192,6 +193,8 @@ def compile_variants():
                   dict(dtype=bf, state_dtype=torch.float32, dt_dtype=torch.float16)))
     # tuning options a config may select
     items.append(("bf16-persistent", dict(dtype=bf, overrides=dict(scan_persistent=2))))
+    items.append(("bf16-persistent-head-major", dict(dtype=bf, overrides=dict(
+        scan_persistent=1, scan_head_major=1, scan_block_n=32))))
     items.append(("bf16-lowp-head-major", dict(dtype=bf, overrides=dict(scan_lowp=1,
                                                                        scan_head_major=1))))
     items.append(("fp16-lowp-Q256", dict(dtype=torch.float16, chunk_size=256,
@@ -200,6 +203,8 @@ def compile_variants():
         scan_warps=8, scan_occupancy=2, state_occupancy=2))))
     items.append(("fp32-scale-x-Q256", dict(dtype=torch.float32, chunk_size=256,
                                             overrides=dict(state_scale_x=1))))
+    items.append(("bf16-state-fresh-acc-p32", dict(dtype=bf, overrides=dict(
+        state_fresh_acc=1, state_block_p=32))))
     for bn in (32, 64):
         items.append((f"bf16-scan-block-n{bn}", dict(dtype=bf, overrides=dict(scan_block_n=bn))))
     items.append(("fp16-Q256-scan-block-n32-n96", dict(dtype=torch.float16, chunk_size=256,

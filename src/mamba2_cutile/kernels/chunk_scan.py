@@ -21,6 +21,52 @@ import cuda.tile as ct
 from ._common import int64_variant, mma_operand
 
 
+def _add_key_block(
+    acc, cb, kblk, g_q, row, s_q, x, dt, cum, seq_idx, batch, head, p_tile,
+    BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int], HAS_SEQ: ct.Constant[bool],
+    LOWP: ct.Constant[bool], LAT,
+):
+    """acc += (2^{G_q - G_k} * (C_q B_k^T) * M * dt_k) @ X_k for the raw C B^T block `cb`."""
+    g_k = ct.load(cum, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
+    dt_k = ct.load(dt, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
+    col = kblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
+    keep = row[:, None] >= col[None, :]
+    if HAS_SEQ:
+        s_k = ct.load(seq_idx, index=(batch, kblk), shape=(1, BLOCK_Q),
+                      padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_Q,))
+        keep = keep & (s_q[:, None] == s_k[None, :])
+    expo = ct.where(keep, g_q[:, None] - g_k[None, :], -float("inf"))
+    # dt is folded into the decayed C B^T in fp32, so X enters the MMA unrounded: one
+    # rounding (of the weights) instead of two. LOWP rounds the weights to the input
+    # dtype (half the MMA cost of tf32, mamba_ssm's choice); otherwise tf32.
+    cb = cb * ct.exp2(expo) * dt_k[None, :]
+    xk = ct.load(x, index=(batch, kblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
+                 padding_mode=ct.PaddingMode.ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_P))
+    if LOWP:
+        return ct.mma(mma_operand(cb, x.dtype), mma_operand(xk, x.dtype), acc)
+    return ct.mma(cb.astype(ct.tfloat32), xk.astype(ct.tfloat32), acc)
+
+
+def _diag_tile_mma(
+    b, c, states, cb, acc, nt, batch, qblk, group, head, chunk, p_tile,
+    BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int], BLOCK_N: ct.Constant[int], LAT,
+    in_dtype,
+):
+    """One dstate tile of C B^T (diagonal block) and of C h^T, sharing the C tile."""
+    ZERO = ct.PaddingMode.ZERO
+    c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
+                  padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
+    bt = ct.load(b, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
+                 padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
+    h = ct.load(states, index=(batch, head, chunk, p_tile, nt),
+                shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
+                latency=LAT).reshape((BLOCK_P, BLOCK_N))
+    c_op = mma_operand(c_t, in_dtype)
+    cb = ct.mma(c_op, mma_operand(bt.transpose(), in_dtype), cb)
+    acc = ct.mma(c_op, mma_operand(h.transpose(), in_dtype), acc)
+    return cb, acc
+
+
 def _scan_tile(
     x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, p_tile, bh,
     Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
@@ -41,20 +87,8 @@ def _scan_tile(
 
     g_q = ct.load(cum, index=(batch, head, qblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
     row = qblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)   # token index of each query
-
-    # dstate is walked in BLOCK_N tiles: with several tiles the loop lets the compiler
-    # prefetch the next C/B/h tiles while the current MMAs run. cdiv(N, BLOCK_N), not
-    # NP // BLOCK_N: a tile wholly past dstate would be an out-of-bounds load.
-    n_tiles = ct.cdiv(c.shape[3], BLOCK_N)
-    acc = ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32)
-    for nt in range(n_tiles):
-        c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
-                      padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
-        h = ct.load(states, index=(batch, head, chunk, p_tile, nt),
-                    shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
-                    latency=LAT).reshape((BLOCK_P, BLOCK_N))
-        acc = ct.mma(mma_operand(c_t, x.dtype), mma_operand(h.transpose(), x.dtype), acc)
     state_scale = ct.exp2(g_q)
+    s_q = row
     if HAS_SEQ:
         s_q = ct.load(seq_idx, index=(batch, qblk), shape=(1, BLOCK_Q),
                       padding_mode=ZERO).reshape((BLOCK_Q,))
@@ -62,35 +96,63 @@ def _scan_tile(
         prev = ct.maximum(chunk * Q - 1, 0)
         s_prev = ct.load(seq_idx, index=(batch, prev), shape=(1, 1)).reshape((1,))
         state_scale = ct.where(s_q == s_prev, state_scale, 0.0)
-    acc = acc * state_scale[:, None]
 
-    for kblk in range(first_blk, qblk + 1):
+    # dstate is walked in BLOCK_N tiles: with several tiles the loop lets the compiler
+    # prefetch the next C/B/h tiles while the current MMAs run. cdiv(N, BLOCK_N), not
+    # NP // BLOCK_N: a tile wholly past dstate would be an out-of-bounds load.
+    n_tiles = ct.cdiv(c.shape[3], BLOCK_N)
+    ONE_TILE = BLOCK_N == NP      # then no K loop at all: straight-line code, C loaded once
+    acc = ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32)
+    if BLOCK_Q == Q:
+        # The chunk's only key block is the diagonal one: each C tile is loaded once and
+        # feeds both the carried-state MMA and C B^T.
         cb = ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32)
+        if ONE_TILE:
+            cb, acc = _diag_tile_mma(b, c, states, cb, acc, 0, batch, qblk, group, head, chunk,
+                                     p_tile, BLOCK_Q, BLOCK_P, BLOCK_N, LAT, x.dtype)
+        else:
+            for nt in range(n_tiles):
+                cb, acc = _diag_tile_mma(b, c, states, cb, acc, nt, batch, qblk, group, head,
+                                         chunk, p_tile, BLOCK_Q, BLOCK_P, BLOCK_N, LAT, x.dtype)
+        acc = acc * state_scale[:, None]
+        acc = _add_key_block(acc, cb, qblk, g_q, row, s_q, x, dt, cum, seq_idx, batch, head,
+                             p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT)
+    elif ONE_TILE:
+        c_q = mma_operand(ct.load(c, index=(batch, qblk, group, 0),
+                                  shape=(1, BLOCK_Q, 1, BLOCK_N), padding_mode=ZERO,
+                                  latency=LAT).reshape((BLOCK_Q, BLOCK_N)), x.dtype)
+        h = ct.load(states, index=(batch, head, chunk, p_tile, 0),
+                    shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
+                    latency=LAT).reshape((BLOCK_P, BLOCK_N))
+        acc = ct.mma(c_q, mma_operand(h.transpose(), x.dtype), acc) * state_scale[:, None]
+        for kblk in range(first_blk, qblk + 1):
+            bt = ct.load(b, index=(batch, kblk, group, 0), shape=(1, BLOCK_Q, 1, BLOCK_N),
+                         padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
+            cb = ct.mma(c_q, mma_operand(bt.transpose(), x.dtype),
+                        ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
+            acc = _add_key_block(acc, cb, kblk, g_q, row, s_q, x, dt, cum, seq_idx, batch,
+                                 head, p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT)
+    else:
         for nt in range(n_tiles):
             c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
                           padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
-            bt = ct.load(b, index=(batch, kblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
-                         padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
-            cb = ct.mma(mma_operand(c_t, x.dtype), mma_operand(bt.transpose(), x.dtype), cb)
-        g_k = ct.load(cum, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
-        dt_k = ct.load(dt, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
-        col = kblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
-        keep = row[:, None] >= col[None, :]
-        if HAS_SEQ:
-            s_k = ct.load(seq_idx, index=(batch, kblk), shape=(1, BLOCK_Q),
-                          padding_mode=ZERO).reshape((BLOCK_Q,))
-            keep = keep & (s_q[:, None] == s_k[None, :])
-        expo = ct.where(keep, g_q[:, None] - g_k[None, :], -float("inf"))
-        # dt is folded into the decayed C B^T in fp32, so X enters the MMA unrounded: one
-        # rounding (of the weights) instead of two. LOWP rounds the weights to the input
-        # dtype (half the MMA cost of tf32, mamba_ssm's choice); otherwise tf32.
-        cb = cb * ct.exp2(expo) * dt_k[None, :]
-        xk = ct.load(x, index=(batch, kblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
-                     padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_P))
-        if LOWP:
-            acc = ct.mma(mma_operand(cb, x.dtype), mma_operand(xk, x.dtype), acc)
-        else:
-            acc = ct.mma(cb.astype(ct.tfloat32), xk.astype(ct.tfloat32), acc)
+            h = ct.load(states, index=(batch, head, chunk, p_tile, nt),
+                        shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
+                        latency=LAT).reshape((BLOCK_P, BLOCK_N))
+            acc = ct.mma(mma_operand(c_t, x.dtype), mma_operand(h.transpose(), x.dtype), acc)
+        acc = acc * state_scale[:, None]
+        for kblk in range(first_blk, qblk + 1):
+            cb = ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32)
+            for nt in range(n_tiles):
+                c_t = ct.load(c, index=(batch, qblk, group, nt),
+                              shape=(1, BLOCK_Q, 1, BLOCK_N), padding_mode=ZERO,
+                              latency=LAT).reshape((BLOCK_Q, BLOCK_N))
+                bt = ct.load(b, index=(batch, kblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
+                             padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
+                cb = ct.mma(mma_operand(c_t, x.dtype), mma_operand(bt.transpose(), x.dtype),
+                            cb)
+            acc = _add_key_block(acc, cb, kblk, g_q, row, s_q, x, dt, cum, seq_idx, batch,
+                                 head, p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT)
 
     xq = ct.load(x, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
                  padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P)).astype(ct.float32)
@@ -141,11 +203,18 @@ def chunk_scan_fn(
         # a fixed grid walks the tiles, so the loads of the next tile overlap this one's math
         n_p = ct.cdiv(x.shape[3], BLOCK_P)
         for t in range(ct.bid(0), n_q * n_p * n_bh, ct.num_blocks(0)):
-            qblk = t % n_q
-            rest = t // n_q
-            _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, rest % n_p,
-                       rest // n_p, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
-                       HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N)
+            if HEAD_MAJOR:
+                # programs running together share the B and C tiles of one query block
+                bh = t % n_bh
+                rest = t // n_bh
+                p_tile, qblk = rest % n_p, rest // n_p
+            else:
+                qblk = t % n_q
+                rest = t // n_q
+                p_tile, bh = rest % n_p, rest // n_p
+            _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, p_tile, bh, Q,
+                       BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
+                       LOAD_LATENCY, LOWP, BLOCK_N)
     else:
         # grid (n_q * B * H, p tiles): batch*heads on axis 0 has no 65535 limit
         t = ct.bid(0)

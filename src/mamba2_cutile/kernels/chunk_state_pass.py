@@ -37,6 +37,7 @@ def chunk_state_pass_fn(
     HAS_SEQ: ct.Constant[bool],
     LOAD_LATENCY: ct.Constant[int],
     SCALE_X: ct.Constant[bool],
+    FRESH_ACC: ct.Constant[bool],
 ):
     bh, p_tile, n_tile = ct.bid(0), ct.bid(1), ct.bid(2)
     nheads = x.shape[2]
@@ -81,11 +82,17 @@ def chunk_state_pass_fn(
             seq_prev = s_last
         # the weights go on the smaller operand: (w X)^T B == X^T (w B), one rounding either way
         if SCALE_X:
-            xw = mma_operand(xt.astype(ct.float32) * w[:, None], x.dtype)
-            hid = ct.mma(xw.transpose(), mma_operand(bt, x.dtype), hid * carry[:, None])
+            lhs = mma_operand(xt.astype(ct.float32) * w[:, None], x.dtype).transpose()
+            rhs = mma_operand(bt, x.dtype)
         else:
-            bw = mma_operand(bt.astype(ct.float32) * w[:, None], x.dtype)
-            hid = ct.mma(mma_operand(xt.transpose(), x.dtype), bw, hid * carry[:, None])
+            lhs = mma_operand(xt.transpose(), x.dtype)
+            rhs = mma_operand(bt.astype(ct.float32) * w[:, None], x.dtype)
+        if FRESH_ACC:
+            # the MMA does not wait for the carried state: only a multiply-add is sequential
+            upd = ct.mma(lhs, rhs, ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32))
+            hid = hid * carry[:, None] + upd
+        else:
+            hid = ct.mma(lhs, rhs, hid * carry[:, None])
 
     ct.store(final, index=(batch, head, p_tile, n_tile),
              tile=hid.reshape((1, 1, BLOCK_P, BLOCK_N)))

@@ -1,0 +1,36 @@
+"""Forward config sweep in one process (one compile cache, no per-config start-up).
+
+    python3 scripts/sweep.py SHAPES CONFIG [CONFIG ...]      (on the GPU machine)
+
+SHAPES: bench registry keys (comma list). CONFIG: MAMBA2_CUTILE_CONFIG strings ("default",
+"scan_block_n=32,scan_lowp=1", ...). Each config is checked against mamba_ssm's output, then
+timed (CUDA graph, L2 flushed), whole forward and per kernel. One JSON line per (shape, config).
+"""
+import json
+import os
+import sys
+
+from mamba2_cutile.bench import problems, runner
+
+shapes = problems.select(sys.argv[1])
+for shape in shapes:
+    for i, cfg in enumerate(sys.argv[2:]):
+        os.environ["MAMBA2_CUTILE_CONFIG"] = cfg
+        names = ["mamba_ssm", "mamba2-cutile"] if i == 0 else ["mamba2-cutile"]
+        try:
+            rows = runner.run_case(shape, names, mode="fwd")
+            ours = rows[-1]
+            if i == 0:
+                ref = rows[0]
+                print(json.dumps({"shape": shape.name, "config": "mamba_ssm",
+                                  "ms": runner.kernel_ms(ref)}), flush=True)
+            bd = runner.breakdown(shape)
+            print(json.dumps({"shape": shape.name, "config": cfg, "status": ours.get("status"),
+                              "ms": runner.kernel_ms(ours),
+                              "diff": ours.get("max_diff_vs_first"),
+                              "first_s": ours.get("first_call_s"),
+                              "kernels": {k: round(v, 4) for k, v in bd["kernels"].items()}}),
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - one bad config must not end the sweep
+            print(json.dumps({"shape": shape.name, "config": cfg,
+                              "status": f"error: {type(e).__name__}: {str(e)[:300]}"}), flush=True)

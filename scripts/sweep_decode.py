@@ -1,0 +1,44 @@
+"""Decode config sweep in one process: BLOCK_P x occupancy at a 7B-class shape (H=128, P=64,
+N=128, G=8, bf16 state), each checked against mamba_ssm's y and state, then timed (CUDA
+graph). One JSON line per (batch, config).   python3 scripts/sweep_decode.py [batches]
+"""
+import json
+import sys
+from dataclasses import replace
+
+import torch
+
+from mamba2_cutile import decode
+from mamba2_cutile.bench import decode as bd
+from mamba2_cutile.bench.timing import time_graph
+
+batches = [int(b) for b in (sys.argv[1] if len(sys.argv) > 1 else "1,8,64,256").split(",")]
+h, p, n, g = 128, 64, 128, 8
+theirs_fn = bd._mamba_ssm()
+for b in batches:
+    inp = bd.make_decode_inputs(b, h, p, n, g)
+    nbytes = bd.decode_bytes(inp)
+    default = decode.default_decode_config(b, h, p, n, 132)
+    ref_state = inp["state"].clone()
+    ref_y = theirs_fn(ref_state, inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"],
+                      z=inp["z"], dt_bias=inp["dt_bias"], dt_softplus=True)
+    t = time_graph(bd._theirs(inp), reps=100)["median_ms"]
+    print(json.dumps({"batch": b, "config": "mamba_ssm", "us": t * 1e3,
+                      "gbps": nbytes / (t * 1e-3) / 1e9}), flush=True)
+    for bp in (16, 32, 64):
+        for occ in (0, 2, 4, 8):
+            cfg = replace(default, block_p=bp, occupancy=occ)
+            try:
+                run = dict(inp, state=inp["state"].clone())
+                y = bd._ours(run, cfg)()
+                dy = (y.float() - ref_y.float()).abs().max().item()
+                ds = (run["state"].float() - ref_state.float()).abs().max().item()
+                t = time_graph(bd._ours(run, cfg), reps=100)["median_ms"]
+                print(json.dumps({"batch": b, "config": f"bp={bp},occ={occ}", "us": t * 1e3,
+                                  "gbps": nbytes / (t * 1e-3) / 1e9, "dy": dy, "ds": ds}),
+                      flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(json.dumps({"batch": b, "config": f"bp={bp},occ={occ}",
+                                  "error": f"{type(e).__name__}: {str(e)[:200]}"}), flush=True)
+    del inp
+    torch.cuda.empty_cache()
