@@ -12,7 +12,7 @@ from test_forward_gpu import make_problem  # noqa: E402
 from mamba2_cutile import mamba_chunk_scan_combined, reference  # noqa: E402
 
 f = mamba_ssm_scan()
-for l in (1, 17, 65):
+for l in (1, 65):
     for seed in range(6):
         inp, kw = make_problem(2, l, 4, 1, 32, 64, torch.bfloat16, {"D": "h", "init": True},
                                seed=seed)
@@ -20,7 +20,7 @@ for l in (1, 17, 65):
         floor = rel_err(y_ref.to(torch.bfloat16), y_ref)
         ym = f(**inp, chunk_size=256, **kw)
         res = {"mamba": rel_err(ym, y_ref)}
-        for name, cfg, sd in (("ours", "default", None), ("lowp", "scan_lowp=1", None),
+        for name, cfg, sd in (("ours", "default", None), ("tf32", "scan_lowp=0", None),
                               ("fp32state", "default", torch.float32)):
             os.environ["MAMBA2_CUTILE_CONFIG"] = cfg
             y = mamba_chunk_scan_combined(**inp, chunk_size=256, state_dtype=sd, **kw)
