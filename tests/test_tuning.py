@@ -361,11 +361,12 @@ def test_parse_space():
 
 
 def test_candidates(launch):
-    cfg = seed_cfg(launch)                 # seed: state_block_n 32, latency 8, persistent 0
+    cfg = seed_cfg(launch)                 # seed: state_block_n 32, scale_x 0, block_q 128
     cands = tuning.candidates(cfg, tuning.DEFAULT_SPACE)
     assert cands[0] == {}
     assert len(cands) == 12                # 3 x 2 x 2, the default combination once
-    assert {"state_block_n": 16} in cands and {"scan_persistent": 2} in cands
+    assert {"state_block_n": 16} in cands and {"scan_block_q": 64} in cands
+    assert tuning.valid_overrides(cfg, {"scan_lowp": 2}) is None
     assert all(k not in ("chunk_size", "dstate_pad") for c in cands for k in c)
     small = seed_cfg(launch, dstate=32)    # dstate_pad 32: state_block_n 64 is invalid
     assert all(c.get("state_block_n", 0) <= 32 for c in tuning.candidates(small, {
