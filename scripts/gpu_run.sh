@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gp
 STEPS=${1:-tests,demo,sweep,bench}
 if [[ $STEPS == *tests* ]]; then
   MAMBA2_TEST_LOG="$OUT/checks.log" timeout ${TEST_TIMEOUT:-330} python3 -m pytest -m gpu ${PYTEST_PATHS:-tests/} \
-    -n ${TEST_WORKERS:-10} -v -p no:cacheprovider -p no:benchmark --timeout=${TEST_CASE_TIMEOUT:-240} \
+    -n ${TEST_WORKERS:-10} --dist loadgroup -v -p no:cacheprovider -p no:benchmark --timeout=${TEST_CASE_TIMEOUT:-240} \
     --junitxml="$OUT/gpu_tests.xml" --durations=40 ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 25
 fi

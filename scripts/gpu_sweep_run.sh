@@ -15,7 +15,7 @@ fi
 timeout 45 python3 scripts/probe_short.py > "$OUT/probe.log" 2>&1; echo "probe rc=$?"; cat "$OUT/probe.log" | tail -20
 if [[ -n ${PYTEST_PATHS:-} ]]; then
   MAMBA2_TEST_LOG="$OUT/checks.log" timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu $PYTEST_PATHS \
-    -n ${TEST_WORKERS:-14} -p no:cacheprovider -p no:benchmark --timeout=${TEST_CASE_TIMEOUT:-180} \
+    -n ${TEST_WORKERS:-14} --dist loadgroup -p no:cacheprovider -p no:benchmark --timeout=${TEST_CASE_TIMEOUT:-180} \
     --junitxml="$OUT/gpu_tests.xml" --durations=15 > "$OUT/gpu_tests.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 30
 fi

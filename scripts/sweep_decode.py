@@ -1,4 +1,4 @@
-"""Decode config sweep in one process: BLOCK_P x occupancy at a 7B-class shape (H=128, P=64,
+"""Decode config sweep in one process: BLOCK_P x occupancy (x persistent) at a 7B-class shape (H=128, P=64,
 N=128, G=8, bf16 state), each checked against mamba_ssm's y and state, then timed (CUDA
 graph). One JSON line per (batch, config).   python3 scripts/sweep_decode.py [batches]
 """
@@ -25,20 +25,22 @@ for b in batches:
     t = time_graph(bd._theirs(dict(inp, state=inp["state"].clone())), reps=100)["median_ms"]
     print(json.dumps({"batch": b, "config": "mamba_ssm", "us": t * 1e3,
                       "gbps": nbytes / (t * 1e-3) / 1e9}), flush=True)
-    for bp in (16, 32, 64):
-        for occ in (0, 2, 4, 8):
-            cfg = replace(default, block_p=bp, occupancy=occ)
-            try:
-                run = dict(inp, state=inp["state"].clone())
-                y = bd._ours(run, cfg)()
-                dy = (y.float() - ref_y.float()).abs().max().item()
-                ds = (run["state"].float() - ref_state.float()).abs().max().item()
-                t = time_graph(bd._ours(run, cfg), reps=100)["median_ms"]
-                print(json.dumps({"batch": b, "config": f"bp={bp},occ={occ}", "us": t * 1e3,
-                                  "gbps": nbytes / (t * 1e-3) / 1e9, "dy": dy, "ds": ds}),
-                      flush=True)
-            except Exception as e:  # noqa: BLE001
-                print(json.dumps({"batch": b, "config": f"bp={bp},occ={occ}",
-                                  "error": f"{type(e).__name__}: {str(e)[:200]}"}), flush=True)
+    specs = [dict(block_p=bp, occupancy=occ) for bp in (16, 32, 64) for occ in (2, 4, 8)]
+    specs += [dict(block_p=bp, occupancy=occ, persistent=occ) for bp in (32, 64)
+              for occ in (2, 4, 8)]
+    for spec in specs:
+        name = ",".join(f"{k}={v}" for k, v in spec.items())
+        try:
+            run = dict(inp, state=inp["state"].clone())
+            y = bd._ours(run, replace(default, **spec))()
+            dy = (y.float() - ref_y.float()).abs().max().item()
+            ds = (run["state"].float() - ref_state.float()).abs().max().item()
+            t = time_graph(bd._ours(run, replace(default, **spec)), reps=100)["median_ms"]
+            print(json.dumps({"batch": b, "config": name, "us": t * 1e3,
+                              "gbps": nbytes / (t * 1e-3) / 1e9, "dy": dy, "ds": ds}),
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - one bad config must not end the sweep
+            print(json.dumps({"batch": b, "config": name,
+                              "error": f"{type(e).__name__}: {str(e)[:200]}"}), flush=True)
     del inp
     torch.cuda.empty_cache()

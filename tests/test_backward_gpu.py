@@ -209,7 +209,9 @@ SHAPES = [  # (b, l, h, g, p, n)
 def test_shapes(shape, chunk_size):
     inp, kw, dout, dfinal = make_problem(*shape, torch.bfloat16, OPTS["all"], seed=1,
                                          Q=chunk_size)
-    check(inp, kw, chunk_size, dout, dfinal, torch.bfloat16)
+    # mamba_ssm's gradients at chunk 128 only: each new chunk size costs it a minute of
+    # autotuning per process; the float64 reference checks every chunk size
+    check(inp, kw, chunk_size, dout, dfinal, torch.bfloat16, compare_mamba=chunk_size == 128)
 
 
 @pytest.mark.parametrize("chunk_size", [64, 256])

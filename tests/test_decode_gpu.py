@@ -344,3 +344,14 @@ def test_check_env_reads_values(monkeypatch):
     monkeypatch.setenv("MAMBA2_CUTILE_CHECK", "1")
     with pytest.raises(ValueError, match="must not repeat"):
         selective_state_update(**inp, **kw)
+
+
+@pytest.mark.parametrize("spec", ["persistent=4,occupancy=4", "persistent=2,block_p=64",
+                                  "block_p=16,occupancy=4", "block_p=64,occupancy=4"])
+def test_config_variants(spec, monkeypatch):
+    """Every decode config a sweep may pick gives the right answer: padding and permuted slots,
+    k = 3 steps with per-step states, all options; more tiles than a persistent grid has."""
+    monkeypatch.setenv("MAMBA2_CUTILE_DECODE_CONFIG", spec)
+    inp, kw = make(b=6, k=3, h=16, g=4, nslots=9, opts=("D", "z", "bias"),
+                   idx=[4, -1, 0, 8, -1, 2], out=True)
+    check(inp, kw)

@@ -158,8 +158,11 @@ def bench(args):
     breakdown = []
     if args.breakdown:
         breakdown.append(runner.breakdown(shapes[0]))
+        if args.mode in ("bwd", "fwdbwd"):
+            breakdown.append(runner.backward_breakdown(shapes[0]))
         if args.jsonl:
-            print(json.dumps(breakdown[-1]), flush=True)
+            for row in breakdown:
+                print(json.dumps(row), flush=True)
     report.render_table(rows, meta, console, title=f"mamba2-cutile benchmark ({args.mode})")
     report.render_breakdown(breakdown, console)
     if args.out:

@@ -52,6 +52,7 @@ class DecodeConfig:
     block_p: int
     dstate_pad: int
     occupancy: int = 0      # 0: let the compiler choose
+    persistent: int = 0     # >0: a fixed grid of this many programs per SM walks the tiles
 
 
 def default_decode_config(batch, nheads, headdim, dstate, sms=132) -> DecodeConfig:
@@ -116,7 +117,6 @@ def decode_plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_i
     Takes the public shapes (3-D or k-step 4-D x), `y` shaped like x, `state_batch_indices`
     already int32. Picks the kernel variant from the strides (see the module docstring).
     """
-    from .kernels.state_update import state_update, state_update_i64
 
     x4, dt4, z4, y4 = (_steps(t, 3) for t in (x, dt, z, y))
     B4, C4 = _steps(B, 3), _steps(C, 3)
@@ -175,8 +175,11 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
     kernel = hinted(state_update_i64 if big else state_update, cfg.occupancy)
     flags = (cfg.block_p, cfg.dstate_pad, h // g, dt_head, a_head, d_mode, bias_mode,
              z4 is not None, bool(dt_softplus), state_batch_indices is not None,
-             out5 is not None)
-    return kernel, (b, h, -(-p // cfg.block_p)), dt_head, a_head, d_mode, bias_mode, flags
+             out5 is not None, cfg.persistent > 0)
+    tiles = b * h * -(-p // cfg.block_p)
+    grid = ((min(tiles, cfg.persistent * _sms(x)), 1, 1) if cfg.persistent
+            else (b, h, -(-p // cfg.block_p)))
+    return kernel, grid, dt_head, a_head, d_mode, bias_mode, flags
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,6 +444,9 @@ def compile_variants():
                             headdim=1, dstate=1, options=("D", "z", "bias", "softplus", "idx"))),
         ("n256-p128", dict(dtype=bf, state_dtype=bf, layout="head", nheads=16, ngroups=2,
                            headdim=128, dstate=256, options=("D", "z", "bias", "softplus"))),
+        ("persistent-bf16-idx", dict(dtype=bf, state_dtype=bf, layout="head", options=(
+            "D", "z", "bias", "softplus", "idx"), config=DecodeConfig(
+                block_p=32, dstate_pad=128, occupancy=4, persistent=4))),
     ]
 
 
@@ -449,7 +455,7 @@ ALL_OPTIONS = ("D", "z", "bias", "softplus", "idx", "out")
 
 def plan_for_problem(dtype=torch.bfloat16, state_dtype=None, batch=4, k=None, nheads=128,
                      ngroups=8, headdim=64, dstate=128, layout="head", options=ALL_OPTIONS,
-                     int64=False, device="meta"):
+                     int64=False, device="meta", config=None):
     """The decode plan for a problem, on `meta` tensors by default (for compiling).
 
     layout "head": dt, A, D, dt_bias are per-head expansions (Mamba-2); "general": full
@@ -482,4 +488,4 @@ def plan_for_problem(dtype=torch.bfloat16, state_dtype=None, batch=4, k=None, nh
         out = out[:, 0]
     return decode_plan(state, x, dt, A, e(*lead, g, n), e(*lead, g, n), opt("D", D),
                        opt("z", e(*lead, h, p)), opt("bias", bias), "softplus" in options,
-                       opt("idx", e(b, dt=torch.int32)), out, torch.empty_like(x))
+                       opt("idx", e(b, dt=torch.int32)), out, torch.empty_like(x), config)

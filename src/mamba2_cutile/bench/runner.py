@@ -280,6 +280,35 @@ def breakdown(shape, reps=30):
     return row
 
 
+def backward_breakdown(shape, reps=30):
+    """Kernel time of each launch of the cuTile backward alone (CUDA graph), at one shape (the
+    plain problem of `breakdown`, with dout and dfinal_states as cotangents)."""
+    import cuda.tile as ct
+
+    from .. import backward, launch
+    from . import timing
+
+    inp = problems.make_inputs(shape)
+    dout, dfinal = problems.make_grad_outputs(shape)
+    calls = []      # collected, not launched: each is launched (in plan order) below
+    backward.run_backward(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], shape.chunk,
+                          dout, dfinal, D=inp["D"],
+                          initial_states=inp["initial_states"], launch_fn=calls.extend,
+                          sms=launch.num_sms(0))
+    row = {"shape": shape.name, "impl": "breakdown-bwd", "kernels": {}}
+    for i, call in enumerate(calls):
+        name = call.kernel._annotated_function.pyfunc.__name__.removesuffix("_fn")
+        if name in row["kernels"]:
+            name = f"{name}#{i}"
+
+        def launch_one(call=call):
+            ct.launch(torch.cuda.current_stream(), call.grid, call.kernel, call.args)
+        launch_one()
+        row["kernels"][name] = timing.time_graph(launch_one, reps=reps)["median_ms"]
+    row["total_ms"] = sum(row["kernels"].values())
+    return row
+
+
 def meta(mode, reps, names, argv=None):
     """Run-level facts for the report: versions, roofline constants, TileGym tuning."""
     import datetime

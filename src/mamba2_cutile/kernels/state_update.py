@@ -16,7 +16,8 @@ Per-head layouts (the usual Mamba-2 case): DT_HEAD reads dt as (B, K, H), A_HEAD
 dt_bias as (H,); 2 reads them as (H, P); 0 means absent.
 
 Tiles: the state (BLOCK_P, NP), NP = dstate rounded up to a power of two (zero padding).
-Grid: (batch, nheads, cdiv(P, BLOCK_P)). Memory-bound: the state is read and written once.
+Grid: (batch, nheads, cdiv(P, BLOCK_P)), or with PERSISTENT a fixed (programs,) grid looping
+over those tiles. Memory-bound: the state is read and written once.
 """
 
 import cuda.tile as ct
@@ -24,32 +25,14 @@ import cuda.tile as ct
 from ._common import int64_variant
 
 
-def state_update_fn(
-    state,       # (S, H, P, N) float32/bf16/fp16, updated in place
-    x,           # (B, K, H, P)
-    dt,          # (B, K, H) if DT_HEAD else (B, K, H, P)
-    A,           # (H,) if A_HEAD else (H, P, N)
-    b,           # (B, K, G, N)
-    c,           # (B, K, G, N)
-    D,           # (H,) / (H, P) per D_MODE (ignored if 0)
-    z,           # (B, K, H, P) (ignored unless HAS_Z)
-    dt_bias,     # (H,) / (H, P) per BIAS_MODE (ignored if 0)
-    slots,       # (B,) int32 (ignored unless HAS_IDX)
-    out_states,  # (B, K, H, P, N) (ignored unless HAS_OUT)
-    y,           # (B, K, H, P) x's dtype
-    BLOCK_P: ct.Constant[int],
-    NP: ct.Constant[int],
-    HEADS_PER_GROUP: ct.Constant[int],
-    DT_HEAD: ct.Constant[bool],
-    A_HEAD: ct.Constant[bool],
-    D_MODE: ct.Constant[int],
-    BIAS_MODE: ct.Constant[int],
-    HAS_Z: ct.Constant[bool],
-    SOFTPLUS: ct.Constant[bool],
-    HAS_IDX: ct.Constant[bool],
-    HAS_OUT: ct.Constant[bool],
+def _update_tile(
+    state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y, row, head, p_tile,
+    BLOCK_P: ct.Constant[int], NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
+    DT_HEAD: ct.Constant[bool], A_HEAD: ct.Constant[bool], D_MODE: ct.Constant[int],
+    BIAS_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
+    HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool],
 ):
-    row, head, p_tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    """All K steps of one (row, head, p tile)."""
     group = head // HEADS_PER_GROUP
     nsteps = x.shape[1]
     ZERO = ct.PaddingMode.ZERO
@@ -116,6 +99,50 @@ def state_update_fn(
         zeros = ct.full((1, 1, 1, BLOCK_P), 0.0, dtype=y.dtype)
         for t in range(nsteps):
             ct.store(y, index=(row, t, head, p_tile), tile=zeros)
+
+
+
+
+def state_update_fn(
+    state,       # (S, H, P, N) float32/bf16/fp16, updated in place
+    x,           # (B, K, H, P)
+    dt,          # (B, K, H) if DT_HEAD else (B, K, H, P)
+    A,           # (H,) if A_HEAD else (H, P, N)
+    b,           # (B, K, G, N)
+    c,           # (B, K, G, N)
+    D,           # (H,) / (H, P) per D_MODE (ignored if 0)
+    z,           # (B, K, H, P) (ignored unless HAS_Z)
+    dt_bias,     # (H,) / (H, P) per BIAS_MODE (ignored if 0)
+    slots,       # (B,) int32 (ignored unless HAS_IDX)
+    out_states,  # (B, K, H, P, N) (ignored unless HAS_OUT)
+    y,           # (B, K, H, P) x's dtype
+    BLOCK_P: ct.Constant[int],
+    NP: ct.Constant[int],
+    HEADS_PER_GROUP: ct.Constant[int],
+    DT_HEAD: ct.Constant[bool],
+    A_HEAD: ct.Constant[bool],
+    D_MODE: ct.Constant[int],
+    BIAS_MODE: ct.Constant[int],
+    HAS_Z: ct.Constant[bool],
+    SOFTPLUS: ct.Constant[bool],
+    HAS_IDX: ct.Constant[bool],
+    HAS_OUT: ct.Constant[bool],
+    PERSISTENT: ct.Constant[bool],
+):
+    if PERSISTENT:
+        # a fixed grid walks the (row, head, p tile) tiles, p tiles fastest (adjacent memory),
+        # so a program's next state load can be in flight while it finishes the current tile
+        n_p = ct.cdiv(x.shape[3], BLOCK_P)
+        nheads = x.shape[2]
+        for t in range(ct.bid(0), x.shape[0] * nheads * n_p, ct.num_blocks(0)):
+            rest = t // n_p
+            _update_tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y,
+                         rest // nheads, rest % nheads, t % n_p, BLOCK_P, NP, HEADS_PER_GROUP,
+                         DT_HEAD, A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT)
+    else:
+        _update_tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y,
+                     ct.bid(0), ct.bid(1), ct.bid(2), BLOCK_P, NP, HEADS_PER_GROUP,
+                     DT_HEAD, A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT)
 
 
 state_update = ct.kernel(state_update_fn)
