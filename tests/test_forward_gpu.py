@@ -233,6 +233,8 @@ TUNING_OPTIONS = [
     {"scan_load_latency": 4}, {"state_occupancy": 2}, {"scan_lowp": 1, "scan_head_major": 1},
     {"scan_warps": 8}, {"state_scale_x": 1}, {"scan_block_q": 64, "scan_occupancy": 2},
     {"scan_block_n": 32}, {"scan_block_n": 64, "scan_block_q": 64},
+    {"scan_lowp": 0}, {"state_scale_x": 0}, {"state_fresh_acc": 0}, {"scan_occupancy": 2},
+    {"scan_block_p": 32, "scan_occupancy": 2},
 ]
 
 

@@ -361,7 +361,7 @@ def test_parse_space():
 
 
 def test_candidates(launch):
-    cfg = seed_cfg(launch)                 # seed: state_block_n 32, scale_x 0, block_q 128
+    cfg = seed_cfg(launch)                 # seed: state_block_n 32, block_q 128, occupancy 0
     cands = tuning.candidates(cfg, tuning.DEFAULT_SPACE)
     assert cands[0] == {}
     assert len(cands) == 12                # 3 x 2 x 2, the default combination once

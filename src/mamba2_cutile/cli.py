@@ -297,8 +297,8 @@ def build_parser():
                                     "overrides at each shape and store each bucket's winner in "
                                     "the tuning cache (mamba2_cutile.tuning).")
     _add_shape_args(pt, "seed")
-    pt.add_argument("--space", help="e.g. 'state_block_n=16,32,64;state_scale_x=0,1;"
-                                    "scan_block_q=64,128' (that is the default)")
+    pt.add_argument("--space", help="e.g. 'state_block_n=16,32,64;scan_block_q=64,128;"
+                                    "scan_occupancy=0,2' (that is the default)")
     pt.add_argument("--reps", type=int, default=30)
     pt.add_argument("--min-gain", type=float, default=0.01,
                     help="store a non-default config only if it is this much faster")

@@ -45,9 +45,17 @@ class ForwardConfig:
     scan_lowp: int = 0              # 1: (C B^T) X MMA in the input dtype (fp16/bf16), not tf32
     scan_head_major: int = 0        # 1: heads fastest in the grid (they share B and C tiles)
     scan_warps: int = 0             # num_worker_warps hint of chunk_scan (0: compiler's choice)
-    state_scale_x: int = 0          # 1: chunk_state_pass weights X instead of B
+    state_scale_x: int = -1         # 1: chunk_state_pass weights X, 0: B, -1: the smaller
     scan_block_n: int = 0           # dstate tile of chunk_scan's K loop (0: all of dstate_pad)
     state_fresh_acc: int = 0        # 1: chunk_state_pass MMA into a fresh accumulator, then add
+
+
+def scale_x(cfg: ForwardConfig) -> bool:
+    """Whether chunk_state_pass puts the decay weights on X (else on B): an explicit 0/1, or
+    by default on the smaller of the two MMA operand tiles (BLOCK_P vs BLOCK_N)."""
+    if cfg.state_scale_x >= 0:
+        return bool(cfg.state_scale_x)
+    return cfg.state_block_n > cfg.state_block_p
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,7 +95,6 @@ def default_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132, s
         dstate_pad=np_,
         scan_lowp=1,
         state_fresh_acc=1,
-        state_scale_x=int(bn > bp),
     )
     if seqlen is not None and device_index is not None:
         from . import tuning
@@ -163,7 +170,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
             (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
              Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
              init is not None, seq_idx is not None, cfg.state_load_latency,
-             bool(cfg.state_scale_x), bool(cfg.state_fresh_acc)),
+             scale_x(cfg), bool(cfg.state_fresh_acc)),
         ),
         KernelCall(
             hinted(chunk_scan_i64 if big else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
@@ -213,6 +220,10 @@ def compile_variants():
                                             overrides=dict(state_scale_x=1))))
     items.append(("bf16-state-fresh-acc-p32", dict(dtype=bf, overrides=dict(
         state_fresh_acc=1, state_block_p=32))))
+    items.append(("bf16-scan-occupancy-2-p32", dict(dtype=bf, overrides=dict(
+        scan_occupancy=2, scan_block_p=32))))
+    items.append(("bf16-Q256-scan-occupancy-2", dict(dtype=bf, chunk_size=256, overrides=dict(
+        scan_occupancy=2))))
     for bn in (32, 64):
         items.append((f"bf16-scan-block-n{bn}", dict(dtype=bf, overrides=dict(scan_block_n=bn))))
     items.append(("fp16-Q256-scan-block-n32-n96", dict(dtype=torch.float16, chunk_size=256,

@@ -50,16 +50,17 @@ SHIPPED = Path(__file__).with_name("tuned_h200.json")
 FORWARD = "forward"
 
 #: the default search space of `tune` (small: every config compiles new kernel variants)
-# (the knobs that moved the H200 sweeps of 2026-11-30: the state pass's n tile and which operand
-# carries the decay weights, and the query block of chunk_scan; a persistent scan never helped)
-DEFAULT_SPACE = {"state_block_n": (16, 32, 64), "state_scale_x": (0, 1),
-                 "scan_block_q": (64, 128)}
+# (the knobs that moved the H200 sweeps of 2026-11-30 or, by the CPU compile's resource counts,
+# should: the state pass's n tile; chunk_scan's query block and occupancy 2, which compiles to two
+# CTAs per SM without spills at block_q 64; a persistent scan never helped)
+DEFAULT_SPACE = {"state_block_n": (16, 32, 64), "scan_block_q": (64, 128),
+                 "scan_occupancy": (0, 2)}
 #: fields a cached entry may not override (correctness, not speed)
 _FIXED = ("chunk_size", "dstate_pad")
 _POW2 = ("cumsum_block_h", "state_block_p", "state_block_n", "scan_block_q", "scan_block_p")
 _RANGES = {"state_load_latency": (0, 10), "scan_load_latency": (0, 10),
            "state_occupancy": (0, 32), "scan_occupancy": (0, 32), "scan_persistent": (0, 16),
-           "state_scale_x": (0, 1), "state_fresh_acc": (0, 1), "scan_lowp": (0, 1),
+           "state_scale_x": (-1, 1), "state_fresh_acc": (0, 1), "scan_lowp": (0, 1),
            "scan_head_major": (0, 1)}
 
 
