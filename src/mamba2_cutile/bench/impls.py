@@ -295,17 +295,22 @@ def versions():
         v["tileiras"] = tuning.tileiras_version()
     except Exception:  # noqa: BLE001
         v["tileiras"] = None
-    for mod, key in (("triton", "triton"), ("mamba_ssm", "mamba_ssm"), ("tilegym", "tilegym")):
+    from importlib.metadata import PackageNotFoundError, version
+
+    for key in ("triton", "mamba_ssm", "tilegym"):
         try:
-            v[key] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
+            module = __import__(key)
+        except Exception:  # noqa: BLE001 - not installed: reported as None
             v[key] = None
-    if v["tilegym"] is None:
-        try:
-            from importlib.metadata import version
-            v["tilegym"] = version("tilegym")
-        except Exception:  # noqa: BLE001
-            pass
+            continue
+        found = getattr(module, "__version__", None)
+        if found is None:
+            try:
+                found = version(key)
+            except PackageNotFoundError:
+                # e.g. a vendored source copy (the GPU kit's baselines): say where it came from
+                found = f"unversioned copy at {getattr(module, '__path__', ['?'])[0]}"
+        v[key] = found
     if torch.cuda.is_available():
         v["gpu"] = torch.cuda.get_device_name()
         v["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
