@@ -375,21 +375,14 @@ def test_candidates(launch):
         tuning.candidates(cfg, {"chunk_size": (64,)})
 
 
-def test_search_and_choose():
-    times = {(): 1.0, (("a", 1),): 0.8, (("a", 2),): 0.9}
-
-    def measure(over):
-        if over.get("a") == 3:
-            raise RuntimeError("compile failed")
-        return times[tuple(sorted(over.items()))]
-    seen = []
-    best, ms, results = tuning.search([{}, {"a": 1}, {"a": 2}, {"a": 3}], measure, seen.append)
-    assert best == {"a": 1} and ms == 0.8 and len(seen) == 4
-    assert isinstance(results[3][1], str) and "compile failed" in results[3][1]
-    assert tuning.choose(best, ms, 1.0) == {"a": 1}
-    assert tuning.choose(best, 0.995, 1.0) == {}                        # under min_gain
-    assert tuning.choose(None, None, 1.0) == {}
-    assert tuning.search([{"a": 3}], measure) == (None, None, [({"a": 3}, results[3][1])])
+def test_split_space_per_kernel():
+    parts = tuning.split_space(tuning.DEFAULT_SPACE)
+    assert parts == {1: {"state_block_n": (16, 32, 64)},
+                     2: {"scan_block_q": (64, 128), "scan_occupancy": (0, 2)}}
+    assert [tuning.kernel_name(k) for k in parts] == ["chunk_state_pass", "chunk_scan"]
+    assert tuning.split_space({"cumsum_block_h": (4, 8)}) == {0: {"cumsum_block_h": (4, 8)}}
+    with pytest.raises(ValueError, match="dstate_pad"):
+        tuning.split_space({"dstate_pad": (64,)})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")

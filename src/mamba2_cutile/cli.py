@@ -214,32 +214,28 @@ def tune_cmd(args):
         print(f"shipped table: {tuning.SHIPPED} ({len(tuning._shipped())} entries)")
         return 0
     space = tuning.parse_space(args.space)
+    tuning.split_space(space)            # an unknown field fails here, before any GPU work
     shapes = _select_shapes(args)
     if not shapes:
         print("mamba2-cutile tune: no shape selected", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         return _no_gpu("tune", " (--show prints the cache without one)")
-    from . import launch
     from .bench import report
-    n_cands = sum(len(tuning.candidates(
-        launch.default_config(s.batch, s.nheads, s.headdim, s.dstate, s.chunk, s.dtype,
-                              launch.num_sms(torch.cuda.current_device())), space))
-        for s in shapes)
+    n_steps = len(shapes) * len(tuning.split_space(space))
     console = report.make_console()
-    with report.Progress(n_cands, "tune", console) as bar:
+    with report.Progress(n_steps, "tune", console) as bar:
         res = tuning.tune(shapes, space, reps=args.reps, min_gain=args.min_gain,
                           store_results=not args.dry_run,
-                          progress=lambda s, o: bar.step(f"{s.name} {o or 'default'}"))
+                          progress=lambda s, what: bar.step(f"{s.name} {what}"))
     for r in res:
         d, b = r["default_ms"], r["best_ms"]
         gain = f"{d / b:.3f}x" if d and b else "?"
         print(f"{r['shape']}: default {d if d is None else round(d, 4)} ms, best "
               f"{b if b is None else round(b, 4)} ms ({gain}) {r['best']} -> stored "
               f"{r['overrides']}{'' if r['stored'] else ' (not on disk)'}")
-        for over, ms in r["results"]:
-            print(f"    {str(over or 'default'):<60} "
-                  f"{ms if isinstance(ms, str) else f'{ms:.4f} ms'}")
+        for label, ms in r["results"]:
+            print(f"    {label:<60} {ms if isinstance(ms, str) else f'{ms:.4f} ms'}")
         print(f"    key {r['key']}")
     print(f"tuning cache: {tuning.cache_path()}")
     return 0

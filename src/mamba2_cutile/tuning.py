@@ -1,4 +1,5 @@
-"""Tuning cache: ForwardConfig overrides found by timing, per shape bucket and toolchain.
+"""Tuning: ForwardConfig overrides found per kernel with cuda.tile.tune.exhaustive_search (`tune`),
+and the cache that keeps them per shape bucket and toolchain.
 
 Key (`make_key`): kernel family (e.g. "forward"), a shape *bucket* -- batch*heads rounded up
 to a power of two, seqlen rounded up to a power of four (at least 1K), headdim and dstate
@@ -461,93 +462,138 @@ def candidates(base_cfg, space: dict) -> list:
     return out
 
 
-def search(cands: list, measure, progress=None):
-    """Time every candidate with `measure(overrides) -> ms` (exceptions: the candidate is
-    dropped). Returns (best overrides, best ms, [(overrides, ms or error string)])."""
-    results = []
-    for over in cands:
-        if progress:
-            progress(over)
-        try:
-            ms = float(measure(over))
-            results.append((over, ms))
-        except Exception as e:  # noqa: BLE001 - a config that fails to compile/run is skipped
-            results.append((over, f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"))
-    timed = [(ms, i) for i, (_, ms) in enumerate(results) if isinstance(ms, float)]
-    if not timed:
-        return None, None, results
-    ms, i = min(timed)
-    return results[i][0], ms, results
+#: the forward launch each ForwardConfig field belongs to, by prefix (index into forward_plan)
+KERNELS = (("cumsum_", 0, "decay_cumsum"), ("state_", 1, "chunk_state_pass"),
+           ("scan_", 2, "chunk_scan"))
 
 
-def choose(best, best_ms, default_ms, min_gain=0.01):
-    """The overrides to store: `best` when it beats the default by more than `min_gain`
-    (fraction), else {} (the default stays)."""
-    if best is None or default_ms is None or best_ms is None:
-        return {}
-    return dict(best) if best_ms < default_ms * (1 - min_gain) else {}
+def split_space(space: dict) -> dict:
+    """{launch index: sub-space} of a search space: each kernel is searched on its own fields
+    (their effects are independent), so the cost is the sum of the sub-spaces, not their
+    product."""
+    parts = {}
+    for name, values in space.items():
+        k = next((k for prefix, k, _ in KERNELS if name.startswith(prefix)), None)
+        if k is None:
+            raise ValueError(f"cannot tune {name!r}: not a field of one forward kernel")
+        parts.setdefault(k, {})[name] = tuple(values)
+    return dict(sorted(parts.items()))
+
+
+def kernel_name(k: int) -> str:
+    return next(name for _, i, name in KERNELS if i == k)
 
 
 def tune(shapes, space=None, reps=30, min_gain=0.01, store_results=True, progress=None,
          check_tol=2e-2):
-    """Search `space` (default DEFAULT_SPACE) over ForwardConfig overrides for each shape,
-    timing the full forward (bench.timing.time_graph, CUDA graph, L2 flushed) and storing
-    the winner of each shape's bucket. Needs a CUDA GPU. A candidate whose output differs
-    from the default config's by more than `check_tol` (relative) is rejected.
+    """For each shape: search each forward kernel's fields of `space` (default DEFAULT_SPACE)
+    with `cuda.tile.tune.exhaustive_search` (the kernel alone, L2 flushed, timed until its
+    confidence interval converges), keep a kernel's winner when it beats that kernel's default
+    by more than `min_gain`, then check the combination against the default config's output
+    (relative difference <= `check_tol`) and time the whole forward both ways (CUDA graph).
+    The combination is stored for the shape's bucket only if the whole forward gains too.
+    Needs a CUDA GPU.
 
-    `progress(shape, overrides)` is called before each measurement. Returns one dict per
-    shape: shape, key, default_ms, best_ms, overrides (stored), results, stored."""
+    `progress(shape, text)` is called before each kernel's search. Returns one dict per shape:
+    shape, key, default_ms, best_ms, best, overrides (stored), results, stored."""
+    import math
+
     import torch
+    import cuda.tile as ct
+    from cuda.tile.tune import exhaustive_search
 
     from . import launch
     from .bench import problems, timing
-    from .interface import ssd_forward_cuda
 
     if not torch.cuda.is_available():
         raise RuntimeError("tuning needs a CUDA GPU")
     space = dict(DEFAULT_SPACE if space is None else space)
+    parts = split_space(space)
     dev = torch.cuda.current_device()
     report = []
     for shape in shapes:
         b, l, h, g, p, n = shape.dims()
+        Q = shape.chunk
         inp = problems.make_inputs(shape)
-        kw = {k: v for k, v in inp.items() if k not in ("x", "dt", "A", "B", "C")}
-        base = launch.default_config(b, h, p, n, shape.chunk, shape.dtype, launch.num_sms(dev))
-        cands = candidates(base, space)
-        ref = {}
+        base = launch.default_config(b, h, p, n, Q, shape.dtype, launch.num_sms(dev))
+        nc = -(-l // Q)
+        f32 = torch.float32
+        x, C = inp["x"], inp["C"]
+        dt_buf = torch.empty((b, h, nc * Q), dtype=f32, device=x.device)
+        cum_buf = torch.empty_like(dt_buf)
+        states = torch.empty((b, h, nc, p, n), dtype=C.dtype, device=x.device)
+        final = torch.empty((b, h, p, n), dtype=f32, device=x.device)
+        out = torch.empty_like(x)
+        plans = {}
 
-        def measure(over, inp=inp, kw=kw, base=base, shape=shape, ref=ref):
-            cfg = replace(base, **over)
+        def plan_of(over, inp=inp, base=base, bufs=(dt_buf, cum_buf, states, final, out),
+                    plans=plans):
+            key = tuple(sorted(over.items()))
+            if key not in plans:
+                plans[key] = launch.forward_plan(
+                    inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], None, inp["D"], None,
+                    -math.inf, math.inf, False, inp["initial_states"], None, *bufs,
+                    replace(base, **over))
+            return plans[key]
 
-            def fwd():
-                return ssd_forward_cuda(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
-                                        shape.chunk, config=cfg, **kw)[0]
-            out = fwd()
-            if "out" not in ref:
-                ref["out"] = out
+        stream = torch.cuda.current_stream()
+
+        def run(over, plan_of=plan_of, stream=stream):
+            for call in plan_of(over):
+                ct.launch(stream, call.grid, call.kernel, call.args)
+
+        run({})                      # the later kernels' inputs, and the reference output
+        ref = out.double()
+        chosen, results = {}, []
+        for k, sub in parts.items():
+            name = kernel_name(k)
+            cands = candidates(base, sub)
+            if progress:
+                progress(shape, f"{name} ({len(cands)} configs)")
+            try:
+                res = exhaustive_search(
+                    cands, stream, lambda o, k=k: plan_of(o)[k].grid,
+                    lambda o, k=k: plan_of(o)[k].kernel, lambda o, k=k: plan_of(o)[k].args,
+                    quiet=True)
+            except ValueError as e:   # every config failed
+                results.append((f"{name}: all", f"{' '.join(str(e).split())[:160]}"))
+                continue
+            timed = {tuple(sorted(m.config.items())): m.mean_us for m in res.successes}
+            for m in sorted(res.successes, key=lambda m: m.mean_us):
+                results.append((f"{name} {m.config or 'default'}", m.mean_us / 1e3))
+            for cfg, exc, msg in res.failures:
+                results.append((f"{name} {cfg}", f"{exc.__name__}: {' '.join(msg.split())[:160]}"))
+            default_us = timed.get(())
+            if (res.best.config and default_us is not None
+                    and res.best.mean_us < default_us * (1 - min_gain)):
+                chosen.update(res.best.config)
+        run({})
+        default_ms = timing.time_graph(lambda: run({}), reps=reps)["median_ms"]
+        best_ms = default_ms
+        if chosen:
+            run(chosen)
+            err = ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+            if not err <= check_tol:
+                results.append((f"combined {chosen}", f"rejected: output differs {err:.1e}"))
+                chosen = {}
             else:
-                r = ref["out"].double()
-                err = ((out.double() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
-                if not err <= check_tol:
-                    raise ValueError(f"output differs from the default config's: {err:.1e}")
-            del out
-            return timing.time_graph(fwd, reps=reps)["median_ms"]
-
-        step = (lambda over, shape=shape: progress(shape, over)) if progress else None
-        best, best_ms, results = search(cands, measure, step)
-        default_ms = next((ms for over, ms in results if over == {} and isinstance(ms, float)),
-                          None)
-        chosen = choose(best, best_ms, default_ms, min_gain)
+                ms = timing.time_graph(lambda: run(chosen), reps=reps)["median_ms"]
+                results.append((f"forward {chosen}", ms))
+                if ms < default_ms * (1 - min_gain):
+                    best_ms = ms
+                else:
+                    chosen = {}
+        results.append(("forward default", default_ms))
         key = make_key(FORWARD, batch=b, seqlen=l, nheads=h, headdim=p, dstate=n,
-                       chunk_size=shape.chunk, dtype=shape.dtype, device_index=dev)
+                       chunk_size=Q, dtype=shape.dtype, device_index=dev)
         stored = False
-        if store_results and default_ms is not None:
+        if store_results:
             stored = store(key, chosen, {"shape": shape.describe(), "default_ms": default_ms,
-                                         "best_ms": best_ms if chosen else default_ms,
+                                         "best_ms": best_ms,
                                          "space": {k: list(v) for k, v in space.items()}})
         report.append({"shape": shape.name, "key": str(key), "default_ms": default_ms,
-                       "best_ms": best_ms, "best": best, "overrides": chosen,
+                       "best_ms": best_ms, "best": chosen, "overrides": chosen,
                        "results": results, "stored": stored})
-        del inp, kw, ref
+        del inp, plans, ref, dt_buf, cum_buf, states, final, out
         torch.cuda.empty_cache()
     return report
