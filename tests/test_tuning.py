@@ -391,3 +391,55 @@ def test_tune_needs_gpu():
     from mamba2_cutile.bench import problems
     with pytest.raises(RuntimeError, match="CUDA GPU"):
         tuning.tune([problems.SEED])
+
+
+def test_tune_control_flow_with_fakes(cache, monkeypatch):
+    """tune()'s whole control flow on the CPU, with the GPU pieces faked: exhaustive_search
+    sees one sub-space per kernel built from real forward plans (meta tensors); a scan config
+    that "wins" is checked against the default's output, timed whole, and stored."""
+    pytest.importorskip("cuda.tile")
+    import cuda.tile as ct
+    import cuda.tile.tune as ct_tune
+
+    from mamba2_cutile import launch
+    from mamba2_cutile.bench import problems, timing
+
+    shape = problems.parse_custom("1,256,4,1,32,64,64")
+    seen = {}
+
+    def fake_search(cands, stream, grid_fn, kernel_fn, args_fn, quiet=False):
+        name = kernel_fn(cands[0])._annotated_function.pyfunc.__name__
+        seen[name] = list(cands)
+        for c in cands:                       # every candidate yields a real plan entry
+            assert len(grid_fn(c)) == 3 and isinstance(args_fn(c), tuple)
+        meas = [ct_tune.Measurement(config=c, mean_us=10.0 - 4.0 * (c.get("scan_block_q") == 16)
+                                    + i * 1e-3, num_samples=5, error_margin_us=0.1)
+                for i, c in enumerate(cands)]
+        return ct_tune.TuningResult(best=min(meas, key=lambda m: m.mean_us),
+                                    successes=tuple(meas), failures=())
+
+    real_inputs = problems.make_inputs
+
+    def fake_inputs(s, device="cuda", seed=0):
+        return real_inputs(s, device="cpu")
+
+    times = iter([1.0, 0.5])                  # default forward, then the combination
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(launch, "num_sms", lambda i: 132)
+    monkeypatch.setattr(tuning, "device_info", lambda i=0: ("FakeGPU", 132))
+    monkeypatch.setattr(problems, "make_inputs", fake_inputs)
+    monkeypatch.setattr(ct, "launch", lambda *a: None)
+    monkeypatch.setattr(ct_tune, "exhaustive_search", fake_search)
+    monkeypatch.setattr(timing, "time_graph", lambda fn, reps=30: {"median_ms": next(times)})
+    monkeypatch.setattr(torch.Tensor, "double", lambda t: torch.ones(2, dtype=torch.float64))
+
+    space = {"state_block_n": (16, 32), "scan_block_q": (16, 64)}
+    (rep,) = tuning.tune([shape], space)
+    assert set(seen) == {"chunk_state_pass_fn", "chunk_scan_fn"}
+    assert {} in seen["chunk_scan_fn"] and {"scan_block_q": 16} in seen["chunk_scan_fn"]
+    assert rep["overrides"] == {"scan_block_q": 16} and rep["stored"]
+    assert rep["default_ms"] == 1.0 and rep["best_ms"] == 0.5
+    assert tuning.lookup(tuning.TuningKey.parse(rep["key"])) == {"scan_block_q": 16}
