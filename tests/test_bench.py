@@ -533,3 +533,28 @@ def test_floor_matches_runner_rows():
         assert ms == pytest.approx(roofline.floor_ms(by, fl)) and math.isfinite(ms)
         r = runner.base_row(problems.SEED, impls.OURS, mode)
         assert r["floor_bytes"] == by and r["floor_bound"] == bound
+
+
+def test_backward_breakdown_with_fakes(monkeypatch):
+    """runner.backward_breakdown's control flow on the CPU: the cuTile backward's real plan
+    (CPU tensors), each launch 'timed' by a fake."""
+    pytest.importorskip("cuda.tile")
+    import cuda.tile as ct
+
+    from mamba2_cutile import launch
+    from mamba2_cutile.bench import problems, runner, timing
+
+    real_inputs, real_grads = problems.make_inputs, problems.make_grad_outputs
+    monkeypatch.setattr(problems, "make_inputs", lambda s, device="cuda", seed=0:
+                        real_inputs(s, device="cpu"))
+    monkeypatch.setattr(problems, "make_grad_outputs", lambda s, device="cuda", seed=1:
+                        real_grads(s, device="cpu"))
+    monkeypatch.setattr(launch, "num_sms", lambda i: 132)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    launched = []
+    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: launched.append(kernel))
+    monkeypatch.setattr(timing, "time_graph", lambda fn, reps=30: (fn(), {"median_ms": 0.1})[1])
+    row = runner.backward_breakdown(problems.parse_custom("1,256,4,1,32,64,64"))
+    names = list(row["kernels"])
+    assert names[:2] == ["decay_cumsum", "chunk_state_pass"] and "bwd_state_pass" in names
+    assert len(names) == len(launched) // 2 and abs(row["total_ms"] - 0.1 * len(names)) < 1e-9
