@@ -62,3 +62,15 @@ def test_cu_seqlens_values():
     kw = inputs(b=1)
     with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing from 0"):
         scan(**kw, return_varlen_states=True, cu_seqlens=torch.tensor([0, 40], dtype=torch.int32))
+
+
+def test_kernel_inputs_copy_only_what_tma_cannot_read():
+    from mamba2_cutile.checks import as_kernel_input
+
+    proj = torch.randn(2, 10, 40)
+    view = proj[..., 8:24].view(2, 10, 2, 8)          # a slice of one projection: kept as is
+    assert as_kernel_input(view) is view
+    shared = torch.randn(1, 10, 1, 8).expand(2, 10, 1, 8)    # stride 0 over the batch: copied
+    got = as_kernel_input(shared)
+    assert got.is_contiguous() and torch.equal(got, shared)
+    assert as_kernel_input(proj.transpose(1, 2)).stride(-1) == 1       # innermost stride fixed

@@ -41,12 +41,15 @@ def expect_shape(name, t, shape, meaning):
 
 
 def as_kernel_input(t, dtype=None):
-    """A tensor the kernels can load: unit innermost stride (for TMA), optional dtype cast."""
+    """A tensor the kernels can load: unit innermost stride (for TMA), no stride-0 (expanded)
+    dimension (TMA descriptors want strides that grow with the dimension), optional dtype
+    cast. Views that already qualify, such as slices of one projection, are not copied."""
     if t is None:
         return None
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
-    if t.dim() and t.stride(-1) != 1:
+    if t.dim() and (t.stride(-1) != 1 or any(
+            st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape))):
         t = t.contiguous()
     return t
 
