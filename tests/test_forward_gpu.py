@@ -310,3 +310,17 @@ def test_varlen_edges(cu_list):
     log_result(f"varlen err {e_v:.2e}")
     assert e_v <= 2e-2, f"varlen err {e_v:.2e}"
     assert rel_err(h, h_ref) <= 2e-2
+
+
+def test_expanded_inputs():
+    """B, C shared by the batch and dt shared by the heads as stride-0 expansions: the same
+    answer as the materialized tensors (they are copied before the launch)."""
+    inp, kw = make_problem(2, 300, 4, 2, 64, 64, torch.bfloat16, {"D": "h", "init": True})
+    inp["B"] = inp["B"][:1].expand_as(inp["B"])
+    inp["C"] = inp["C"][:1].expand_as(inp["C"])
+    inp["dt"] = inp["dt"][..., :1].expand_as(inp["dt"])
+    y, h = check(inp, kw, 128, torch.bfloat16)
+    dense = {k: v.contiguous() for k, v in inp.items()}
+    y2, h2 = mamba_chunk_scan_combined(**dense, chunk_size=128, return_final_states=True, **kw)
+    torch.testing.assert_close(y, y2, rtol=0, atol=0)
+    torch.testing.assert_close(h, h2, rtol=0, atol=0)
