@@ -1,4 +1,5 @@
-"""Decode config sweep in one process: BLOCK_P x occupancy (x persistent) at a 7B-class shape (H=128, P=64,
+"""Decode config sweep in one process: BLOCK_P x occupancy (x persistent, x dstate slices) at a
+7B-class shape (H=128, P=64,
 N=128, G=8, bf16 state), each checked against mamba_ssm's y and state, then timed (CUDA
 graph). One JSON line per (batch, config).   python3 scripts/sweep_decode.py [batches]
 """
@@ -28,6 +29,10 @@ for b in batches:
     specs = [dict(block_p=bp, occupancy=occ) for bp in (16, 32, 64) for occ in (2, 4, 8)]
     specs += [dict(block_p=bp, occupancy=occ, persistent=occ) for bp in (32, 64)
               for occ in (2, 4, 8)]
+    specs += [dict(block_p=bp, occupancy=occ, block_n=bn) for bp, occ in ((32, 8), (64, 4),
+                                                                            (64, 8))
+              for bn in (32, 64)]
+    specs += [dict(block_p=32, occupancy=8, block_n=32, persistent=8)]
     for spec in specs:
         name = ",".join(f"{k}={v}" for k, v in spec.items())
         try:

@@ -346,12 +346,26 @@ def test_check_env_reads_values(monkeypatch):
         selective_state_update(**inp, **kw)
 
 
-@pytest.mark.parametrize("spec", ["persistent=4,occupancy=4", "persistent=2,block_p=64",
-                                  "block_p=16,occupancy=4", "block_p=64,occupancy=4"])
-def test_config_variants(spec, monkeypatch):
+@pytest.mark.parametrize("spec, k", [
+    ("persistent=4,occupancy=4", 3), ("persistent=2,block_p=64", 3),
+    ("block_p=16,occupancy=4", 3), ("block_p=64,occupancy=4", 3),
+    ("block_n=32", None), ("block_n=32", 1), ("block_n=64,persistent=4,occupancy=4", None),
+    ("block_n=32", 3)])
+def test_config_variants(spec, k, monkeypatch):
     """Every decode config a sweep may pick gives the right answer: padding and permuted slots,
-    k = 3 steps with per-step states, all options; more tiles than a persistent grid has."""
+    all options, per-step states; k = 3 steps (block_n then falls back to the whole state);
+    more tiles than a persistent grid has."""
     monkeypatch.setenv("MAMBA2_CUTILE_DECODE_CONFIG", spec)
-    inp, kw = make(b=6, k=3, h=16, g=4, nslots=9, opts=("D", "z", "bias"),
+    inp, kw = make(b=6, k=k, h=16, g=4, nslots=9, opts=("D", "z", "bias"),
                    idx=[4, -1, 0, 8, -1, 2], out=True)
+    check(inp, kw)
+
+
+@pytest.mark.parametrize("layout", ["general", "mixed"])
+def test_split_n_layouts_and_odd_dstate(layout, monkeypatch):
+    """The dstate-slice variant with a general A (one exp per entry) and dstate 96 (a padded
+    last slice, and no slice wholly past dstate)."""
+    monkeypatch.setenv("MAMBA2_CUTILE_DECODE_CONFIG", "block_n=32")
+    inp, kw = make(b=5, h=6, g=3, p=80, n=96, layout=layout, opts=("D", "z", "bias"),
+                   idx=[3, -1, 0, 4, 1], out=True)
     check(inp, kw)

@@ -53,6 +53,7 @@ class DecodeConfig:
     dstate_pad: int
     occupancy: int = 0      # 0: let the compiler choose
     persistent: int = 0     # >0: a fixed grid of this many programs per SM walks the tiles
+    block_n: int = 0        # >0: one-token calls walk dstate in slices of this width
 
 
 def default_decode_config(batch, nheads, headdim, dstate, sms=132) -> DecodeConfig:
@@ -175,7 +176,8 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
     kernel = hinted(state_update_i64 if big else state_update, cfg.occupancy)
     flags = (cfg.block_p, cfg.dstate_pad, h // g, dt_head, a_head, d_mode, bias_mode,
              z4 is not None, bool(dt_softplus), state_batch_indices is not None,
-             out5 is not None, cfg.persistent > 0)
+             out5 is not None, cfg.persistent > 0,
+             min(cfg.block_n, cfg.dstate_pad) if cfg.block_n and k == 1 else 0)
     tiles = b * h * -(-p // cfg.block_p)
     grid = ((min(tiles, cfg.persistent * _sms(x)), 1, 1) if cfg.persistent
             else (b, h, -(-p // cfg.block_p)))
@@ -447,6 +449,13 @@ def compile_variants():
         ("persistent-bf16-idx", dict(dtype=bf, state_dtype=bf, layout="head", options=(
             "D", "z", "bias", "softplus", "idx"), config=DecodeConfig(
                 block_p=32, dstate_pad=128, occupancy=4, persistent=4))),
+        ("split-n-bf16-out", dict(dtype=bf, state_dtype=bf, layout="head", options=(
+            "D", "z", "bias", "softplus", "idx", "out"), config=DecodeConfig(
+                block_p=32, dstate_pad=128, occupancy=8, block_n=32))),
+        ("split-n-general-n96", dict(dtype=bf, state_dtype=f32, layout="general", nheads=6,
+                                     ngroups=3, headdim=80, dstate=96, options=("D", "bias"),
+                                     config=DecodeConfig(block_p=16, dstate_pad=128,
+                                                         block_n=64, persistent=2))),
     ]
 
 

@@ -17,12 +17,62 @@ dt_bias as (H,); 2 reads them as (H, P); 0 means absent.
 
 Tiles: the state (BLOCK_P, NP), NP = dstate rounded up to a power of two (zero padding).
 Grid: (batch, nheads, cdiv(P, BLOCK_P)), or with PERSISTENT a fixed (programs,) grid looping
-over those tiles. Memory-bound: the state is read and written once.
+over those tiles. Memory-bound: the state is read and written once. With BLOCK_N (one token per
+call only) a program walks dstate in (BLOCK_P, BLOCK_N) slices instead of holding it whole.
 """
 
 import cuda.tile as ct
 
 from ._common import int64_variant
+
+
+def _step_dt(dt, dt_bias, row, t, head, p_tile, BLOCK_P: ct.Constant[int],
+             DT_HEAD: ct.Constant[bool], BIAS_MODE: ct.Constant[int],
+             SOFTPLUS: ct.Constant[bool]):
+    """dt' of step t for the BLOCK_P channels, as a (BLOCK_P, 1) float32 column."""
+    ZERO = ct.PaddingMode.ZERO
+    if DT_HEAD:
+        d = ct.load(dt, index=(row, t, head), shape=(1, 1, 1)).reshape((1, 1))
+        d = ct.broadcast_to(d.astype(ct.float32), (BLOCK_P, 1))
+    else:
+        d = ct.load(dt, index=(row, t, head, p_tile), shape=(1, 1, 1, BLOCK_P),
+                    padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
+    if BIAS_MODE == 1:
+        d = d + ct.load(dt_bias, index=(head,), shape=(1,)).reshape((1, 1)).astype(ct.float32)
+    if BIAS_MODE == 2:
+        d = d + ct.load(dt_bias, index=(head, p_tile), shape=(1, BLOCK_P),
+                        padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
+    if SOFTPLUS:
+        # softplus(v) = log1p(e^v), and v itself above 20 (torch's threshold);
+        # log1p(u) = log(w) * u / (w - 1), w = 1 + u: exact to rounding for tiny u
+        u = ct.exp(ct.minimum(d, 20.0))
+        w = 1.0 + u
+        log1p_u = ct.where(w == 1.0, u, ct.log(w) * (u / (w - 1.0)))
+        d = ct.where(d > 20.0, d, log1p_u)
+    return d
+
+
+def _finish_y(yv, xv, D, z, y, row, t, head, p_tile, BLOCK_P: ct.Constant[int],
+              D_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool]):
+    """y = (C.h + D x) * silu(z) for step t, stored."""
+    if D_MODE == 1:
+        yv = yv + ct.load(D, index=(head,), shape=(1,)).reshape((1, 1)).astype(ct.float32) * xv
+    if D_MODE == 2:
+        yv = yv + ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P),
+                          padding_mode=ct.PaddingMode.ZERO).reshape(
+                              (BLOCK_P, 1)).astype(ct.float32) * xv
+    if HAS_Z:
+        zv = ct.load(z, index=(row, t, head, p_tile), shape=(1, 1, 1, BLOCK_P),
+                     padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
+        yv = yv * (zv / (1.0 + ct.exp(-zv)))
+    ct.store(y, index=(row, t, head, p_tile), tile=yv.reshape((1, 1, 1, BLOCK_P)).astype(y.dtype))
+
+
+def _slot_of(slots, row, HAS_IDX: ct.Constant[bool]):
+    slot = ct.full((1,), 0, dtype=ct.int32).item() + row
+    if HAS_IDX:
+        slot = ct.load(slots, index=(row,), shape=(1,)).item()
+    return slot
 
 
 def _update_tile(
@@ -32,15 +82,11 @@ def _update_tile(
     BIAS_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
     HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool],
 ):
-    """All K steps of one (row, head, p tile)."""
+    """All K steps of one (row, head, p tile), the whole (BLOCK_P, NP) state on chip."""
     group = head // HEADS_PER_GROUP
     nsteps = x.shape[1]
     ZERO = ct.PaddingMode.ZERO
-
-    slot = ct.full((1,), 0, dtype=ct.int32).item() + row
-    if HAS_IDX:
-        slot = ct.load(slots, index=(row,), shape=(1,)).item()
-
+    slot = _slot_of(slots, row, HAS_IDX)
     if slot >= 0:
         h = ct.load(state, index=(slot, head, p_tile, 0), shape=(1, 1, BLOCK_P, NP),
                     padding_mode=ZERO).reshape((BLOCK_P, NP)).astype(ct.float32)
@@ -50,25 +96,8 @@ def _update_tile(
             a = ct.load(A, index=(head, p_tile, 0), shape=(1, BLOCK_P, NP),
                         padding_mode=ZERO).reshape((BLOCK_P, NP)).astype(ct.float32)
         for t in range(nsteps):
-            if DT_HEAD:
-                d = ct.load(dt, index=(row, t, head), shape=(1, 1, 1)).reshape((1, 1))
-                d = ct.broadcast_to(d.astype(ct.float32), (BLOCK_P, 1))
-            else:
-                d = ct.load(dt, index=(row, t, head, p_tile), shape=(1, 1, 1, BLOCK_P),
-                            padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
-            if BIAS_MODE == 1:
-                d = d + ct.load(dt_bias, index=(head,), shape=(1,)).reshape(
-                    (1, 1)).astype(ct.float32)
-            if BIAS_MODE == 2:
-                d = d + ct.load(dt_bias, index=(head, p_tile), shape=(1, BLOCK_P),
-                                padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
-            if SOFTPLUS:
-                # softplus(v) = log1p(e^v), and v itself above 20 (torch's threshold);
-                # log1p(u) = log(w) * u / (w - 1), w = 1 + u: exact to rounding for tiny u
-                u = ct.exp(ct.minimum(d, 20.0))
-                w = 1.0 + u
-                log1p_u = ct.where(w == 1.0, u, ct.log(w) * (u / (w - 1.0)))
-                d = ct.where(d > 20.0, d, log1p_u)
+            d = _step_dt(dt, dt_bias, row, t, head, p_tile, BLOCK_P, DT_HEAD, BIAS_MODE,
+                         SOFTPLUS)
             xv = ct.load(x, index=(row, t, head, p_tile), shape=(1, 1, 1, BLOCK_P),
                          padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
             bv = ct.load(b, index=(row, t, group, 0), shape=(1, 1, 1, NP),
@@ -79,20 +108,8 @@ def _update_tile(
             if HAS_OUT:
                 ct.store(out_states, index=(row, t, head, p_tile, 0),
                          tile=h.reshape((1, 1, 1, BLOCK_P, NP)).astype(out_states.dtype))
-            yv = ct.sum(h * cv, axis=1, keepdims=True)                  # (BLOCK_P, 1)
-            if D_MODE == 1:
-                yv = yv + ct.load(D, index=(head,), shape=(1,)).reshape(
-                    (1, 1)).astype(ct.float32) * xv
-            if D_MODE == 2:
-                yv = yv + ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P),
-                                  padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(
-                                      ct.float32) * xv
-            if HAS_Z:
-                zv = ct.load(z, index=(row, t, head, p_tile), shape=(1, 1, 1, BLOCK_P),
-                             padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
-                yv = yv * (zv / (1.0 + ct.exp(-zv)))
-            ct.store(y, index=(row, t, head, p_tile),
-                     tile=yv.reshape((1, 1, 1, BLOCK_P)).astype(y.dtype))
+            _finish_y(ct.sum(h * cv, axis=1, keepdims=True), xv, D, z, y, row, t, head,
+                      p_tile, BLOCK_P, D_MODE, HAS_Z)
         ct.store(state, index=(slot, head, p_tile, 0),
                  tile=h.reshape((1, 1, BLOCK_P, NP)).astype(state.dtype))
     else:
@@ -101,6 +118,71 @@ def _update_tile(
             ct.store(y, index=(row, t, head, p_tile), tile=zeros)
 
 
+def _update_tile_split_n(
+    state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y, row, head, p_tile,
+    BLOCK_P: ct.Constant[int], BLOCK_N: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
+    DT_HEAD: ct.Constant[bool], A_HEAD: ct.Constant[bool], D_MODE: ct.Constant[int],
+    BIAS_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
+    HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool],
+):
+    """One step (K = 1) of one (row, head, p tile), the state walked in (BLOCK_P, BLOCK_N)
+    slices: fewer live registers per thread (no spills at high occupancy), and a loop whose
+    next slice can load while this one computes."""
+    group = head // HEADS_PER_GROUP
+    ZERO = ct.PaddingMode.ZERO
+    slot = _slot_of(slots, row, HAS_IDX)
+    if slot >= 0:
+        d = _step_dt(dt, dt_bias, row, 0, head, p_tile, BLOCK_P, DT_HEAD, BIAS_MODE, SOFTPLUS)
+        xv = ct.load(x, index=(row, 0, head, p_tile), shape=(1, 1, 1, BLOCK_P),
+                     padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
+        dx = d * xv
+        decay = d
+        if A_HEAD:
+            decay = ct.exp(ct.load(A, index=(head,), shape=(1,)).reshape((1, 1)).astype(
+                ct.float32) * d)
+        yv = ct.full((BLOCK_P, 1), 0.0, dtype=ct.float32)
+        # cdiv(N, BLOCK_N), not NP // BLOCK_N: a slice wholly past dstate would load out of
+        # bounds
+        for nt in range(ct.cdiv(state.shape[3], BLOCK_N)):
+            h = ct.load(state, index=(slot, head, p_tile, nt), shape=(1, 1, BLOCK_P, BLOCK_N),
+                        padding_mode=ZERO).reshape((BLOCK_P, BLOCK_N)).astype(ct.float32)
+            bv = ct.load(b, index=(row, 0, group, nt), shape=(1, 1, 1, BLOCK_N),
+                         padding_mode=ZERO).reshape((1, BLOCK_N)).astype(ct.float32)
+            cv = ct.load(c, index=(row, 0, group, nt), shape=(1, 1, 1, BLOCK_N),
+                         padding_mode=ZERO).reshape((1, BLOCK_N)).astype(ct.float32)
+            if A_HEAD:
+                h = h * decay + dx * bv
+            else:
+                a = ct.load(A, index=(head, p_tile, nt), shape=(1, BLOCK_P, BLOCK_N),
+                            padding_mode=ZERO).reshape((BLOCK_P, BLOCK_N)).astype(ct.float32)
+                h = h * ct.exp(a * d) + dx * bv
+            if HAS_OUT:
+                ct.store(out_states, index=(row, 0, head, p_tile, nt),
+                         tile=h.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(out_states.dtype))
+            yv = yv + ct.sum(h * cv, axis=1, keepdims=True)
+            ct.store(state, index=(slot, head, p_tile, nt),
+                     tile=h.reshape((1, 1, BLOCK_P, BLOCK_N)).astype(state.dtype))
+        _finish_y(yv, xv, D, z, y, row, 0, head, p_tile, BLOCK_P, D_MODE, HAS_Z)
+    else:
+        ct.store(y, index=(row, 0, head, p_tile), tile=ct.full((1, 1, 1, BLOCK_P), 0.0,
+                                                              dtype=y.dtype))
+
+
+def _tile(
+    state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y, row, head, p_tile,
+    BLOCK_P: ct.Constant[int], NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
+    DT_HEAD: ct.Constant[bool], A_HEAD: ct.Constant[bool], D_MODE: ct.Constant[int],
+    BIAS_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
+    HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool], BLOCK_N: ct.Constant[int],
+):
+    if BLOCK_N == 0:
+        _update_tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y, row, head,
+                     p_tile, BLOCK_P, NP, HEADS_PER_GROUP, DT_HEAD, A_HEAD, D_MODE,
+                     BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT)
+    else:
+        _update_tile_split_n(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y, row,
+                             head, p_tile, BLOCK_P, BLOCK_N, HEADS_PER_GROUP, DT_HEAD,
+                             A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT)
 
 
 def state_update_fn(
@@ -128,6 +210,7 @@ def state_update_fn(
     HAS_IDX: ct.Constant[bool],
     HAS_OUT: ct.Constant[bool],
     PERSISTENT: ct.Constant[bool],
+    BLOCK_N: ct.Constant[int],    # 0: the whole state per program; else K = 1, N in slices
 ):
     if PERSISTENT:
         # a fixed grid walks the (row, head, p tile) tiles, p tiles fastest (adjacent memory),
@@ -136,13 +219,14 @@ def state_update_fn(
         nheads = x.shape[2]
         for t in range(ct.bid(0), x.shape[0] * nheads * n_p, ct.num_blocks(0)):
             rest = t // n_p
-            _update_tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y,
-                         rest // nheads, rest % nheads, t % n_p, BLOCK_P, NP, HEADS_PER_GROUP,
-                         DT_HEAD, A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT)
+            _tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y,
+                  rest // nheads, rest % nheads, t % n_p, BLOCK_P, NP, HEADS_PER_GROUP,
+                  DT_HEAD, A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT,
+                  BLOCK_N)
     else:
-        _update_tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y,
-                     ct.bid(0), ct.bid(1), ct.bid(2), BLOCK_P, NP, HEADS_PER_GROUP,
-                     DT_HEAD, A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT)
+        _tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y,
+              ct.bid(0), ct.bid(1), ct.bid(2), BLOCK_P, NP, HEADS_PER_GROUP,
+              DT_HEAD, A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT, BLOCK_N)
 
 
 state_update = ct.kernel(state_update_fn)
