@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call for tuning experiments: forward sweep, decode sweep, accuracy probe, then the
+# One GPU call for tuning experiments: forward sweep, decode sweep, then the
 # GPU tests of PYTEST_PATHS. Logs to $OUT. Env: SWEEP_SHAPES, SWEEP_CONFIGS (space separated).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -12,7 +12,6 @@ if [[ -n ${DECODE_SWEEP:-1} ]]; then
   timeout 80 python3 scripts/sweep_decode.py > "$OUT/sweep_decode.jsonl" 2> "$OUT/sweep_decode.err"
   echo "decode sweep rc=$?"; cat "$OUT/sweep_decode.jsonl"; tail -3 "$OUT/sweep_decode.err"
 fi
-timeout 45 python3 scripts/probe_short.py > "$OUT/probe.log" 2>&1; echo "probe rc=$?"; cat "$OUT/probe.log" | tail -20
 if [[ -n ${PYTEST_PATHS:-} ]]; then
   MAMBA2_TEST_LOG="$OUT/checks.log" timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu $PYTEST_PATHS \
     -n ${TEST_WORKERS:-14} --dist loadgroup -p no:cacheprovider -p no:benchmark --timeout=${TEST_CASE_TIMEOUT:-180} \
