@@ -118,7 +118,6 @@ def decode_plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_i
     Takes the public shapes (3-D or k-step 4-D x), `y` shaped like x, `state_batch_indices`
     already int32. Picks the kernel variant from the strides (see the module docstring).
     """
-
     x4, dt4, z4, y4 = (_steps(t, 3) for t in (x, dt, z, y))
     B4, C4 = _steps(B, 3), _steps(C, 3)
     out5 = None if out_states is None else _steps(out_states, 4)
@@ -138,12 +137,10 @@ def decode_plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_i
         if len(_PLAN_CACHE) > 256:
             _PLAN_CACHE.clear()
         _PLAN_CACHE[key] = static
-    kernel, grid, dt_head, a_head, d_mode, bias_mode, flags = static
+    kernel, grid, dt_head, a_head, flags = static
     dt_arg = dt4[..., 0] if dt_head else dt4
     a_arg = A[:, 0, 0] if a_head else A
-    d_arg = None if D is None else (D if D.dim() == 1 else D[:, 0] if d_mode == 1 else D)
-    bias_arg = None if dt_bias is None else (
-        dt_bias if dt_bias.dim() == 1 else dt_bias[:, 0] if bias_mode == 1 else dt_bias)
+    d_arg, bias_arg = _head_mode(D)[1], _head_mode(dt_bias)[1]
     # stand-ins for absent optional tensors: never read (their flag is off)
     args = (state, x4, dt_arg, a_arg, B4, C4,
             d_arg if d_arg is not None else a_arg,
@@ -181,7 +178,7 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
     tiles = b * h * -(-p // cfg.block_p)
     grid = ((min(tiles, cfg.persistent * _sms(x)), 1, 1) if cfg.persistent
             else (b, h, -(-p // cfg.block_p)))
-    return kernel, grid, dt_head, a_head, d_mode, bias_mode, flags
+    return kernel, grid, dt_head, a_head, flags
 
 
 # ----------------------------------------------------------------------------------------------
