@@ -54,6 +54,18 @@ class DecodeConfig:
     occupancy: int = 0      # 0: let the compiler choose
     persistent: int = 0     # >0: a fixed grid of this many programs per SM walks the tiles
     block_n: int = 0        # >0: one-token calls walk dstate in slices of this width
+    latency: int = 0        # state load latency hint (1-10; 0: none)
+    tma: int = 1            # 0: state loads/stores without TMA (plain vector accesses)
+
+    def __post_init__(self):
+        for name in ("block_p", "dstate_pad") + (("block_n",) if self.block_n else ()):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"decode config: {name}={v} is not a power of two")
+        if not 0 <= self.latency <= 10:
+            raise ValueError(f"decode config: latency={self.latency} is not in 0..10")
+        if self.tma not in (0, 1):
+            raise ValueError(f"decode config: tma={self.tma} is not 0 or 1")
 
 
 def default_decode_config(batch, nheads, headdim, dstate, sms=132) -> DecodeConfig:
@@ -174,7 +186,8 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
     flags = (cfg.block_p, cfg.dstate_pad, h // g, dt_head, a_head, d_mode, bias_mode,
              z4 is not None, bool(dt_softplus), state_batch_indices is not None,
              out5 is not None, cfg.persistent > 0,
-             min(cfg.block_n, cfg.dstate_pad) if cfg.block_n and k == 1 else 0)
+             min(cfg.block_n, cfg.dstate_pad) if cfg.block_n and k == 1 else 0,
+             cfg.latency + (0 if cfg.tma else 16))
     tiles = b * h * -(-p // cfg.block_p)
     grid = ((min(tiles, cfg.persistent * _sms(x)), 1, 1) if cfg.persistent
             else (b, h, -(-p // cfg.block_p)))
@@ -453,6 +466,15 @@ def compile_variants():
                                      ngroups=3, headdim=80, dstate=96, options=("D", "bias"),
                                      config=DecodeConfig(block_p=16, dstate_pad=128,
                                                          block_n=64, persistent=2))),
+        ("latency-no-tma", dict(dtype=bf, state_dtype=bf, layout="head", options=(
+            "D", "z", "bias", "softplus", "idx"), config=DecodeConfig(
+                block_p=32, dstate_pad=128, occupancy=8, latency=4, tma=0))),
+        ("split-n-latency", dict(dtype=bf, state_dtype=bf, layout="head", options=(
+            "D", "z", "bias", "softplus"), config=DecodeConfig(
+                block_p=32, dstate_pad=128, occupancy=8, block_n=64, latency=2))),
+        ("split-n-no-tma", dict(dtype=bf, state_dtype=f32, layout="head", options=("D",),
+                                config=DecodeConfig(block_p=32, dstate_pad=128, occupancy=8,
+                                                    block_n=32, tma=0))),
     ]
 
 

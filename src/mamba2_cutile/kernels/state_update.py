@@ -75,12 +75,40 @@ def _slot_of(slots, row, HAS_IDX: ct.Constant[bool]):
     return slot
 
 
+def _load_state(state, slot, head, p_tile, nt, BLOCK_P: ct.Constant[int], W: ct.Constant[int],
+                MEM: ct.Constant[int]):
+    """(BLOCK_P, W) float32 slice of the state. MEM = latency hint (1-10, 0: none) + 16 to
+    load without TMA (plain vector loads straight into registers, no SMEM round trip)."""
+    ZERO = ct.PaddingMode.ZERO
+    idx = (slot, head, p_tile, nt)
+    shape = (1, 1, BLOCK_P, W)
+    if MEM == 0:
+        t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO)
+    elif MEM < 16:
+        t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO, latency=MEM)
+    elif MEM == 16:
+        t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO, allow_tma=False)
+    else:
+        t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO, allow_tma=False,
+                    latency=MEM - 16)
+    return t.reshape((BLOCK_P, W)).astype(ct.float32)
+
+
+def _store_state(state, h, slot, head, p_tile, nt, BLOCK_P: ct.Constant[int],
+                 W: ct.Constant[int], MEM: ct.Constant[int]):
+    tile = h.reshape((1, 1, BLOCK_P, W)).astype(state.dtype)
+    if MEM < 16:
+        ct.store(state, index=(slot, head, p_tile, nt), tile=tile)
+    else:
+        ct.store(state, index=(slot, head, p_tile, nt), tile=tile, allow_tma=False)
+
+
 def _update_tile(
     state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y, row, head, p_tile,
     BLOCK_P: ct.Constant[int], NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
     DT_HEAD: ct.Constant[bool], A_HEAD: ct.Constant[bool], D_MODE: ct.Constant[int],
     BIAS_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
-    HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool],
+    HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool], MEM: ct.Constant[int],
 ):
     """All K steps of one (row, head, p tile), the whole (BLOCK_P, NP) state on chip."""
     group = head // HEADS_PER_GROUP
@@ -88,8 +116,7 @@ def _update_tile(
     ZERO = ct.PaddingMode.ZERO
     slot = _slot_of(slots, row, HAS_IDX)
     if slot >= 0:
-        h = ct.load(state, index=(slot, head, p_tile, 0), shape=(1, 1, BLOCK_P, NP),
-                    padding_mode=ZERO).reshape((BLOCK_P, NP)).astype(ct.float32)
+        h = _load_state(state, slot, head, p_tile, 0, BLOCK_P, NP, MEM)
         if A_HEAD:
             a = ct.load(A, index=(head,), shape=(1,)).reshape((1, 1)).astype(ct.float32)
         else:
@@ -110,8 +137,7 @@ def _update_tile(
                          tile=h.reshape((1, 1, 1, BLOCK_P, NP)).astype(out_states.dtype))
             _finish_y(ct.sum(h * cv, axis=1, keepdims=True), xv, D, z, y, row, t, head,
                       p_tile, BLOCK_P, D_MODE, HAS_Z)
-        ct.store(state, index=(slot, head, p_tile, 0),
-                 tile=h.reshape((1, 1, BLOCK_P, NP)).astype(state.dtype))
+        _store_state(state, h, slot, head, p_tile, 0, BLOCK_P, NP, MEM)
     else:
         zeros = ct.full((1, 1, 1, BLOCK_P), 0.0, dtype=y.dtype)
         for t in range(nsteps):
@@ -123,7 +149,7 @@ def _update_tile_split_n(
     BLOCK_P: ct.Constant[int], BLOCK_N: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
     DT_HEAD: ct.Constant[bool], A_HEAD: ct.Constant[bool], D_MODE: ct.Constant[int],
     BIAS_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
-    HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool],
+    HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool], MEM: ct.Constant[int],
 ):
     """One step (K = 1) of one (row, head, p tile), the state walked in (BLOCK_P, BLOCK_N)
     slices: fewer live registers per thread (no spills at high occupancy), and a loop whose
@@ -144,8 +170,7 @@ def _update_tile_split_n(
         # cdiv(N, BLOCK_N), not NP // BLOCK_N: a slice wholly past dstate would load out of
         # bounds
         for nt in range(ct.cdiv(state.shape[3], BLOCK_N)):
-            h = ct.load(state, index=(slot, head, p_tile, nt), shape=(1, 1, BLOCK_P, BLOCK_N),
-                        padding_mode=ZERO).reshape((BLOCK_P, BLOCK_N)).astype(ct.float32)
+            h = _load_state(state, slot, head, p_tile, nt, BLOCK_P, BLOCK_N, MEM)
             bv = ct.load(b, index=(row, 0, group, nt), shape=(1, 1, 1, BLOCK_N),
                          padding_mode=ZERO).reshape((1, BLOCK_N)).astype(ct.float32)
             cv = ct.load(c, index=(row, 0, group, nt), shape=(1, 1, 1, BLOCK_N),
@@ -160,8 +185,7 @@ def _update_tile_split_n(
                 ct.store(out_states, index=(row, 0, head, p_tile, nt),
                          tile=h.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(out_states.dtype))
             yv = yv + ct.sum(h * cv, axis=1, keepdims=True)
-            ct.store(state, index=(slot, head, p_tile, nt),
-                     tile=h.reshape((1, 1, BLOCK_P, BLOCK_N)).astype(state.dtype))
+            _store_state(state, h, slot, head, p_tile, nt, BLOCK_P, BLOCK_N, MEM)
         _finish_y(yv, xv, D, z, y, row, 0, head, p_tile, BLOCK_P, D_MODE, HAS_Z)
     else:
         ct.store(y, index=(row, 0, head, p_tile), tile=ct.full((1, 1, 1, BLOCK_P), 0.0,
@@ -174,15 +198,17 @@ def _tile(
     DT_HEAD: ct.Constant[bool], A_HEAD: ct.Constant[bool], D_MODE: ct.Constant[int],
     BIAS_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
     HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool], BLOCK_N: ct.Constant[int],
+    MEM: ct.Constant[int],
 ):
     if BLOCK_N == 0:
         _update_tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y, row, head,
                      p_tile, BLOCK_P, NP, HEADS_PER_GROUP, DT_HEAD, A_HEAD, D_MODE,
-                     BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT)
+                     BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT, MEM)
     else:
         _update_tile_split_n(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y, row,
                              head, p_tile, BLOCK_P, BLOCK_N, HEADS_PER_GROUP, DT_HEAD,
-                             A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT)
+                             A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT,
+                             MEM)
 
 
 def state_update_fn(
@@ -211,6 +237,7 @@ def state_update_fn(
     HAS_OUT: ct.Constant[bool],
     PERSISTENT: ct.Constant[bool],
     BLOCK_N: ct.Constant[int],    # 0: the whole state per program; else K = 1, N in slices
+    MEM: ct.Constant[int],        # state load/store: latency hint (0: none), +16: no TMA
 ):
     if PERSISTENT:
         # a fixed grid walks the (row, head, p tile) tiles, p tiles fastest (adjacent memory),
@@ -222,11 +249,12 @@ def state_update_fn(
             _tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y,
                   rest // nheads, rest % nheads, t % n_p, BLOCK_P, NP, HEADS_PER_GROUP,
                   DT_HEAD, A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT,
-                  BLOCK_N)
+                  BLOCK_N, MEM)
     else:
         _tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y,
               ct.bid(0), ct.bid(1), ct.bid(2), BLOCK_P, NP, HEADS_PER_GROUP,
-              DT_HEAD, A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT, BLOCK_N)
+              DT_HEAD, A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT, BLOCK_N,
+              MEM)
 
 
 state_update = ct.kernel(state_update_fn)

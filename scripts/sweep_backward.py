@@ -1,0 +1,105 @@
+"""Backward config sweep in one process: per-launch kernel time of the cuTile backward for
+each config, gradients checked against the first config's (and mamba_ssm's with SWEEP_VS_MAMBA=1:
+its first backward autotunes for about a minute).
+
+    python3 scripts/sweep_backward.py SHAPES CONFIG [CONFIG ...]      (on the GPU machine)
+
+CONFIG: a MAMBA2_CUTILE_BWD_CONFIG string ("default", "lowp=1,dx_block_q=128"), optionally
+with "state_dtype=bf16" (the dtype of the recomputed entry states and exit gradients).
+One JSON line per (shape, config): kernels (ms each, CUDA graph), total_ms, max rel. diffs.
+"""
+import json
+import os
+import sys
+
+import cuda.tile as ct
+import torch
+
+from mamba2_cutile import backward, launch
+from mamba2_cutile.bench import problems, timing
+
+
+def grads_and_calls(shape, inp, dout, dfinal, cfg, state_dtype):
+    calls = []
+    backward.run_backward(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], shape.chunk, dout,
+                          dfinal, D=inp["D"], initial_states=inp["initial_states"],
+                          state_dtype=state_dtype, config=cfg, launch_fn=calls.extend,
+                          sms=launch.num_sms(0))
+    stream = torch.cuda.current_stream()
+
+    def launch_fn(cs):
+        for c in cs:
+            ct.launch(stream, c.grid, c.kernel, c.args)
+    grads = backward.run_backward(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], shape.chunk,
+                                  dout, dfinal, D=inp["D"],
+                                  initial_states=inp["initial_states"], state_dtype=state_dtype,
+                                  config=cfg, launch_fn=launch_fn, sms=launch.num_sms(0))
+    return grads, calls
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def mamba_ssm_grads(shape, inp, dout, dfinal):
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as f
+    leaves = {k: inp[k].detach().clone().requires_grad_(True)
+              for k in ("x", "dt", "A", "B", "C", "D", "initial_states")}
+    out, fin = f(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], shape.chunk,
+                 D=leaves["D"], initial_states=leaves["initial_states"], return_final_states=True)
+    torch.autograd.backward([out, fin], [dout, dfinal])
+    return {k: v.grad for k, v in leaves.items()}
+
+
+def sweep_shape(shape, specs):
+    inp = problems.make_inputs(shape)
+    dout, dfinal = problems.make_grad_outputs(shape)
+    b, _, h, g, p, n = shape.dims()
+    first = None
+    for spec in specs:
+        parts = [s for s in spec.split(",") if s and s != "default"]
+        sdt = None
+        for s in list(parts):
+            if s.startswith("state_dtype="):
+                sdt = problems.parse_dtype(s.split("=")[1])
+                parts.remove(s)
+        os.environ["MAMBA2_CUTILE_BWD_CONFIG"] = ",".join(parts)
+        try:
+            cfg = backward.default_backward_config(b, h, g, p, n, shape.chunk, shape.dtype,
+                                                   launch.num_sms(0))
+            grads, calls = grads_and_calls(shape, inp, dout, dfinal, cfg, sdt)
+            row = {"shape": shape.name, "config": spec, "kernels": {}}
+            if first is None:
+                first = grads
+            if first is grads and os.environ.get("SWEEP_VS_MAMBA"):
+                try:
+                    theirs = mamba_ssm_grads(shape, inp, dout, dfinal)
+                    row["vs_mamba_ssm"] = {k: round(rel(grads[k], theirs[k]), 6)
+                                           for k in theirs}
+                except Exception as e:  # noqa: BLE001
+                    row["vs_mamba_ssm"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if first is not grads:
+                row["vs_first"] = {k: round(rel(v, first[k]), 6) for k, v in grads.items()
+                                   if v is not None}
+            for i, call in enumerate(calls):
+                name = call.kernel._annotated_function.pyfunc.__name__.removesuffix("_fn")
+                if name in row["kernels"]:
+                    name = f"{name}#{i}"
+
+                def one(call=call):
+                    ct.launch(torch.cuda.current_stream(), call.grid, call.kernel, call.args)
+                row["kernels"][name] = round(timing.time_graph(one, reps=30)["median_ms"], 4)
+            row["total_ms"] = round(sum(row["kernels"].values()), 4)
+
+            def whole(shape=shape, inp=inp, dout=dout, dfinal=dfinal, cfg=cfg, sdt=sdt):
+                grads_and_calls(shape, inp, dout, dfinal, cfg, sdt)
+            row["whole_ms"] = round(timing.time_graph(whole, reps=30)["median_ms"], 4)
+            print(json.dumps(row), flush=True)
+        except Exception as e:  # noqa: BLE001 - one bad config must not end the sweep
+            print(json.dumps({"shape": shape.name, "config": spec,
+                              "error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
+
+
+for shape in problems.select(sys.argv[1]):
+    sweep_shape(shape, sys.argv[2:])
+    torch.cuda.empty_cache()
