@@ -2,7 +2,8 @@
 # One GPU call for tuning experiments: forward sweep, backward sweep, decode sweep, then the
 # GPU tests of PYTEST_PATHS; everything packed into $OUT/sweep.tgz (the device tool brings back
 # few files). Env: SWEEP_SHAPES, SWEEP_CONFIGS ("none" skips), BWD_SWEEP_SHAPES,
-# BWD_SWEEP_CONFIGS (unset skips), DECODE_BATCHES ("none" skips), PYTEST_PATHS, PYTEST_K.
+# BWD_SWEEP_CONFIGS (unset skips), ABLATE (a backward
+# config for scripts/ablate_backward.py; unset skips), DECODE_BATCHES ("none" skips), PYTEST_PATHS, PYTEST_K.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; L=/tmp/sweep; mkdir -p "$OUT" $L
 source .kit/setup.sh > $L/setup.log 2>&1; tail -n 3 $L/setup.log
@@ -16,6 +17,10 @@ fi
 if [[ -n ${BWD_SWEEP_CONFIGS:-} ]]; then
   timeout ${BWD_SWEEP_TIMEOUT:-150} python3 scripts/sweep_backward.py ${BWD_SWEEP_SHAPES:-seed} $BWD_SWEEP_CONFIGS \
     > $L/sweep_bwd.jsonl 2> $L/sweep_bwd.err; echo "bwd sweep rc=$?"; cut -c1-500 $L/sweep_bwd.jsonl; tail -3 $L/sweep_bwd.err
+fi
+if [[ -n ${ABLATE:-} ]]; then
+  timeout ${ABLATE_TIMEOUT:-120} python3 scripts/ablate_backward.py $ABLATE > $L/ablate.jsonl 2> $L/ablate.err
+  echo "ablate rc=$?"; cat $L/ablate.jsonl; tail -3 $L/ablate.err
 fi
 if [[ ${DECODE_BATCHES:-1,8,64,256} != none ]]; then
   timeout ${DECODE_TIMEOUT:-100} python3 scripts/sweep_decode.py ${DECODE_BATCHES:-1,8,64,256} > $L/sweep_decode.jsonl 2> $L/sweep_decode.err

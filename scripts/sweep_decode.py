@@ -27,15 +27,12 @@ for b in batches:
     t = time_graph(bd._theirs(dict(inp, state=inp["state"].clone())), reps=100)["median_ms"]
     print(json.dumps({"batch": b, "config": "mamba_ssm", "us": t * 1e3,
                       "gbps": nbytes / (t * 1e-3) / 1e9}), flush=True)
-    specs = [dict(block_p=bp, occupancy=occ) for bp, occ in ((32, 8), (64, 4), (16, 8))]
-    specs += [dict(block_p=32, occupancy=8, latency=lat) for lat in (2, 5, 8)]
-    specs += [dict(block_p=bp, occupancy=occ, tma=0) for bp, occ in ((32, 8), (64, 4))]
-    specs += [dict(block_p=32, occupancy=occ, persistent=occ) for occ in (4, 8)]
-    specs += [dict(block_p=bp, occupancy=occ, block_n=bn) for bp, occ, bn in (
-        (32, 8, 32), (64, 4, 64), (64, 8, 32), (128, 4, 32))]
-    specs += [dict(block_p=32, occupancy=8, block_n=32, tma=0),
-              dict(block_p=64, occupancy=4, block_n=32, latency=4),
-              dict(block_p=32, occupancy=8, block_n=32, persistent=8)]
+    specs = [dict(block_p=32, occupancy=8), dict(block_p=64, occupancy=4, tma=0)]
+    specs += [dict(block_p=bp, occupancy=occ, tma=0) for bp, occ in (
+        (64, 2), (64, 8), (128, 2), (128, 4), (32, 4), (16, 8))]
+    specs += [dict(block_p=64, occupancy=4, tma=0, latency=lat) for lat in (2, 4, 8)]
+    specs += [dict(block_p=64, occupancy=4, tma=0, persistent=4),
+              dict(block_p=64, occupancy=4, tma=0, block_n=64)]
     for spec in specs:
         name = ",".join(f"{k}={v}" for k, v in spec.items())
         try:

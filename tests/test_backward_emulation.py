@@ -377,6 +377,8 @@ TILINGS = {
     "wide_tiles": dict(dx_block_p=32, bc_block_p=32, bc_block_n=32, bstate_block_p=32,
                        bstate_block_n=32, cumsum_block_h=4),
     "lowp": dict(lowp=1),
+    "dbc_fused": dict(bc_fused=1),
+    "dbc_fused_wide": dict(bc_fused=1, bc_block_p=64, bc_block_n=32, lowp=1),
 }
 
 
@@ -395,6 +397,16 @@ def test_emulated_groups_and_chunk_32(g):
     Q = 32
     args, kw, dout, dfinal = make_problem(OPTIONS["all"], l=100, Q=Q, seed=3, g=g, p=16, n=16)
     cfg = small_config(Q, 16, 16, bc_block_q=16)
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("opt", ["D_head_z_seq", "init_no_dfinal", "all"])
+def test_emulated_dbc_fused_options(opt):
+    """The whole-chunk dB/dC program with seq_idx resets, z, no dfinal; 4 heads per group."""
+    Q = 32
+    args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=90, Q=Q, seed=5, g=1, p=24, n=20)
+    cfg = small_config(Q, 24, 20, bc_fused=1, bc_block_n=16)
     assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
                  reference_grads(args, kw, Q, dout, dfinal))
 

@@ -272,6 +272,7 @@ CONFIGS = [
     {"dx_block_p": 16, "bc_block_p": 32, "bc_block_n": 32},
     {"bc_block_n": 128}, {"bstate_block_p": 32, "bstate_block_n": 16},
     {"dx_occupancy": 2, "bc_occupancy": 2, "bstate_occupancy": 2},
+    {"bc_fused": 1}, {"bc_fused": 1, "lowp": 1, "bc_block_n": 32},
     {"cumsum_block_h": 2},
 ]
 

@@ -26,7 +26,8 @@ import torch
 
 from . import launch
 from .checks import as_kernel_input, config_from_env
-from .kernels.bwd_chunk_dbc import bwd_chunk_dbc, bwd_chunk_dbc_i64
+from .kernels.bwd_chunk_dbc import (bwd_chunk_dbc, bwd_chunk_dbc_fused, bwd_chunk_dbc_fused_i64,
+                                    bwd_chunk_dbc_i64)
 from .kernels.bwd_chunk_dx import bwd_chunk_dx, bwd_chunk_dx_i64
 from .kernels.bwd_dt import bwd_dt, bwd_dt_i64
 from .kernels.bwd_state_pass import bwd_state_pass, bwd_state_pass_i64
@@ -57,6 +58,8 @@ class BackwardConfig:
     bc_occupancy: int = 0
     dx_warps: int = 8            # num_worker_warps hints (0: the compiler's choice; with it,
     bc_warps: int = 8            # tileiras 13.4 spills 0.3-1.7 KB per thread in these two)
+    bc_fused: int = 0            # 1: one program per whole chunk forms M once for dB and dC
+                                 # (bc_block_q is then unused)
 
 
 def default_backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
@@ -203,15 +206,24 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          lowp)))
 
     # 5: dB, dC
-    n_qb = -(-seqlen // cfg.bc_block_q)
     big = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
                       bufs.dstates, bufs.dB, bufs.dC)
-    calls.append(KernelCall(
-        hinted(bwd_chunk_dbc_i64 if big else bwd_chunk_dbc, cfg.bc_occupancy, cfg.bc_warps),
-        (n_qb * batch * ngroups, -(-dstate // cfg.bc_block_n), 2),
-        (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
-         bufs.dstates, bufs.dB, bufs.dC, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.bc_block_n,
-         hpg, has_z, has_seq, lowp)))
+    if cfg.bc_fused:
+        calls.append(KernelCall(
+            hinted(bwd_chunk_dbc_fused_i64 if big else bwd_chunk_dbc_fused, cfg.bc_occupancy,
+                   cfg.bc_warps),
+            (nchunks * batch * ngroups, -(-dstate // cfg.bc_block_n), 1),
+            (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
+             bufs.dstates, bufs.dB, bufs.dC, Q, cfg.bc_block_p, cfg.bc_block_n, hpg, has_z,
+             has_seq, lowp)))
+    else:
+        n_qb = -(-seqlen // cfg.bc_block_q)
+        calls.append(KernelCall(
+            hinted(bwd_chunk_dbc_i64 if big else bwd_chunk_dbc, cfg.bc_occupancy, cfg.bc_warps),
+            (n_qb * batch * ngroups, -(-dstate // cfg.bc_block_n), 2),
+            (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
+             bufs.dstates, bufs.dB, bufs.dC, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.bc_block_n,
+             hpg, has_z, has_seq, lowp)))
 
     # 6: dt chain, dA and ddt_bias partials
     big = needs_int64(dt, bufs.dt_buf, bufs.da_part, bufs.ddt_part, bufs.ddt, bufs.dA_part)
@@ -330,6 +342,9 @@ def backward_compile_variants():
     items.append(("bf16-D-head", dict(dtype=bf, options=("D_head", "init"))))
     items.append(("bf16-int64", dict(dtype=bf, int64=True)))
     items.append(("bf16-lowp", dict(dtype=bf, overrides=dict(lowp=1))))
+    items.append(("bf16-dbc-fused", dict(dtype=bf, overrides=dict(bc_fused=1))))
+    items.append(("fp32-dbc-fused-g2", dict(dtype=torch.float32, ngroups=2, headdim=80,
+                                            dstate=96, overrides=dict(bc_fused=1))))
     items.append(("bf16-fp16-dt-bf16-states", dict(dtype=bf, dt_dtype=torch.float16,
                                                    state_dtype=torch.bfloat16)))
     return items

@@ -143,7 +143,86 @@ def bwd_chunk_dbc_fn(
                  tile=acc.reshape((1, BLOCK_Q, 1, BLOCK_N)).astype(db.dtype))
 
 
+def bwd_chunk_dbc_fused_fn(
+    x,           # (B, L, H, P)
+    b,           # (B, L, G, N)
+    c,           # (B, L, G, N)
+    z,           # (B, L, H, P) (ignored unless HAS_Z)
+    dout,        # (B, L, H, P)
+    dt,          # (B, H, Lp) float32 dt'
+    cum,         # (B, H, Lp) float32 G2
+    seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
+    states,      # (B, H, C, P, N) entry states h_c
+    dstates,     # (B, H, C, P, N) exit-state gradients dS_c
+    db,          # (B, L, G, N) out
+    dc,          # (B, L, G, N) out
+    Q: ct.Constant[int],
+    BLOCK_P: ct.Constant[int],
+    BLOCK_N: ct.Constant[int],
+    HEADS_PER_GROUP: ct.Constant[int],
+    HAS_Z: ct.Constant[bool],
+    HAS_SEQ: ct.Constant[bool],
+    LOWP: ct.Constant[bool],
+):
+    """dB and dC of one whole chunk in one program (the same sums as bwd_chunk_dbc_fn).
+
+    Both intra-chunk terms use one Q x Q matrix per head, M = (dY X^T) o L o dt'_col:
+    dC += M @ B and dB += M^T @ C, so M (one dY X^T MMA and one exp2 per entry) is formed once
+    per head instead of once per output and token block. One program = chunk c x one n-tile of
+    one group; p-tiles are looped for dY X^T and the state terms. Grid: (nc * B * G, cdiv(N, BN)).
+    """
+    seqlen = x.shape[1]
+    ngroups = b.shape[2]
+    nc = ct.cdiv(seqlen, Q)
+    n_pt = ct.cdiv(x.shape[3], BLOCK_P)
+    chunk = ct.bid(0) % nc
+    bg = ct.bid(0) // nc
+    n_tile = ct.bid(1)
+    batch = bg // ngroups
+    group = bg % ngroups
+    mm = x.dtype
+
+    tok = chunk * Q + ct.arange(Q, dtype=ct.int32)
+    s = block_seq(seq_idx, batch, chunk, Q, HAS_SEQ)
+    before = ct.full((1,), 0, dtype=ct.int32)
+    last = ct.full((1,), 0, dtype=ct.int32)
+    if HAS_SEQ:
+        before, last = seq_bounds(seq_idx, batch, chunk, seqlen, Q)
+    bn = wop(load_rows(b, batch, chunk, group, n_tile, Q, BLOCK_N), mm, LOWP)
+    cn = wop(load_rows(c, batch, chunk, group, n_tile, Q, BLOCK_N), mm, LOWP)
+    acc_c = ct.full((Q, BLOCK_N), 0.0, dtype=ct.float32)
+    acc_b = ct.full((Q, BLOCK_N), 0.0, dtype=ct.float32)
+    for hh in range(HEADS_PER_GROUP):
+        head = group * HEADS_PER_GROUP + hh
+        g = block_decay(cum, batch, head, chunk, Q)
+        dtv = block_decay(dt, batch, head, chunk, Q)
+        g_last = chunk_last_decay(cum, batch, head, chunk, Q)
+        state_w = state_weight(g, s, before, HAS_SEQ)
+        x_w = exit_weight(g, g_last, s, last, HAS_SEQ) * dtv
+        dyx = ct.full((Q, Q), 0.0, dtype=ct.float32)
+        for pt in range(n_pt):
+            dy = load_dy(dout, z, batch, chunk, head, pt, Q, BLOCK_P, HAS_Z)
+            xt = load_rows(x, batch, chunk, head, pt, Q, BLOCK_P)
+            h = load_state(states, batch, head, chunk, pt, n_tile, BLOCK_P, BLOCK_N)
+            ds = load_state(dstates, batch, head, chunk, pt, n_tile, BLOCK_P, BLOCK_N)
+            acc_c = ct.mma(mma_operand(dy * state_w[:, None], mm), mma_operand(h, mm), acc_c)
+            acc_b = ct.mma(mma_operand(xt.astype(ct.float32) * x_w[:, None], mm),
+                           mma_operand(ds, mm), acc_b)
+            dyx = ct.mma(dy_op(dy, mm, LOWP, HAS_Z), dy_op(xt.transpose(), mm, LOWP, HAS_Z), dyx)
+        m = dyx * intra_decay(g, g, tok, tok, s, s, HAS_SEQ) * dtv[None, :]
+        acc_c = ct.mma(wop(m, mm, LOWP), bn, acc_c)
+        acc_b = ct.mma(wop(m.transpose(), mm, LOWP), cn, acc_b)
+    ct.store(dc, index=(batch, chunk, group, n_tile),
+             tile=acc_c.reshape((1, Q, 1, BLOCK_N)).astype(dc.dtype))
+    ct.store(db, index=(batch, chunk, group, n_tile),
+             tile=acc_b.reshape((1, Q, 1, BLOCK_N)).astype(db.dtype))
+
+
 bwd_chunk_dbc = ct.kernel(bwd_chunk_dbc_fn)
 bwd_chunk_dbc_i64 = ct.kernel(int64_variant(
     bwd_chunk_dbc_fn, ["x", "b", "c", "z", "dout", "dt", "cum", "seq_idx", "states", "dstates",
                        "db", "dc"]))
+bwd_chunk_dbc_fused = ct.kernel(bwd_chunk_dbc_fused_fn)
+bwd_chunk_dbc_fused_i64 = ct.kernel(int64_variant(
+    bwd_chunk_dbc_fused_fn, ["x", "b", "c", "z", "dout", "dt", "cum", "seq_idx", "states",
+                             "dstates", "db", "dc"]))
