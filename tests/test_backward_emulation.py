@@ -378,6 +378,8 @@ TILINGS = {
                        bstate_block_n=32, cumsum_block_h=4),
     "lowp": dict(lowp=1),
     "dbc_fused": dict(bc_fused=1),
+    "da_local": dict(da_local=1),
+    "da_local_q32": dict(da_local=1, dx_block_q=32, bc_fused=1),
     "dbc_fused_wide": dict(bc_fused=1, bc_block_p=64, bc_block_n=32, lowp=1),
 }
 
@@ -406,7 +408,7 @@ def test_emulated_dbc_fused_options(opt):
     """The whole-chunk dB/dC program with seq_idx resets, z, no dfinal; 4 heads per group."""
     Q = 32
     args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=90, Q=Q, seed=5, g=1, p=24, n=20)
-    cfg = small_config(Q, 24, 20, bc_fused=1, bc_block_n=16)
+    cfg = small_config(Q, 24, 20, bc_fused=1, bc_block_n=16, da_local=1)
     assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
                  reference_grads(args, kw, Q, dout, dfinal))
 

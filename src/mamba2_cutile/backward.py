@@ -58,6 +58,8 @@ class BackwardConfig:
     bc_occupancy: int = 0
     dx_warps: int = 8            # num_worker_warps hints (0: the compiler's choice; with it,
     bc_warps: int = 8            # tileiras 13.4 spills 0.3-1.7 KB per thread in these two)
+    da_local: int = 0            # 1: bwd_chunk_dx writes per-token da terms (row/column sums,
+                                 # no per-block cumsum), bwd_dt suffix-sums them
     bc_fused: int = 0            # 1: one program per whole chunk forms M once for dB and dC
                                  # (bc_block_q is then unused)
 
@@ -203,7 +205,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
          bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
          Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z, has_seq,
-         lowp)))
+         lowp, bool(cfg.da_local))))
 
     # 5: dB, dC
     big = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
@@ -233,7 +235,8 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
         (dt, A, dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi), bufs.dt_buf,
          bufs.da_part, bufs.ddt_part, bufs.ddt, bufs.dA_part,
          bufs.dbias_part if dt_bias is not None else bufs.dA_part,
-         Q, cfg.dx_block_q, cfg.cumsum_block_h, dt_bias is not None, bool(dt_softplus))))
+         Q, cfg.dx_block_q, cfg.cumsum_block_h, dt_bias is not None, bool(dt_softplus),
+         bool(cfg.da_local))))
     return calls
 
 
@@ -343,6 +346,7 @@ def backward_compile_variants():
     items.append(("bf16-int64", dict(dtype=bf, int64=True)))
     items.append(("bf16-lowp", dict(dtype=bf, overrides=dict(lowp=1))))
     items.append(("bf16-dbc-fused", dict(dtype=bf, overrides=dict(bc_fused=1))))
+    items.append(("bf16-da-local", dict(dtype=bf, overrides=dict(da_local=1))))
     items.append(("fp32-dbc-fused-g2", dict(dtype=torch.float32, ngroups=2, headdim=80,
                                             dstate=96, overrides=dict(bc_fused=1))))
     items.append(("bf16-fp16-dt-bf16-states", dict(dtype=bf, dt_dtype=torch.float16,

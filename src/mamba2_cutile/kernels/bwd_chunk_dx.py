@@ -20,7 +20,13 @@ h_c the entry state and dS_c the exit-state gradient of the chunk (p-tile rows, 
        contrib_s = sum_{i in t} ( [i >= s] (pre_i + excl_cumsum_j(W)_is + dGs_i)
                                 + [i <  s] V_i )
      and for key blocks k > t (no W, every i < s) contrib_s = sum_i V_i; the carry term is
-     added once per chunk, by its first block. Every contribution is a plain sum of terms (the
+     added once per chunk, by its first block.
+  With DA_LOCAL the slots hold per-token terms u whose suffix sum over the chunk is da (the
+  dt kernel takes it): with r / c the row / column sums of W,
+       da_s = sum_{i>=s} (r_i - c_i + dGs_i - V_i) + (sum_j V_j + carry_w <dS_c, h_c>_F),
+     the constant put on the chunk's last real token. sum_{i>=s} (r_i - c_i) is the same
+     sum_{i>=s} sum_{j<s} W_ij (the pairs with both i, j >= s cancel): no cumsum per block
+     pair, at the price of that cancellation in fp32 (terms of one size, no exponentials). Every contribution is a plain sum of terms (the
      "stable" form: nothing large cancels). Program t writes its contributions for the whole
      chunk into its own slot (p_tile * (Q // BLOCK_Q) + t % (Q // BLOCK_Q)) of da_part; the dt
      kernel adds the slots in a fixed order (deterministic, no atomics).
@@ -75,6 +81,7 @@ def bwd_chunk_dx_fn(
     HAS_Z: ct.Constant[bool],
     HAS_SEQ: ct.Constant[bool],
     LOWP: ct.Constant[bool],
+    DA_LOCAL: ct.Constant[bool],
 ):
     ZERO = ct.PaddingMode.ZERO
     NBPC = Q // BLOCK_Q                  # token blocks per chunk
@@ -133,6 +140,9 @@ def bwd_chunk_dx_fn(
 
     # key blocks k <= t: y's intra-chunk part and the da contributions of rows t
     pre = ct.full((BLOCK_Q,), 0.0, dtype=ct.float32)
+    if DA_LOCAL:
+        last_tok = ct.minimum(chunk * Q + Q - 1, seqlen - 1)
+        k_part = ct.sum(v, axis=0, keepdims=True) + carry
     dy_x = dy_op(dy, mm, LOWP, HAS_Z)
     for k in range(first, t + 1):
         tok_k = k * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
@@ -149,22 +159,31 @@ def bwd_chunk_dx_fn(
         dyx = ct.mma(dy_x, dy_op(xk.transpose(), mm, LOWP, HAS_Z),
                      ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
         w = cb * dyx
-        excl = ct.cumsum(w, axis=1) - w
-        row_ge = tok_t[:, None] >= tok_k[None, :]                   # i >= s
-        e = ct.where(row_ge, pre[:, None] + excl + dgs[:, None],
-                     ct.broadcast_to(v[:, None], (BLOCK_Q, BLOCK_Q)))
-        contrib = ct.sum(e, axis=0)
-        if k == t:
-            contrib = contrib + carry
+        if DA_LOCAL:
+            pre = pre + ct.sum(w, axis=1)                   # row sums (complete at k == t)
+            contrib = ct.where(tok_k == last_tok, k_part, 0.0) - ct.sum(w, axis=0)
+            if k == t:
+                contrib = contrib + pre + dgs - v
+        else:
+            excl = ct.cumsum(w, axis=1) - w
+            row_ge = tok_t[:, None] >= tok_k[None, :]               # i >= s
+            e = ct.where(row_ge, pre[:, None] + excl + dgs[:, None],
+                         ct.broadcast_to(v[:, None], (BLOCK_Q, BLOCK_Q)))
+            contrib = ct.sum(e, axis=0)
+            if k == t:
+                contrib = contrib + carry
+            pre = pre + ct.sum(w, axis=1)
         ct.store(da_part, index=(slot, batch, head, k),
                  tile=contrib.reshape((1, 1, 1, BLOCK_Q)))
-        pre = pre + ct.sum(w, axis=1)
     # key blocks k > t of the chunk: only the exit term (every i < s) and the carry
-    v_total = ct.sum(v, axis=0, keepdims=True) + carry
     for k in range(t + 1, first + NBPC):
-        ct.store(da_part, index=(slot, batch, head, k),
-                 tile=(ct.full((BLOCK_Q,), 0.0, dtype=ct.float32) + v_total).reshape(
-                     (1, 1, 1, BLOCK_Q)))
+        if DA_LOCAL:
+            tok_k = k * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
+            rest = ct.where(tok_k == last_tok, k_part, 0.0)
+        else:
+            rest = ct.full((BLOCK_Q,), 0.0, dtype=ct.float32) + (
+                ct.sum(v, axis=0, keepdims=True) + carry)
+        ct.store(da_part, index=(slot, batch, head, k), tile=rest.reshape((1, 1, 1, BLOCK_Q)))
 
     if D_MODE == 1:
         dh_ = ct.load(D, index=(head,), shape=(1,)).reshape((1, 1))

@@ -41,6 +41,7 @@ def bwd_dt_fn(
     BLOCK_H: ct.Constant[int],
     HAS_BIAS: ct.Constant[bool],
     SOFTPLUS: ct.Constant[bool],
+    DA_LOCAL: ct.Constant[bool],     # da_part holds per-token terms: da is their suffix sum
 ):
     NBPC = Q // BLOCK_Q
     ZERO = ct.PaddingMode.ZERO
@@ -65,6 +66,8 @@ def bwd_dt_fn(
     token = chunk * Q + ct.arange(Q, dtype=ct.int32)
     valid = (token < seqlen)[None, :]
     da = ct.where(valid, da, 0.0)
+    if DA_LOCAL:
+        da = ct.cumsum(da, axis=1, reverse=True)
     ddt_d = ct.where(valid, ddt_d, 0.0)
     d = ct.load(dtp, index=(batch, head_tile, chunk), shape=(1, BLOCK_H, Q),
                 padding_mode=ZERO).reshape((BLOCK_H, Q))
