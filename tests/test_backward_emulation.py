@@ -378,8 +378,10 @@ TILINGS = {
                        bstate_block_n=32, cumsum_block_h=4),
     "lowp": dict(lowp=1),
     "dbc_fused": dict(bc_fused=1),
-    "da_local": dict(da_local=1),
-    "da_local_q32": dict(da_local=1, dx_block_q=32, bc_fused=1),
+    "da_local": dict(da_mode=1),
+    "da_local_q32": dict(da_mode=1, dx_block_q=32, bc_fused=1),
+    "da_split": dict(da_mode=2, bc_fused=1),
+    "da_split_q32_lowp": dict(da_mode=2, bc_fused=1, dx_block_q=32, lowp=1, bc_block_n=32),
     "dbc_fused_wide": dict(bc_fused=1, bc_block_p=64, bc_block_n=32, lowp=1),
 }
 
@@ -403,12 +405,13 @@ def test_emulated_groups_and_chunk_32(g):
                  reference_grads(args, kw, Q, dout, dfinal))
 
 
-@pytest.mark.parametrize("opt", ["D_head_z_seq", "init_no_dfinal", "all"])
-def test_emulated_dbc_fused_options(opt):
+@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("opt", ["D_head_z_seq", "init_no_dfinal", "all", "none"])
+def test_emulated_dbc_fused_options(opt, mode):
     """The whole-chunk dB/dC program with seq_idx resets, z, no dfinal; 4 heads per group."""
     Q = 32
     args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=90, Q=Q, seed=5, g=1, p=24, n=20)
-    cfg = small_config(Q, 24, 20, bc_fused=1, bc_block_n=16, da_local=1)
+    cfg = small_config(Q, 24, 20, bc_fused=1, bc_block_n=16, da_mode=mode)
     assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
                  reference_grads(args, kw, Q, dout, dfinal))
 

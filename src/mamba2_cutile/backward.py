@@ -58,8 +58,10 @@ class BackwardConfig:
     bc_occupancy: int = 0
     dx_warps: int = 8            # num_worker_warps hints (0: the compiler's choice; with it,
     bc_warps: int = 8            # tileiras 13.4 spills 0.3-1.7 KB per thread in these two)
-    da_local: int = 0            # 1: bwd_chunk_dx writes per-token da terms (row/column sums,
-                                 # no per-block cumsum), bwd_dt suffix-sums them
+    da_mode: int = 0             # the decay gradient da (see bwd_chunk_dx): 0 the stable form
+                                 # in bwd_chunk_dx; 1 per-token row/column-sum terms there
+                                 # (no cumsum per block pair), bwd_dt suffix-sums them; 2 the
+                                 # W terms in bwd_chunk_dbc_fused (needs bc_fused=1)
     bc_fused: int = 0            # 1: one program per whole chunk forms M once for dB and dC
                                  # (bc_block_q is then unused)
 
@@ -87,6 +89,11 @@ def default_backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size,
         bc_block_q=min(chunk_size, 64),
         bc_block_p=min(pp, 64),
         bc_block_n=min(np_, 64),
+        # measured on the H200 at the seed problem (session 3): one whole-chunk dB/dC program
+        # took bwd_chunk_dbc from 1.02 to 0.54 ms; the decay gradient's W terms formed there
+        # (da_mode 2) spare bwd_chunk_dx its per-block-pair dY X^T and reductions
+        bc_fused=1,
+        da_mode=2,
     )
     return config_from_env(cfg, "MAMBA2_CUTILE_BWD_CONFIG", frozen=("chunk_size",))
 
@@ -100,6 +107,8 @@ def check_config(cfg: BackwardConfig, headdim: int, dstate: int):
     Q = cfg.chunk_size
     if Q % cfg.dx_block_q or Q % cfg.bc_block_q:
         raise ValueError("backward config: dx_block_q and bc_block_q must divide chunk_size")
+    if cfg.da_mode not in (0, 1, 2) or (cfg.da_mode == 2 and not cfg.bc_fused):
+        raise ValueError(f"backward config: da_mode={cfg.da_mode} (0, 1, or 2 with bc_fused=1)")
     if cfg.dstate_pad < dstate:
         raise ValueError(f"backward config: dstate_pad {cfg.dstate_pad} < dstate {dstate}")
 
@@ -112,7 +121,9 @@ class BackwardBuffers:
     states: torch.Tensor       # (B, H, nc, P, N) entry states (state dtype, default fp32)
     hbuf: torch.Tensor         # (B, H, P, N) fp32: the recompute's final state, then dh_0
     dstates: torch.Tensor      # (B, H, nc, P, N) exit-state gradients dS_c
-    da_part: torch.Tensor      # (n_pt * Q / dx_block_q, B, H, Lp) fp32
+    da_part: torch.Tensor      # (n_pt * Q / dx_block_q, B, H, Lp) fp32; da_mode 2:
+                               # (n_pt + cdiv(N, bc_block_n), B, H, Lp)
+    v_part: torch.Tensor | None    # (n_pt, B, H, Lp) fp32 (da_mode 2)
     ddt_part: torch.Tensor     # (n_pt, B, H, Lp) fp32
     dD_part: torch.Tensor | None   # (cdiv(L, dx_block_q), B, H, P) fp32
     dA_part: torch.Tensor      # (B * nc, H) fp32
@@ -147,7 +158,10 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
     return BackwardBuffers(
         dt_buf=e(b, h, lp), cum_buf=e(b, h, lp), states=e(b, h, nc, p, n, dt=sdt),
         hbuf=e(b, h, p, n), dstates=e(b, h, nc, p, n, dt=sdt),
-        da_part=e(n_pt * (Q // cfg.dx_block_q), b, h, lp), ddt_part=e(n_pt, b, h, lp),
+        da_part=(e(n_pt + -(-n // cfg.bc_block_n), b, h, lp) if cfg.da_mode == 2
+                 else e(n_pt * (Q // cfg.dx_block_q), b, h, lp)),
+        v_part=e(n_pt, b, h, lp) if cfg.da_mode == 2 else None,
+        ddt_part=e(n_pt, b, h, lp),
         dD_part=None if D is None else e(n_q, b, h, p),
         dA_part=e(b * nc, h), dbias_part=None if dt_bias is None else e(b * nc, h),
         dx=e(b, l, h, p, dt=od["x"]), dz=None if z is None else e(b, l, h, p, dt=od["z"]),
@@ -194,6 +208,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          init is not None)))
 
     # 4: dx, dz, partials of dD, ddt, da
+    v_part = bufs.v_part if bufs.v_part is not None else bufs.ddt_part
     n_q = -(-seqlen // cfg.dx_block_q)
     d_mode = 0 if D is None else D.dim()
     big = needs_int64(x, B, C, z, dout, D, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
@@ -204,8 +219,8 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
         (x, B, C, z if has_z else x, dout, D if D is not None else A, bufs.dt_buf, bufs.cum_buf,
          seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
          bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
-         Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z, has_seq,
-         lowp, bool(cfg.da_local))))
+         v_part, Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z,
+         has_seq, lowp, cfg.da_mode)))
 
     # 5: dB, dC
     big = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
@@ -216,8 +231,8 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
                    cfg.bc_warps),
             (nchunks * batch * ngroups, -(-dstate // cfg.bc_block_n), 1),
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
-             bufs.dstates, bufs.dB, bufs.dC, Q, cfg.bc_block_p, cfg.bc_block_n, hpg, has_z,
-             has_seq, lowp)))
+             bufs.dstates, bufs.dB, bufs.dC, bufs.da_part, Q, cfg.bc_block_p, cfg.bc_block_n,
+             hpg, has_z, has_seq, lowp, cfg.da_mode == 2)))
     else:
         n_qb = -(-seqlen // cfg.bc_block_q)
         calls.append(KernelCall(
@@ -233,10 +248,10 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
         bwd_dt_i64 if big else bwd_dt,
         (batch * nchunks, -(-nheads // cfg.cumsum_block_h), 1),
         (dt, A, dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi), bufs.dt_buf,
-         bufs.da_part, bufs.ddt_part, bufs.ddt, bufs.dA_part,
+         bufs.da_part, bufs.ddt_part, v_part, bufs.ddt, bufs.dA_part,
          bufs.dbias_part if dt_bias is not None else bufs.dA_part,
          Q, cfg.dx_block_q, cfg.cumsum_block_h, dt_bias is not None, bool(dt_softplus),
-         bool(cfg.da_local))))
+         cfg.da_mode)))
     return calls
 
 
@@ -345,10 +360,9 @@ def backward_compile_variants():
     items.append(("bf16-D-head", dict(dtype=bf, options=("D_head", "init"))))
     items.append(("bf16-int64", dict(dtype=bf, int64=True)))
     items.append(("bf16-lowp", dict(dtype=bf, overrides=dict(lowp=1))))
-    items.append(("bf16-dbc-fused", dict(dtype=bf, overrides=dict(bc_fused=1))))
-    items.append(("bf16-da-local", dict(dtype=bf, overrides=dict(da_local=1))))
-    items.append(("fp32-dbc-fused-g2", dict(dtype=torch.float32, ngroups=2, headdim=80,
-                                            dstate=96, overrides=dict(bc_fused=1))))
+    items.append(("bf16-unfused-stable-da", dict(dtype=bf, overrides=dict(bc_fused=0,
+                                                                           da_mode=0))))
+    items.append(("bf16-local-da", dict(dtype=bf, overrides=dict(da_mode=1))))
     items.append(("bf16-fp16-dt-bf16-states", dict(dtype=bf, dt_dtype=torch.float16,
                                                    state_dtype=torch.bfloat16)))
     return items

@@ -39,7 +39,7 @@ from .checks import (FLOATS, GPU_FLOATS, INTS, check_tensor, config_from_env, ex
 from .launch import KernelCall, hinted, needs_int64, next_pow2
 
 MAX_DSTATE = 256           # the whole (padded) dstate is one tile
-TILE_ELEMS = 4096          # state elements per program at most (BLOCK_P * NP)
+TILE_ELEMS = 8192          # state elements per program at most (BLOCK_P * NP)
 
 
 
@@ -71,16 +71,18 @@ class DecodeConfig:
 def default_decode_config(batch, nheads, headdim, dstate, sms=132) -> DecodeConfig:
     """The dispatcher's tile choice, from the shape alone (no search, no sync).
 
-    The kernel is memory-bound: what matters is the bytes in flight per SM. Measured on the
-    H200 (batch 1-256, H=128 P=64 N=128, bf16 state): 32-channel tiles with 8 programs per SM
-    were fastest from batch 8 up (3.0 TB/s at batch 256, against 1.3 TB/s for 64-channel tiles
-    without a hint); small grids (batch 1) do better with occupancy 2.
+    The kernel is memory-bound: what matters is the bytes in flight per SM and how they move.
+    Measured on the H200 (batch 1-256, H=128 P=64 N=128 G=8, bf16 state; session-3 sweeps in
+    results/): 64-channel tiles loaded and stored without TMA (plain vector accesses, no SMEM
+    round trip) at 4 programs per SM reach 3.4 TB/s at batch 64 and 3.6 TB/s at batch 256,
+    against 2.8 / 3.0 TB/s for the best TMA config (32-channel tiles, 8 per SM); grids of
+    under 4 programs per SM (batch 1-2 here) do better with 2 per SM.
     """
     np_ = max(16, next_pow2(dstate))
-    bp = min(32, next_pow2(headdim), max(4, TILE_ELEMS // np_))
+    bp = min(64, next_pow2(headdim), max(4, TILE_ELEMS // np_))
     programs = batch * nheads * -(-headdim // bp)
-    occupancy = 8 if programs >= 4 * sms else 2
-    return config_from_env(DecodeConfig(block_p=bp, dstate_pad=np_, occupancy=occupancy),
+    occupancy = 4 if programs >= 4 * sms else 2
+    return config_from_env(DecodeConfig(block_p=bp, dstate_pad=np_, occupancy=occupancy, tma=0),
                            "MAMBA2_CUTILE_DECODE_CONFIG", frozen=("dstate_pad",))
 
 

@@ -74,10 +74,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def backward_impl(x) -> str:
-    """Which backward runs: "cutile" (the cuTile kernels of `backward.py`, CUDA only) when
-    MAMBA2_CUTILE_BACKWARD=cutile, else "torch" (`chunked_backward`). The default stays
-    "torch" until the cuTile kernels have passed their GPU tests."""
-    want = os.environ.get("MAMBA2_CUTILE_BACKWARD", "torch").strip().lower()
+    """Which backward runs: "cutile" (the cuTile kernels of `backward.py`) for CUDA tensors,
+    "torch" (`chunked_backward`, PyTorch ops) on other devices or when
+    MAMBA2_CUTILE_BACKWARD=torch."""
+    want = os.environ.get("MAMBA2_CUTILE_BACKWARD", "cutile").strip().lower()
     if want not in ("torch", "cutile"):
         raise ValueError(f"MAMBA2_CUTILE_BACKWARD must be 'torch' or 'cutile', got {want!r}")
     return "cutile" if want == "cutile" and x.is_cuda else "torch"

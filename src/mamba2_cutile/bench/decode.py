@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from .timing import time_eager, time_graph
+from .timing import time_eager, time_eager_stream, time_graph
 
 
 def _mamba_ssm():
@@ -112,16 +112,18 @@ def bench_decode(batches=(1, 2, 4, 8, 16, 32, 64, 128, 256), h=128, p=64, n=128,
                        gbps=nbytes / (t["median_ms"] * 1e-3) / 1e9)
             if eager:
                 row["eager_ms"] = time_eager(fn, reps=max(10, reps // 3))["median_ms"]
+                row["eager_loop_ms"] = time_eager_stream(fn)["median_ms"]
             rows.append(row)
     return rows
 
 
 def format_rows(rows) -> str:
     head = f"{'impl':<12} {'batch':>5} {'k':>2} {'bp':>3} {'graph us':>9} {'eager us':>9} " \
-           f"{'GB/s':>7}"
+           f"{'loop us':>8} {'GB/s':>7}"
     lines = [head]
     for r in rows:
         eager = f"{r['eager_ms'] * 1e3:9.1f}" if "eager_ms" in r else f"{'-':>9}"
+        eager += f" {r['eager_loop_ms'] * 1e3:8.1f}" if "eager_loop_ms" in r else f" {'-':>8}"
         lines.append(f"{r['impl']:<12} {r['batch']:>5} {r['k']:>2} {str(r['block_p']):>3} "
                      f"{r['graph_ms'] * 1e3:9.1f} {eager} {r['gbps']:7.0f}")
     return "\n".join(lines)

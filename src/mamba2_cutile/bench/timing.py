@@ -62,6 +62,23 @@ def time_eager(fn, reps=30, warmup=3):
     return _stats(samples)
 
 
+def time_eager_stream(fn, calls=50, rounds=7, warmup=3):
+    """Median host milliseconds per call of `fn` called `calls` times back to back, then one
+    synchronize (over `rounds` rounds): the per-call cost a Python loop of short kernels sees
+    (Python, argument checks, launch), without the wake-up noise of a synchronize per call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e3 / calls)
+    return _stats(samples)
+
+
 def time_first_call(fn):
     """Seconds of the first call (compile and any tuning included)."""
     torch.cuda.synchronize()

@@ -156,6 +156,7 @@ def bwd_chunk_dbc_fused_fn(
     dstates,     # (B, H, C, P, N) exit-state gradients dS_c
     db,          # (B, L, G, N) out
     dc,          # (B, L, G, N) out
+    da_part,     # (n_pt + n_nt, B, H, Lp) float32 out (only with DA_W): slots n_pt + n_tile
     Q: ct.Constant[int],
     BLOCK_P: ct.Constant[int],
     BLOCK_N: ct.Constant[int],
@@ -163,6 +164,7 @@ def bwd_chunk_dbc_fused_fn(
     HAS_Z: ct.Constant[bool],
     HAS_SEQ: ct.Constant[bool],
     LOWP: ct.Constant[bool],
+    DA_W: ct.Constant[bool],
 ):
     """dB and dC of one whole chunk in one program (the same sums as bwd_chunk_dbc_fn).
 
@@ -170,6 +172,10 @@ def bwd_chunk_dbc_fused_fn(
     dC += M @ B and dB += M^T @ C, so M (one dY X^T MMA and one exp2 per entry) is formed once
     per head instead of once per output and token block. One program = chunk c x one n-tile of
     one group; p-tiles are looped for dY X^T and the state terms. Grid: (nc * B * G, cdiv(N, BN)).
+
+    With DA_W it also writes the W part of the decay gradient (bwd_chunk_dx's DA_MODE 2): with
+    S_n = C_n B_n^T (this n-tile's share of C B^T, shared by the group's heads), W = M o S_n and
+    per token r - c = rowsum(W) - colsum(W), into da_part slot n_pt + n_tile.
     """
     seqlen = x.shape[1]
     ngroups = b.shape[2]
@@ -192,6 +198,9 @@ def bwd_chunk_dbc_fused_fn(
     cn = wop(load_rows(c, batch, chunk, group, n_tile, Q, BLOCK_N), mm, LOWP)
     acc_c = ct.full((Q, BLOCK_N), 0.0, dtype=ct.float32)
     acc_b = ct.full((Q, BLOCK_N), 0.0, dtype=ct.float32)
+    if DA_W:
+        s_n = ct.mma(cn, bn.transpose(), ct.full((Q, Q), 0.0, dtype=ct.float32))
+        slot = da_part.shape[0] - ct.num_blocks(1) + n_tile
     for hh in range(HEADS_PER_GROUP):
         head = group * HEADS_PER_GROUP + hh
         g = block_decay(cum, batch, head, chunk, Q)
@@ -210,6 +219,10 @@ def bwd_chunk_dbc_fused_fn(
                            mma_operand(ds, mm), acc_b)
             dyx = ct.mma(dy_op(dy, mm, LOWP, HAS_Z), dy_op(xt.transpose(), mm, LOWP, HAS_Z), dyx)
         m = dyx * intra_decay(g, g, tok, tok, s, s, HAS_SEQ) * dtv[None, :]
+        if DA_W:
+            w = m * s_n
+            ct.store(da_part, index=(slot, batch, head, chunk),
+                     tile=(ct.sum(w, axis=1) - ct.sum(w, axis=0)).reshape((1, 1, 1, Q)))
         acc_c = ct.mma(wop(m, mm, LOWP), bn, acc_c)
         acc_b = ct.mma(wop(m.transpose(), mm, LOWP), cn, acc_b)
     ct.store(dc, index=(batch, chunk, group, n_tile),
@@ -225,4 +238,4 @@ bwd_chunk_dbc_i64 = ct.kernel(int64_variant(
 bwd_chunk_dbc_fused = ct.kernel(bwd_chunk_dbc_fused_fn)
 bwd_chunk_dbc_fused_i64 = ct.kernel(int64_variant(
     bwd_chunk_dbc_fused_fn, ["x", "b", "c", "z", "dout", "dt", "cum", "seq_idx", "states",
-                             "dstates", "db", "dc"]))
+                             "dstates", "db", "dc", "da_part"]))

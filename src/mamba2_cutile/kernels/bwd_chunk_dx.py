@@ -21,12 +21,17 @@ h_c the entry state and dS_c the exit-state gradient of the chunk (p-tile rows, 
                                 + [i <  s] V_i )
      and for key blocks k > t (no W, every i < s) contrib_s = sum_i V_i; the carry term is
      added once per chunk, by its first block.
-  With DA_LOCAL the slots hold per-token terms u whose suffix sum over the chunk is da (the
+  With DA_MODE 1 the slots hold per-token terms u whose suffix sum over the chunk is da (the
   dt kernel takes it): with r / c the row / column sums of W,
        da_s = sum_{i>=s} (r_i - c_i + dGs_i - V_i) + (sum_j V_j + carry_w <dS_c, h_c>_F),
      the constant put on the chunk's last real token. sum_{i>=s} (r_i - c_i) is the same
      sum_{i>=s} sum_{j<s} W_ij (the pairs with both i, j >= s cancel): no cumsum per block
-     pair, at the price of that cancellation in fp32 (terms of one size, no exponentials). Every contribution is a plain sum of terms (the
+     pair, at the price of that cancellation in fp32 (terms of one size, no exponentials).
+  With DA_MODE 2 the W terms (r - c) come from bwd_chunk_dbc_fused, which has dY X^T over all
+  of P already; this kernel writes dGs - V of its own rows into slot p_tile and V (+ the carry
+  term on the chunk's first token) into v_part; the dt kernel forms
+       da_s = suffix_sum(all slots)_s + sum_tokens(v_part).
+     Without z the key-block loop is then skipped entirely. Every contribution is a plain sum of terms (the
      "stable" form: nothing large cancels). Program t writes its contributions for the whole
      chunk into its own slot (p_tile * (Q // BLOCK_Q) + t % (Q // BLOCK_Q)) of da_part; the dt
      kernel adds the slots in a fixed order (deterministic, no atomics).
@@ -72,6 +77,7 @@ def bwd_chunk_dx_fn(
     da_part,     # (n_pt * Q // BQ, B, H, Lp) float32 out: da contributions per slot
     ddt_part,    # (n_pt, B, H, Lp) float32 out: ddt_direct per p-tile
     dD_part,     # (cdiv(L, BQ), B, H, P) float32 out: colsum(dY o X) (only if D_MODE)
+    v_part,      # (n_pt, B, H, Lp) float32 out: V (+ carry on the chunk's first token), DA_MODE 2
     Q: ct.Constant[int],
     BLOCK_Q: ct.Constant[int],
     BLOCK_P: ct.Constant[int],
@@ -81,7 +87,7 @@ def bwd_chunk_dx_fn(
     HAS_Z: ct.Constant[bool],
     HAS_SEQ: ct.Constant[bool],
     LOWP: ct.Constant[bool],
-    DA_LOCAL: ct.Constant[bool],
+    DA_MODE: ct.Constant[int],    # 0: stable form, 1: local terms, 2: split (see above)
 ):
     ZERO = ct.PaddingMode.ZERO
     NBPC = Q // BLOCK_Q                  # token blocks per chunk
@@ -140,11 +146,15 @@ def bwd_chunk_dx_fn(
 
     # key blocks k <= t: y's intra-chunk part and the da contributions of rows t
     pre = ct.full((BLOCK_Q,), 0.0, dtype=ct.float32)
-    if DA_LOCAL:
+    if DA_MODE == 1:
         last_tok = ct.minimum(chunk * Q + Q - 1, seqlen - 1)
         k_part = ct.sum(v, axis=0, keepdims=True) + carry
     dy_x = dy_op(dy, mm, LOWP, HAS_Z)
-    for k in range(first, t + 1):
+    # DA_MODE 2 without z: the key blocks are needed for nothing (dbc_fused forms W)
+    k_end = t + 1
+    if DA_MODE == 2 and not HAS_Z:
+        k_end = first
+    for k in range(first, k_end):
         tok_k = k * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
         g_k = block_decay(cum, batch, head, k, BLOCK_Q)
         dt_k = block_decay(dt, batch, head, k, BLOCK_Q)
@@ -156,15 +166,16 @@ def bwd_chunk_dx_fn(
         xk = load_rows(x, batch, k, head, p_tile, BLOCK_Q, BLOCK_P)
         if HAS_Z:
             y = ct.mma(wop(cb, mm, LOWP), wop(xk, mm, LOWP), y)
-        dyx = ct.mma(dy_x, dy_op(xk.transpose(), mm, LOWP, HAS_Z),
-                     ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
-        w = cb * dyx
-        if DA_LOCAL:
+        if DA_MODE != 2:
+            dyx = ct.mma(dy_x, dy_op(xk.transpose(), mm, LOWP, HAS_Z),
+                         ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
+            w = cb * dyx
+        if DA_MODE == 1:
             pre = pre + ct.sum(w, axis=1)                   # row sums (complete at k == t)
             contrib = ct.where(tok_k == last_tok, k_part, 0.0) - ct.sum(w, axis=0)
             if k == t:
                 contrib = contrib + pre + dgs - v
-        else:
+        if DA_MODE == 0:
             excl = ct.cumsum(w, axis=1) - w
             row_ge = tok_t[:, None] >= tok_k[None, :]               # i >= s
             e = ct.where(row_ge, pre[:, None] + excl + dgs[:, None],
@@ -173,11 +184,20 @@ def bwd_chunk_dx_fn(
             if k == t:
                 contrib = contrib + carry
             pre = pre + ct.sum(w, axis=1)
-        ct.store(da_part, index=(slot, batch, head, k),
-                 tile=contrib.reshape((1, 1, 1, BLOCK_Q)))
+        if DA_MODE != 2:
+            ct.store(da_part, index=(slot, batch, head, k),
+                     tile=contrib.reshape((1, 1, 1, BLOCK_Q)))
+    if DA_MODE == 2:
+        ct.store(da_part, index=(p_tile, batch, head, t),
+                 tile=(dgs - v).reshape((1, 1, 1, BLOCK_Q)))
+        ct.store(v_part, index=(p_tile, batch, head, t),
+                 tile=(v + ct.where(tok_t == chunk * Q, carry, 0.0)).reshape((1, 1, 1, BLOCK_Q)))
     # key blocks k > t of the chunk: only the exit term (every i < s) and the carry
-    for k in range(t + 1, first + NBPC):
-        if DA_LOCAL:
+    k_rest = first + NBPC
+    if DA_MODE == 2:
+        k_rest = t + 1
+    for k in range(t + 1, k_rest):
+        if DA_MODE == 1:
             tok_k = k * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
             rest = ct.where(tok_k == last_tok, k_part, 0.0)
         else:
@@ -225,4 +245,4 @@ def bwd_chunk_dx_fn(
 bwd_chunk_dx = ct.kernel(bwd_chunk_dx_fn)
 bwd_chunk_dx_i64 = ct.kernel(int64_variant(
     bwd_chunk_dx_fn, ["x", "b", "c", "z", "dout", "D", "dt", "cum", "seq_idx", "states",
-                      "dstates", "dx", "dz", "da_part", "ddt_part", "dD_part"]))
+                      "dstates", "dx", "dz", "da_part", "ddt_part", "dD_part", "v_part"]))

@@ -33,6 +33,7 @@ def bwd_dt_fn(
     dtp,         # (B, H, Lp) float32 dt' (decay_cumsum)
     da_part,     # (n_pt * NBPC, B, H, Lp) float32 (bwd_chunk_dx)
     ddt_part,    # (n_pt, B, H, Lp) float32 (bwd_chunk_dx)
+    v_part,      # (n_pt, B, H, Lp) float32 (bwd_chunk_dx, DA_MODE 2 only)
     ddt,         # (B, L, H) out, dt's dtype
     dA_part,     # (B * nc, H) float32 out
     dbias_part,  # (B * nc, H) float32 out (written only if HAS_BIAS)
@@ -41,7 +42,9 @@ def bwd_dt_fn(
     BLOCK_H: ct.Constant[int],
     HAS_BIAS: ct.Constant[bool],
     SOFTPLUS: ct.Constant[bool],
-    DA_LOCAL: ct.Constant[bool],     # da_part holds per-token terms: da is their suffix sum
+    DA_MODE: ct.Constant[int],   # 0: da_part holds da contributions per (p-tile, row block);
+                                 # 1: per-token terms whose suffix sum is da; 2: the same in
+                                 # every slot, plus v_part (summed over the chunk)
 ):
     NBPC = Q // BLOCK_Q
     ZERO = ct.PaddingMode.ZERO
@@ -55,19 +58,33 @@ def bwd_dt_fn(
 
     da = ct.full((BLOCK_H, Q), 0.0, dtype=ct.float32)
     ddt_d = ct.full((BLOCK_H, Q), 0.0, dtype=ct.float32)
-    for pt in range(n_pt):
-        for k in range(n_blk):
-            part = ct.load(da_part, index=(pt * NBPC + k, batch, head_tile, chunk),
+    vsum = ct.full((BLOCK_H, Q), 0.0, dtype=ct.float32)
+    if DA_MODE == 2:
+        for sl in range(da_part.shape[0]):
+            part = ct.load(da_part, index=(sl, batch, head_tile, chunk),
                            shape=(1, 1, BLOCK_H, Q), padding_mode=ZERO)
             da = da + part.reshape((BLOCK_H, Q))
+    for pt in range(n_pt):
+        if DA_MODE == 2:
+            part = ct.load(v_part, index=(pt, batch, head_tile, chunk),
+                           shape=(1, 1, BLOCK_H, Q), padding_mode=ZERO)
+            vsum = vsum + part.reshape((BLOCK_H, Q))
+        else:
+            for k in range(n_blk):
+                part = ct.load(da_part, index=(pt * NBPC + k, batch, head_tile, chunk),
+                               shape=(1, 1, BLOCK_H, Q), padding_mode=ZERO)
+                da = da + part.reshape((BLOCK_H, Q))
         part = ct.load(ddt_part, index=(pt, batch, head_tile, chunk), shape=(1, 1, BLOCK_H, Q),
                        padding_mode=ZERO)
         ddt_d = ddt_d + part.reshape((BLOCK_H, Q))
     token = chunk * Q + ct.arange(Q, dtype=ct.int32)
     valid = (token < seqlen)[None, :]
     da = ct.where(valid, da, 0.0)
-    if DA_LOCAL:
+    if DA_MODE != 0:
         da = ct.cumsum(da, axis=1, reverse=True)
+    if DA_MODE == 2:
+        da = ct.where(valid, da + ct.sum(ct.where(valid, vsum, 0.0), axis=1, keepdims=True),
+                      0.0)
     ddt_d = ct.where(valid, ddt_d, 0.0)
     d = ct.load(dtp, index=(batch, head_tile, chunk), shape=(1, BLOCK_H, Q),
                 padding_mode=ZERO).reshape((BLOCK_H, Q))
@@ -101,5 +118,5 @@ def bwd_dt_fn(
 
 bwd_dt = ct.kernel(bwd_dt_fn)
 bwd_dt_i64 = ct.kernel(int64_variant(
-    bwd_dt_fn, ["dt", "A", "dt_bias", "dtp", "da_part", "ddt_part", "ddt", "dA_part",
+    bwd_dt_fn, ["dt", "A", "dt_bias", "dtp", "da_part", "ddt_part", "v_part", "ddt", "dA_part",
                 "dbias_part"]))
