@@ -272,7 +272,8 @@ CONFIGS = [
     {"dx_block_p": 16, "bc_block_p": 32, "bc_block_n": 32},
     {"bc_block_n": 128}, {"bstate_block_p": 32, "bstate_block_n": 16},
     {"dx_occupancy": 2, "bc_occupancy": 2, "bstate_occupancy": 2},
-    {"bc_fused": 1}, {"bc_fused": 1, "lowp": 1, "bc_block_n": 32},
+    {"bc_fused": 0, "da_mode": 0}, {"bc_fused": 0, "da_mode": 1, "lowp": 1},
+    {"da_mode": 1, "bc_block_n": 32}, {"bc_block_n": 32, "dx_warps": 4},
     {"cumsum_block_h": 2},
 ]
 
