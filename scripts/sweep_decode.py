@@ -27,12 +27,8 @@ for b in batches:
     t = time_graph(bd._theirs(dict(inp, state=inp["state"].clone())), reps=100)["median_ms"]
     print(json.dumps({"batch": b, "config": "mamba_ssm", "us": t * 1e3,
                       "gbps": nbytes / (t * 1e-3) / 1e9}), flush=True)
-    specs = [dict(block_p=32, occupancy=8), dict(block_p=64, occupancy=4, tma=0)]
-    specs += [dict(block_p=bp, occupancy=occ, tma=0) for bp, occ in (
-        (64, 2), (64, 8), (128, 2), (128, 4), (32, 4), (16, 8))]
-    specs += [dict(block_p=64, occupancy=4, tma=0, latency=lat) for lat in (2, 4, 8)]
-    specs += [dict(block_p=64, occupancy=4, tma=0, persistent=4),
-              dict(block_p=64, occupancy=4, tma=0, block_n=64)]
+    specs = [dict(block_p=64, occupancy=4, tma=0), dict(block_p=64, occupancy=4, tma=0, tma_vec=0)]
+    specs += [dict(block_p=64, occupancy=occ, tma=0) for occ in (3, 5, 6)]
     for spec in specs:
         name = ",".join(f"{k}={v}" for k, v in spec.items())
         try:

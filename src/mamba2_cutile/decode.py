@@ -56,6 +56,7 @@ class DecodeConfig:
     block_n: int = 0        # >0: one-token calls walk dstate in slices of this width
     latency: int = 0        # state load latency hint (1-10; 0: none)
     tma: int = 1            # 0: state loads/stores without TMA (plain vector accesses)
+    tma_vec: int = 1        # 0: the per-step x, B, C loads without TMA too
 
     def __post_init__(self):
         for name in ("block_p", "dstate_pad") + (("block_n",) if self.block_n else ()):
@@ -64,8 +65,9 @@ class DecodeConfig:
                 raise ValueError(f"decode config: {name}={v} is not a power of two")
         if not 0 <= self.latency <= 10:
             raise ValueError(f"decode config: latency={self.latency} is not in 0..10")
-        if self.tma not in (0, 1):
-            raise ValueError(f"decode config: tma={self.tma} is not 0 or 1")
+        if self.tma not in (0, 1) or self.tma_vec not in (0, 1):
+            raise ValueError(f"decode config: tma={self.tma}, tma_vec={self.tma_vec} must be 0 "
+                             "or 1")
 
 
 def default_decode_config(batch, nheads, headdim, dstate, sms=132) -> DecodeConfig:
@@ -189,7 +191,7 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
              z4 is not None, bool(dt_softplus), state_batch_indices is not None,
              out5 is not None, cfg.persistent > 0,
              min(cfg.block_n, cfg.dstate_pad) if cfg.block_n and k == 1 else 0,
-             cfg.latency + (0 if cfg.tma else 16))
+             cfg.latency + (0 if cfg.tma else 16) + (0 if cfg.tma_vec else 32))
     tiles = b * h * -(-p // cfg.block_p)
     grid = ((min(tiles, cfg.persistent * _sms(x)), 1, 1) if cfg.persistent
             else (b, h, -(-p // cfg.block_p)))
@@ -474,6 +476,9 @@ def compile_variants():
         ("split-n-latency", dict(dtype=bf, state_dtype=bf, layout="head", options=(
             "D", "z", "bias", "softplus"), config=DecodeConfig(
                 block_p=32, dstate_pad=128, occupancy=8, block_n=64, latency=2))),
+        ("no-tma-vec", dict(dtype=bf, state_dtype=bf, layout="head", options=(
+            "D", "z", "bias", "softplus"), config=DecodeConfig(
+                block_p=64, dstate_pad=128, occupancy=4, tma=0, tma_vec=0))),
         ("split-n-no-tma", dict(dtype=bf, state_dtype=f32, layout="head", options=("D",),
                                 config=DecodeConfig(block_p=32, dstate_pad=128, occupancy=8,
                                                     block_n=32, tma=0))),

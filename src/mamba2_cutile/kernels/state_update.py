@@ -78,29 +78,41 @@ def _slot_of(slots, row, HAS_IDX: ct.Constant[bool]):
 def _load_state(state, slot, head, p_tile, nt, BLOCK_P: ct.Constant[int], W: ct.Constant[int],
                 MEM: ct.Constant[int]):
     """(BLOCK_P, W) float32 slice of the state. MEM = latency hint (1-10, 0: none) + 16 to
-    load without TMA (plain vector loads straight into registers, no SMEM round trip)."""
+    load without TMA (plain vector loads straight into registers, no SMEM round trip) + 32 to
+    load the small per-step vectors (x, B, C) without TMA too."""
     ZERO = ct.PaddingMode.ZERO
     idx = (slot, head, p_tile, nt)
     shape = (1, 1, BLOCK_P, W)
-    if MEM == 0:
-        t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO)
-    elif MEM < 16:
-        t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO, latency=MEM)
-    elif MEM == 16:
-        t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO, allow_tma=False)
+    lat = MEM % 16
+    if MEM % 32 < 16:
+        if lat == 0:
+            t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO)
+        else:
+            t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO, latency=lat)
     else:
-        t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO, allow_tma=False,
-                    latency=MEM - 16)
+        if lat == 0:
+            t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO, allow_tma=False)
+        else:
+            t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO, allow_tma=False,
+                        latency=lat)
     return t.reshape((BLOCK_P, W)).astype(ct.float32)
 
 
 def _store_state(state, h, slot, head, p_tile, nt, BLOCK_P: ct.Constant[int],
                  W: ct.Constant[int], MEM: ct.Constant[int]):
     tile = h.reshape((1, 1, BLOCK_P, W)).astype(state.dtype)
-    if MEM < 16:
+    if MEM % 32 < 16:
         ct.store(state, index=(slot, head, p_tile, nt), tile=tile)
     else:
         ct.store(state, index=(slot, head, p_tile, nt), tile=tile, allow_tma=False)
+
+
+def _load_vec(arr, index, shape, MEM: ct.Constant[int]):
+    """A small per-step load (x, B, C), zero padded; without TMA when MEM >= 32."""
+    if MEM >= 32:
+        return ct.load(arr, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO,
+                       allow_tma=False)
+    return ct.load(arr, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
 
 
 def _update_tile(
@@ -125,12 +137,12 @@ def _update_tile(
         for t in range(nsteps):
             d = _step_dt(dt, dt_bias, row, t, head, p_tile, BLOCK_P, DT_HEAD, BIAS_MODE,
                          SOFTPLUS)
-            xv = ct.load(x, index=(row, t, head, p_tile), shape=(1, 1, 1, BLOCK_P),
-                         padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
-            bv = ct.load(b, index=(row, t, group, 0), shape=(1, 1, 1, NP),
-                         padding_mode=ZERO).reshape((1, NP)).astype(ct.float32)
-            cv = ct.load(c, index=(row, t, group, 0), shape=(1, 1, 1, NP),
-                         padding_mode=ZERO).reshape((1, NP)).astype(ct.float32)
+            xv = _load_vec(x, (row, t, head, p_tile), (1, 1, 1, BLOCK_P),
+                           MEM).reshape((BLOCK_P, 1)).astype(ct.float32)
+            bv = _load_vec(b, (row, t, group, 0), (1, 1, 1, NP),
+                           MEM).reshape((1, NP)).astype(ct.float32)
+            cv = _load_vec(c, (row, t, group, 0), (1, 1, 1, NP),
+                           MEM).reshape((1, NP)).astype(ct.float32)
             h = h * ct.exp(a * d) + (d * xv) * bv
             if HAS_OUT:
                 ct.store(out_states, index=(row, t, head, p_tile, 0),
@@ -237,7 +249,8 @@ def state_update_fn(
     HAS_OUT: ct.Constant[bool],
     PERSISTENT: ct.Constant[bool],
     BLOCK_N: ct.Constant[int],    # 0: the whole state per program; else K = 1, N in slices
-    MEM: ct.Constant[int],        # state load/store: latency hint (0: none), +16: no TMA
+    MEM: ct.Constant[int],        # latency hint (0: none) +16: state without TMA, +32: x, B,
+                                  # C without TMA
 ):
     if PERSISTENT:
         # a fixed grid walks the (row, head, p tile) tiles, p tiles fastest (adjacent memory),
