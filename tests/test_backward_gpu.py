@@ -9,6 +9,7 @@ across runs), CUDA-graph capture, configs, 64-bit indexing and edge shapes.
 """
 
 import math
+import os
 from dataclasses import replace
 
 import pytest
@@ -119,6 +120,10 @@ def check(inp, kw, Q, dout, dfinal, dtype, compare_mamba=True, with_autograd=Fal
     got = ours(inp, kw, Q, dout, dfinal, **extra)
     ref = chunked_ref(inp, kw, Q, dout, dfinal)
     tol = TOL[dtype]
+    # MAMBA2_TEST_COMPARE_MAMBA=0 skips the mamba_ssm comparison (its backward autotunes for
+    # about a minute per process and shape; the float64 reference check always runs)
+    if os.environ.get("MAMBA2_TEST_COMPARE_MAMBA", "1") == "0":
+        compare_mamba = False
     m = mamba_grads(inp, kw, Q, dout, dfinal) if compare_mamba else None
     msgs, failures = [], []
     for k in NAMES:
@@ -273,7 +278,7 @@ CONFIGS = [
     {"bc_block_n": 128}, {"bstate_block_p": 32, "bstate_block_n": 16},
     {"dx_occupancy": 2, "bc_occupancy": 2, "bstate_occupancy": 2},
     {"bc_fused": 0, "da_mode": 0}, {"bc_fused": 0, "da_mode": 1, "lowp": 1},
-    {"da_mode": 1, "bc_block_n": 32}, {"bc_block_n": 32, "dx_warps": 4},
+    {"da_mode": 2, "bc_block_n": 32}, {"da_mode": 2, "dx_warps": 4, "dx_block_q": 128},
     {"cumsum_block_h": 2},
 ]
 

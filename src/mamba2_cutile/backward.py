@@ -89,11 +89,12 @@ def default_backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size,
         bc_block_q=min(chunk_size, 64),
         bc_block_p=min(pp, 64),
         bc_block_n=min(np_, 64),
-        # measured on the H200 at the seed problem (session 3): one whole-chunk dB/dC program
-        # took bwd_chunk_dbc from 1.02 to 0.54 ms; the decay gradient's W terms formed there
-        # (da_mode 2) spare bwd_chunk_dx its per-block-pair dY X^T and reductions
+        # measured on the H200 at the seed problem (session 3, results/): one whole-chunk
+        # dB/dC program took bwd_chunk_dbc from 1.02 to 0.54 ms; the per-token da terms
+        # (da_mode 1) took bwd_chunk_dx from 0.88 to 0.70 ms; whole backward 2.24 -> 1.57 ms.
+        # (da_mode 2 cut bwd_chunk_dx to 0.53 ms but cost bwd_chunk_dbc_fused 0.82 ms more.)
         bc_fused=1,
-        da_mode=2,
+        da_mode=1,
     )
     return config_from_env(cfg, "MAMBA2_CUTILE_BWD_CONFIG", frozen=("chunk_size",))
 
@@ -362,7 +363,7 @@ def backward_compile_variants():
     items.append(("bf16-lowp", dict(dtype=bf, overrides=dict(lowp=1))))
     items.append(("bf16-unfused-stable-da", dict(dtype=bf, overrides=dict(bc_fused=0,
                                                                            da_mode=0))))
-    items.append(("bf16-local-da", dict(dtype=bf, overrides=dict(da_mode=1))))
+    items.append(("bf16-split-da", dict(dtype=bf, overrides=dict(da_mode=2))))
     items.append(("bf16-fp16-dt-bf16-states", dict(dtype=bf, dt_dtype=torch.float16,
                                                    state_dtype=torch.bfloat16)))
     return items
