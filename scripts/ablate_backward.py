@@ -1,5 +1,7 @@
 """Where bwd_chunk_dx's time goes: time copies of the kernel with one part cut out (the results
 are wrong; only the time matters), at the seed problem, beside the unmodified kernel.
+(results/2026-11-30-h200-backward-dx-ablation.jsonl came from an older version of the cuts,
+against the da_mode 0 kernel of commit 9a48272.)
 
     python3 scripts/ablate_backward.py [MAMBA2_CUTILE_BWD_CONFIG]       (on the GPU machine)
 
@@ -26,13 +28,10 @@ if len(sys.argv) > 1:
 SRC = inspect.getsource(bwd_chunk_dx)
 CUTS = {
     "full": [],
-    "no_da": [("        w = cb * dyx\n", "        w = cb\n"),
-              ("        contrib = ct.sum(e, axis=0)\n", "        contrib = ct.sum(cb, axis=0)\n")],
-    "no_da_store": [("        ct.store(da_part, index=(slot, batch, head, k),\n"
-                     "                 tile=contrib.reshape((1, 1, 1, BLOCK_Q)))\n", ""),
-                    ("    for k in range(t + 1, first + NBPC):\n",
-                     "    for k in range(t + 1, t + 1):\n")],
-    "no_k_loop": [("    for k in range(first, t + 1):\n", "    for k in range(first, first):\n")],
+    "no_da_store": [("        if DA_MODE != 2:\n            ct.store(da_part, index=(slot, batch, head, k),\n",
+                     "        if DA_MODE == 3:\n            ct.store(da_part, index=(slot, batch, head, k),\n"),
+                    ("    for k in range(t + 1, k_rest):\n", "    for k in range(t + 1, t + 1):\n")],
+    "no_k_loop": [("    for k in range(first, k_end):\n", "    for k in range(first, first):\n")],
     "no_q_loop": [("    for q in range(t, end):\n", "    for q in range(t, t):\n")],
     "no_state_loads": [
         ("    h = load_state(states, batch, head, chunk, p_tile, 0, BLOCK_P, NP)\n",

@@ -305,9 +305,12 @@ def make_problem(opt, b=2, l=150, h=4, g=2, p=20, n=7, Q=64, seed=0):
 
 
 def small_config(Q, p, n, **over):
-    """Small tiles, so one chunk holds several token blocks and P, N several tiles."""
+    """Small tiles, so one chunk holds several token blocks and P, N several tiles; the
+    per-block dB/dC programs and the stable da form (bc_fused=0, da_mode=0) unless `over`
+    says otherwise (the dispatcher's own choice is tested by test_emulated_dispatcher_config)."""
     cfg = backward.default_backward_config(2, 4, 2, p, n, Q, F64)
-    cfg = replace(cfg, dx_block_q=16, dx_block_p=16, bc_block_q=32, bc_block_p=16,
+    cfg = replace(cfg, bc_fused=0, da_mode=0,
+                  dx_block_q=16, dx_block_p=16, bc_block_q=32, bc_block_p=16,
                   bc_block_n=16, bstate_block_p=16, bstate_block_n=16, state_block_p=16,
                   state_block_n=16, cumsum_block_h=2, dstate_pad=max(16, 1 << (n - 1).bit_length()))
     return replace(cfg, **over)
@@ -382,6 +385,7 @@ TILINGS = {
     "da_local_q32": dict(da_mode=1, dx_block_q=32, bc_fused=1),
     "da_split": dict(da_mode=2, bc_fused=1),
     "da_split_q32_lowp": dict(da_mode=2, bc_fused=1, dx_block_q=32, lowp=1, bc_block_n=32),
+    "fused_local": dict(bc_fused=1, da_mode=1),
     "dbc_fused_wide": dict(bc_fused=1, bc_block_p=64, bc_block_n=32, lowp=1),
 }
 

@@ -225,7 +225,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
 
     # 5: dB, dC
     big = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
-                      bufs.dstates, bufs.dB, bufs.dC)
+                      bufs.dstates, bufs.dB, bufs.dC, bufs.da_part if cfg.bc_fused else None)
     if cfg.bc_fused:
         calls.append(KernelCall(
             hinted(bwd_chunk_dbc_fused_i64 if big else bwd_chunk_dbc_fused, cfg.bc_occupancy,

@@ -63,6 +63,9 @@ class DecodeConfig:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"decode config: {name}={v} is not a power of two")
+        if self.occupancy < 0 or self.persistent < 0:
+            raise ValueError(f"decode config: occupancy={self.occupancy} and "
+                             f"persistent={self.persistent} must be >= 0")
         if not 0 <= self.latency <= 10:
             raise ValueError(f"decode config: latency={self.latency} is not in 0..10")
         if self.tma not in (0, 1) or self.tma_vec not in (0, 1):
@@ -78,7 +81,8 @@ def default_decode_config(batch, nheads, headdim, dstate, sms=132) -> DecodeConf
     results/): 64-channel tiles loaded and stored without TMA (plain vector accesses, no SMEM
     round trip) at 4 programs per SM reach 3.4 TB/s at batch 64 and 3.6 TB/s at batch 256,
     against 2.8 / 3.0 TB/s for the best TMA config (32-channel tiles, 8 per SM); grids of
-    under 4 programs per SM (batch 1-2 here) do better with 2 per SM.
+    under 4 programs per SM (batch 1-4 here) do better with 2 per SM (measured at batch 1
+    and 2).
     """
     np_ = max(16, next_pow2(dstate))
     bp = min(64, next_pow2(headdim), max(4, TILE_ELEMS // np_))
@@ -481,7 +485,7 @@ def compile_variants():
                 block_p=64, dstate_pad=128, occupancy=4, tma=0, tma_vec=0))),
         ("split-n-no-tma", dict(dtype=bf, state_dtype=f32, layout="head", options=("D",),
                                 config=DecodeConfig(block_p=32, dstate_pad=128, occupancy=8,
-                                                    block_n=32, tma=0))),
+                                                    block_n=32, tma=0, tma_vec=0))),
     ]
 
 

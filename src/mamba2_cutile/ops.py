@@ -5,9 +5,10 @@ its autograd, so `torch.compile` traces models that call it without a graph brea
 kernels on CUDA tensors and the chunked PyTorch SSD on CPU tensors, and returns
 (out, final_states, varlen_states); varlen_states is an empty tensor unless cu_seqlens is given.
 
-Backward: the explicit chunked backward (`chunked_backward`, plain PyTorch stages, float32;
-float64 for float64 inputs), the blueprint of the cuTile backward kernels. It recomputes what
-it needs from the saved inputs: nothing larger than the inputs is kept.
+Backward: on CUDA tensors the cuTile kernels (`backward.ssd_backward_cuda`); elsewhere, or
+with MAMBA2_CUTILE_BACKWARD=torch, the explicit chunked backward (`chunked_backward`, plain
+PyTorch stages, float32; float64 for float64 inputs), the blueprint of those kernels. Both
+recompute what they need from the saved inputs: nothing larger than the inputs is kept.
 """
 
 from __future__ import annotations

@@ -15,26 +15,28 @@ h_c the entry state and dS_c the exit-state gradient of the chunk (p-tile rows, 
             + sum_{j<s} V_j                              V = exit_w dt' rowsum(X o Bds)
             + carry_w <dS_c, h_c>_F                      (all s of the chunk)
             + sum_{i>=s} dGs_i                           dGs = state_w rowsum(dY o Ch)
-     Program t owns rows i in block t. Walking key blocks k = first..t it keeps the row
-     prefix pre_i = sum_{j in blocks < k} W_ij, so for s in block k
+  Three ways to get da (DA_MODE, a compile-time constant; all deterministic, no atomics):
+  0 (stable form: every contribution a plain sum of terms, nothing large cancels). Program t
+     owns rows i in block t. Walking key blocks k = first..t it keeps the row prefix
+     pre_i = sum_{j in blocks < k} W_ij, so for s in block k
        contrib_s = sum_{i in t} ( [i >= s] (pre_i + excl_cumsum_j(W)_is + dGs_i)
                                 + [i <  s] V_i )
      and for key blocks k > t (no W, every i < s) contrib_s = sum_i V_i; the carry term is
-     added once per chunk, by its first block.
-  With DA_MODE 1 the slots hold per-token terms u whose suffix sum over the chunk is da (the
-  dt kernel takes it): with r / c the row / column sums of W,
+     added once per chunk, by its first block. Program t writes its contributions for the
+     whole chunk into its own slot (p_tile * (Q // BLOCK_Q) + t % (Q // BLOCK_Q)) of da_part;
+     the dt kernel adds the slots in a fixed order.
+  1 (the default): the same slots hold per-token terms u whose suffix sum over the chunk is
+     da (the dt kernel takes it). With r / c the row / column sums of W,
        da_s = sum_{i>=s} (r_i - c_i + dGs_i - V_i) + (sum_j V_j + carry_w <dS_c, h_c>_F),
      the constant put on the chunk's last real token. sum_{i>=s} (r_i - c_i) is the same
      sum_{i>=s} sum_{j<s} W_ij (the pairs with both i, j >= s cancel): no cumsum per block
-     pair, at the price of that cancellation in fp32 (terms of one size, no exponentials).
-  With DA_MODE 2 the W terms (r - c) come from bwd_chunk_dbc_fused, which has dY X^T over all
-  of P already; this kernel writes dGs - V of its own rows into slot p_tile and V (+ the carry
-  term on the chunk's first token) into v_part; the dt kernel forms
-       da_s = suffix_sum(all slots)_s + sum_tokens(v_part).
-     Without z the key-block loop is then skipped entirely. Every contribution is a plain sum of terms (the
-     "stable" form: nothing large cancels). Program t writes its contributions for the whole
-     chunk into its own slot (p_tile * (Q // BLOCK_Q) + t % (Q // BLOCK_Q)) of da_part; the dt
-     kernel adds the slots in a fixed order (deterministic, no atomics).
+     pair, at the price of that cancellation in fp32 (terms of one size, no exponentials;
+     about 4e-7 relative in dA in a float32 emulation, against 1e-7 for mode 0).
+  2: the W terms (r - c) come from bwd_chunk_dbc_fused, which has dY X^T over all of P
+     already; this kernel writes dGs - V of its own rows into slot p_tile of da_part
+     (n_pt + n_nt slots) and V (+ the carry term on the chunk's first token) into v_part; the
+     dt kernel forms da_s = suffix_sum(all slots)_s + sum_tokens(v_part). Without z the
+     key-block loop is then skipped entirely.
 
 Tiles: x, dout, z (BQ, BP); B, C (BQ, NP) with NP the padded dstate; h_c, dS_c (BP, NP);
 Q x Q work in BQ x BQ blocks (BQ = BLOCK_Q <= Q). Grid: (cdiv(L, BQ) * B * H, cdiv(P, BP)),
@@ -74,7 +76,8 @@ def bwd_chunk_dx_fn(
     dstates,     # (B, H, C, P, N) exit-state gradients dS_c
     dx,          # (B, L, H, P) out
     dz,          # (B, L, H, P) out (written only if HAS_Z)
-    da_part,     # (n_pt * Q // BQ, B, H, Lp) float32 out: da contributions per slot
+    da_part,     # (n_pt * Q // BQ, B, H, Lp) float32 out: da terms per slot (DA_MODE 2:
+                 # (n_pt + n_nt, B, H, Lp), this kernel writing slots 0..n_pt-1)
     ddt_part,    # (n_pt, B, H, Lp) float32 out: ddt_direct per p-tile
     dD_part,     # (cdiv(L, BQ), B, H, P) float32 out: colsum(dY o X) (only if D_MODE)
     v_part,      # (n_pt, B, H, Lp) float32 out: V (+ carry on the chunk's first token), DA_MODE 2

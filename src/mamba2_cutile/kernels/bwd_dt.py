@@ -2,16 +2,20 @@
 
 Per chunk (Q tokens) x head tile (BLOCK_H heads), in the [batch, head, token] layout:
 
-    da    = sum over the valid slots of da_part (p-tiles x row blocks, fixed order)
+    da    = sum over the valid slots of da_part (p-tiles x row blocks, fixed order);
+            DA_MODE 1: their suffix sum over the chunk; DA_MODE 2: the suffix sum of all
+            slots plus the chunk's sum of v_part (see bwd_chunk_dx)
     ddt'  = A * da + sum_{p-tiles} ddt_part                         (stage 5)
     dA    += sum_tokens dt' * da           -> dA_part[b * nc + c, h]
     v     = dt + dt_bias;  w = softplus(v) (SOFTPLUS) or v          (stage 6)
     ddt   = ddt' * [lo <= w <= hi] * (1 if v > 20 else sigmoid(v) with SOFTPLUS)
     ddt_bias partial = sum_tokens ddt      -> dbias_part[b * nc + c, h]
 
-Slots of da_part: slot pt * NBPC + k holds the contributions of token block first + k of the
-chunk (bwd_chunk_dx); slots of blocks past the last token were never written and are skipped.
-Tokens past L are masked to 0 before any sum. w is recomputed with decay_cumsum's formula, so
+Slots of da_part (DA_MODE 0, 1): slot pt * NBPC + k holds the terms of token block first + k
+of the chunk (bwd_chunk_dx); slots of blocks past the last token were never written and are
+skipped. DA_MODE 2 reads every slot (n_pt from bwd_chunk_dx, then n_nt from
+bwd_chunk_dbc_fused); entries of tokens past L, written or not, are masked out. Tokens past L
+are masked to 0 before any sum. w is recomputed with decay_cumsum's formula, so
 the clamp mask sees the same values the forward clamped (torch.clamp's convention: the
 boundary passes the gradient; the default limit is passed as (-inf, inf)).
 
@@ -31,7 +35,7 @@ def bwd_dt_fn(
     dt_lo: float,
     dt_hi: float,
     dtp,         # (B, H, Lp) float32 dt' (decay_cumsum)
-    da_part,     # (n_pt * NBPC, B, H, Lp) float32 (bwd_chunk_dx)
+    da_part,     # (n_pt * NBPC, B, H, Lp) float32 (bwd_chunk_dx); DA_MODE 2: (n_pt + n_nt, ...)
     ddt_part,    # (n_pt, B, H, Lp) float32 (bwd_chunk_dx)
     v_part,      # (n_pt, B, H, Lp) float32 (bwd_chunk_dx, DA_MODE 2 only)
     ddt,         # (B, L, H) out, dt's dtype

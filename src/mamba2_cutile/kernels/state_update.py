@@ -171,8 +171,8 @@ def _update_tile_split_n(
     slot = _slot_of(slots, row, HAS_IDX)
     if slot >= 0:
         d = _step_dt(dt, dt_bias, row, 0, head, p_tile, BLOCK_P, DT_HEAD, BIAS_MODE, SOFTPLUS)
-        xv = ct.load(x, index=(row, 0, head, p_tile), shape=(1, 1, 1, BLOCK_P),
-                     padding_mode=ZERO).reshape((BLOCK_P, 1)).astype(ct.float32)
+        xv = _load_vec(x, (row, 0, head, p_tile), (1, 1, 1, BLOCK_P),
+                       MEM).reshape((BLOCK_P, 1)).astype(ct.float32)
         dx = d * xv
         decay = d
         if A_HEAD:
@@ -183,10 +183,10 @@ def _update_tile_split_n(
         # bounds
         for nt in range(ct.cdiv(state.shape[3], BLOCK_N)):
             h = _load_state(state, slot, head, p_tile, nt, BLOCK_P, BLOCK_N, MEM)
-            bv = ct.load(b, index=(row, 0, group, nt), shape=(1, 1, 1, BLOCK_N),
-                         padding_mode=ZERO).reshape((1, BLOCK_N)).astype(ct.float32)
-            cv = ct.load(c, index=(row, 0, group, nt), shape=(1, 1, 1, BLOCK_N),
-                         padding_mode=ZERO).reshape((1, BLOCK_N)).astype(ct.float32)
+            bv = _load_vec(b, (row, 0, group, nt), (1, 1, 1, BLOCK_N),
+                           MEM).reshape((1, BLOCK_N)).astype(ct.float32)
+            cv = _load_vec(c, (row, 0, group, nt), (1, 1, 1, BLOCK_N),
+                           MEM).reshape((1, BLOCK_N)).astype(ct.float32)
             if A_HEAD:
                 h = h * decay + dx * bv
             else:
