@@ -131,25 +131,38 @@ def _sms(t) -> int:
     return launch.num_sms(t.device.index or 0) if t.device.type == "cuda" else 132
 
 
+def _layout_key(tensors, dt_softplus):
+    """What validation and the launch plan depend on, for caching both per layout: each
+    tensor's shape, strides, dtype and device, and dt_softplus. None when an argument is not
+    a tensor-like object (validation then reports it)."""
+    try:
+        return (tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+                      for t in tensors), type(dt_softplus), bool(dt_softplus))
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
 def decode_plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
-                out_states, y, cfg: DecodeConfig | None = None):
+                out_states, y, cfg: DecodeConfig | None = None, layout_key=None):
     """The launch of one (validated) `selective_state_update` call: a list of KernelCall.
 
     Takes the public shapes (3-D or k-step 4-D x), `y` shaped like x, `state_batch_indices`
     already int32. Picks the kernel variant from the strides (see the module docstring).
+    `layout_key`: `_layout_key` of (state, x, dt, A, B, C, D, z, dt_bias, original indices,
+    out_states), when the caller has it already.
     """
-    x4, dt4, z4, y4 = (_steps(t, 3) for t in (x, dt, z, y))
-    B4, C4 = _steps(B, 3), _steps(C, 3)
-    out5 = None if out_states is None else _steps(out_states, 4)
-    b, k, h, p = x4.shape
-    if b == 0 or k == 0:
+    if x.shape[0] == 0 or (x.dim() == 4 and x.shape[1] == 0):
         return []
     # The variant, grid and flags depend only on shapes, strides and dtypes: decode is called
     # once per token, so they are computed once per layout (the Python cost is the latency).
-    tensors = (state, x4, dt4, A, B4, C4, D, z4, dt_bias, out5, y4)
-    key = (tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors),
-           bool(dt_softplus), state_batch_indices is not None, cfg,
-           os.environ.get("MAMBA2_CUTILE_DECODE_CONFIG"), x.device)
+    if layout_key is None:
+        layout_key = _layout_key((state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices,
+                                  out_states), dt_softplus)
+    key = (layout_key, (y.shape, y.stride(), y.dtype), state_batch_indices is not None, cfg,
+           os.environ.get("MAMBA2_CUTILE_DECODE_CONFIG"))
+    x4, dt4, z4, y4 = (_steps(t, 3) for t in (x, dt, z, y))
+    B4, C4 = _steps(B, 3), _steps(C, 3)
+    out5 = None if out_states is None else _steps(out_states, 4)
     static = _PLAN_CACHE.get(key)
     if static is None:
         static = _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus,
@@ -157,10 +170,12 @@ def decode_plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_i
         if len(_PLAN_CACHE) > 256:
             _PLAN_CACHE.clear()
         _PLAN_CACHE[key] = static
-    kernel, grid, dt_head, a_head, flags = static
+    kernel, grid, dt_head, a_head, d_mode, bias_mode, flags = static
     dt_arg = dt4[..., 0] if dt_head else dt4
     a_arg = A[:, 0, 0] if a_head else A
-    d_arg, bias_arg = _head_mode(D)[1], _head_mode(dt_bias)[1]
+    d_arg = None if D is None else (D[:, 0] if d_mode == 1 and D.dim() == 2 else D)
+    bias_arg = None if dt_bias is None else (
+        dt_bias[:, 0] if bias_mode == 1 and dt_bias.dim() == 2 else dt_bias)
     # stand-ins for absent optional tensors: never read (their flag is off)
     args = (state, x4, dt_arg, a_arg, B4, C4,
             d_arg if d_arg is not None else a_arg,
@@ -199,7 +214,7 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
     tiles = b * h * -(-p // cfg.block_p)
     grid = ((min(tiles, cfg.persistent * _sms(x)), 1, 1) if cfg.persistent
             else (b, h, -(-p // cfg.block_p)))
-    return kernel, grid, dt_head, a_head, flags
+    return kernel, grid, dt_head, a_head, d_mode, bias_mode, flags
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,9 +297,18 @@ def _validate(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, out_states
         if n > MAX_DSTATE:
             raise ValueError(f"dstate (state.shape[3]) must be at most {MAX_DSTATE} on the GPU, "
                              f"got {n}")
+    _validate_values(state, x, idx)
+
+
+_VALIDATED: set = set()     # layout keys (`_layout_key`) that passed `_validate`
+
+
+def _validate_values(state, x, idx):
+    """The checks that read tensor values: every call on CPU inputs, on the GPU only with
+    MAMBA2_CUTILE_CHECK=1 (they synchronize)."""
     if idx is not None and (not x.is_cuda or
                             os.environ.get("MAMBA2_CUTILE_CHECK", "") not in ("", "0")):
-        _check_indices(idx, nslots)
+        _check_indices(idx, state.shape[0])
 
 
 def _check_indices(idx, nslots):
@@ -315,12 +339,21 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         dt' = softplus?(dt + dt_bias);  state = exp(A dt') state + dt' x B[group]
         y = sum_n state C[group] + D x;  y *= z sigmoid(z)
     """
-    _validate(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
-              out_states)
+    key = _layout_key((state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out_states),
+                      dt_softplus)
+    if key is None or key not in _VALIDATED:
+        _validate(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
+                  out_states)
+        if key is not None:
+            if len(_VALIDATED) > 256:
+                _VALIDATED.clear()
+            _VALIDATED.add(key)
+    else:
+        _validate_values(state, x, state_batch_indices)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.is_cuda:
         _update_cuda(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
-                     out_states, y)
+                     out_states, y, layout_key=key)
     else:
         _update_torch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
                       out_states, y)
@@ -328,7 +361,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
 
 
 def _update_cuda(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, out_states, y,
-                 cfg=None):
+                 cfg=None, layout_key=None):
     """Launch the kernel. Inputs must already be validated. No host synchronization."""
     import cuda.tile as ct
 
@@ -336,7 +369,7 @@ def _update_cuda(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, out_sta
         idx = idx.to(torch.int32)
     stream = torch.cuda.current_stream(x.device)
     for call in decode_plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx,
-                            out_states, y, cfg):
+                            out_states, y, cfg, layout_key=layout_key):
         ct.launch(stream, call.grid, call.kernel, call.args)
 
 
