@@ -16,25 +16,19 @@ import cuda.tile as ct
 import torch
 
 from mamba2_cutile import backward, launch
-from mamba2_cutile.bench import problems, timing
+from mamba2_cutile.bench import problems, runner, timing
 
 
-def grads_and_calls(shape, inp, dout, dfinal, cfg, state_dtype):
-    calls = []
-    backward.run_backward(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], shape.chunk, dout,
-                          dfinal, D=inp["D"], initial_states=inp["initial_states"],
-                          state_dtype=state_dtype, config=cfg, launch_fn=calls.extend,
-                          sms=launch.num_sms(0))
+def grads(shape, inp, dout, dfinal, cfg, state_dtype):
     stream = torch.cuda.current_stream()
 
     def launch_fn(cs):
         for c in cs:
             ct.launch(stream, c.grid, c.kernel, c.args)
-    grads = backward.run_backward(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], shape.chunk,
-                                  dout, dfinal, D=inp["D"],
-                                  initial_states=inp["initial_states"], state_dtype=state_dtype,
-                                  config=cfg, launch_fn=launch_fn, sms=launch.num_sms(0))
-    return grads, calls
+    return backward.run_backward(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
+                                 shape.chunk, dout, dfinal, D=inp["D"],
+                                 initial_states=inp["initial_states"], state_dtype=state_dtype,
+                                 config=cfg, launch_fn=launch_fn, sms=launch.num_sms(0))
 
 
 def rel(a, b):
@@ -67,32 +61,27 @@ def sweep_shape(shape, specs):
         try:
             cfg = backward.default_backward_config(b, h, g, p, n, shape.chunk, shape.dtype,
                                                    launch.num_sms(0))
-            grads, calls = grads_and_calls(shape, inp, dout, dfinal, cfg, sdt)
-            row = {"shape": shape.name, "config": spec, "kernels": {}}
+            got = grads(shape, inp, dout, dfinal, cfg, sdt)
+            row = {"shape": shape.name, "config": spec}
             if first is None:
-                first = grads
-            if first is grads and os.environ.get("SWEEP_VS_MAMBA"):
+                first = got
+            if first is got and os.environ.get("SWEEP_VS_MAMBA"):
                 try:
                     theirs = mamba_ssm_grads(shape, inp, dout, dfinal)
-                    row["vs_mamba_ssm"] = {k: round(rel(grads[k], theirs[k]), 6)
+                    row["vs_mamba_ssm"] = {k: round(rel(got[k], theirs[k]), 6)
                                            for k in theirs}
                 except Exception as e:  # noqa: BLE001
                     row["vs_mamba_ssm"] = f"{type(e).__name__}: {str(e)[:200]}"
-            if first is not grads:
-                row["vs_first"] = {k: round(rel(v, first[k]), 6) for k, v in grads.items()
+            if first is not got:
+                row["vs_first"] = {k: round(rel(v, first[k]), 6) for k, v in got.items()
                                    if v is not None}
-            for i, call in enumerate(calls):
-                name = call.kernel._annotated_function.pyfunc.__name__.removesuffix("_fn")
-                if name in row["kernels"]:
-                    name = f"{name}#{i}"
-
-                def one(call=call):
-                    ct.launch(torch.cuda.current_stream(), call.grid, call.kernel, call.args)
-                row["kernels"][name] = round(timing.time_graph(one, reps=30)["median_ms"], 4)
-            row["total_ms"] = round(sum(row["kernels"].values()), 4)
+            bd = runner.backward_breakdown(shape, reps=30, config=cfg, state_dtype=sdt,
+                                           inputs=(inp, dout, dfinal))
+            row["kernels"] = {k: round(v, 4) for k, v in bd["kernels"].items()}
+            row["total_ms"] = round(bd["total_ms"], 4)
 
             def whole(shape=shape, inp=inp, dout=dout, dfinal=dfinal, cfg=cfg, sdt=sdt):
-                grads_and_calls(shape, inp, dout, dfinal, cfg, sdt)
+                grads(shape, inp, dout, dfinal, cfg, sdt)
             row["whole_ms"] = round(timing.time_graph(whole, reps=30)["median_ms"], 4)
             print(json.dumps(row), flush=True)
         except Exception as e:  # noqa: BLE001 - one bad config must not end the sweep

@@ -280,21 +280,22 @@ def breakdown(shape, reps=30):
     return row
 
 
-def backward_breakdown(shape, reps=30):
+def backward_breakdown(shape, reps=30, config=None, state_dtype=None, inputs=None):
     """Kernel time of each launch of the cuTile backward alone (CUDA graph), at one shape (the
-    plain problem of `breakdown`, with dout and dfinal_states as cotangents)."""
+    plain problem of `breakdown`, with dout and dfinal_states as cotangents). `config`: a
+    BackwardConfig (default: the dispatcher's); `inputs`: (inputs, dout, dfinal) to reuse."""
     import cuda.tile as ct
 
     from .. import backward, launch
     from . import timing
 
-    inp = problems.make_inputs(shape)
-    dout, dfinal = problems.make_grad_outputs(shape)
+    inp, dout, dfinal = inputs or (problems.make_inputs(shape),
+                                   *problems.make_grad_outputs(shape))
     calls = []      # collected, not launched: each is launched (in plan order) below
     backward.run_backward(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], shape.chunk,
                           dout, dfinal, D=inp["D"],
-                          initial_states=inp["initial_states"], launch_fn=calls.extend,
-                          sms=launch.num_sms(0))
+                          initial_states=inp["initial_states"], state_dtype=state_dtype,
+                          config=config, launch_fn=calls.extend, sms=launch.num_sms(0))
     row = {"shape": shape.name, "impl": "breakdown-bwd", "kernels": {}}
     for i, call in enumerate(calls):
         name = call.kernel._annotated_function.pyfunc.__name__.removesuffix("_fn")
