@@ -558,3 +558,12 @@ def test_backward_breakdown_with_fakes(monkeypatch):
     names = list(row["kernels"])
     assert names[:2] == ["decay_cumsum", "chunk_state_pass"] and "bwd_state_pass" in names
     assert len(names) == len(launched) // 2 and abs(row["total_ms"] - 0.1 * len(names)) < 1e-9
+
+
+def test_reps_within_budget():
+    from mamba2_cutile.bench.timing import _reps_within
+    assert _reps_within(None, 60.0, 50) == 50
+    assert _reps_within(1000.0, 0.3, 50) == 50          # fast calls: all reps
+    assert _reps_within(1000.0, 40.0, 50) == 25         # slow: what fits in the budget
+    assert _reps_within(1000.0, 500.0, 50) == 10        # never under 10
+    assert _reps_within(1000.0, 500.0, 5) == 5          # nor over what was asked

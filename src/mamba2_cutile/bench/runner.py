@@ -73,11 +73,14 @@ class CudaTimer:
     """Timing on the GPU (bench.timing): CUDA-graph kernel time, eager wall time, first call,
     peak memory."""
 
-    def __init__(self, reps=50, eager_reps=None):
+    def __init__(self, reps=50, eager_reps=None, budget_ms=1000.0):
         from . import timing
         self.t = timing
         self.reps = reps
         self.eager_reps = eager_reps or max(5, reps // 2)
+        # slow calls (untuned TileGym at model shapes: 10-60 ms each) get fewer replays, at
+        # least 10: their medians are stable, and the default set stays under two minutes
+        self.budget_ms = budget_ms
 
     def new_stream(self):
         return torch.cuda.Stream()
@@ -97,11 +100,11 @@ class CudaTimer:
             return self.t.peak_memory_mib(fn)
 
     def graph(self, fn, stream):
-        return self.t.time_graph(fn, reps=self.reps, stream=stream)
+        return self.t.time_graph(fn, reps=self.reps, stream=stream, budget_ms=self.budget_ms)
 
     def eager(self, fn, stream):
         with torch.cuda.stream(stream):
-            return self.t.time_eager(fn, reps=self.eager_reps)
+            return self.t.time_eager(fn, reps=self.eager_reps, budget_ms=self.budget_ms)
 
     def cleanup(self):
         torch.cuda.synchronize()

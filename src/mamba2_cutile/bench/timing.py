@@ -14,12 +14,21 @@ def _stats(samples_ms):
             "max_ms": max(samples_ms), "n": len(samples_ms)}
 
 
-def time_graph(fn, reps=50, warmup=3, flush_l2=True, stream=None):
+def _reps_within(budget_ms, one_ms, reps, min_reps=10):
+    """`reps`, or fewer (not under min_reps) when reps calls of one_ms exceed budget_ms."""
+    if budget_ms is None or one_ms <= 0:
+        return reps
+    return max(min(reps, min_reps), min(reps, int(budget_ms / one_ms)))
+
+
+def time_graph(fn, reps=50, warmup=3, flush_l2=True, stream=None, budget_ms=None):
     """Median/min/max milliseconds of `fn` replayed as a CUDA graph.
 
     `stream`: warm up and capture on this stream (default: a new side stream for the warm-up
     and torch's capture stream). Pass the stream a backward's forward ran on, so that
     autograd issues the backward kernels on the capturing stream.
+    `budget_ms`: fewer replays (at least 10) for calls so slow that `reps` of them would take
+    longer than this; the stats' "n" says how many ran.
     """
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda") if flush_l2 else None
     s = stream if stream is not None else torch.cuda.Stream()
@@ -32,10 +41,15 @@ def time_graph(fn, reps=50, warmup=3, flush_l2=True, stream=None):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         fn()
-    for _ in range(warmup):
-        graph.replay()
-    samples = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(warmup):
+        start.record()
+        graph.replay()
+        end.record()
+    end.synchronize()
+    if warmup:
+        reps = _reps_within(budget_ms, start.elapsed_time(end), reps)
+    samples = []
     for _ in range(reps):
         if flush is not None:
             flush.zero_()
@@ -48,11 +62,16 @@ def time_graph(fn, reps=50, warmup=3, flush_l2=True, stream=None):
     return _stats(samples)
 
 
-def time_eager(fn, reps=30, warmup=3):
-    """Median wall milliseconds of `fn` called from Python (launch overhead included)."""
+def time_eager(fn, reps=30, warmup=3, budget_ms=None):
+    """Median wall milliseconds of `fn` called from Python (launch overhead included);
+    `budget_ms` as in time_graph."""
+    one_ms = 0.0
     for _ in range(warmup):
+        t0 = time.perf_counter()
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        one_ms = (time.perf_counter() - t0) * 1e3
+    reps = _reps_within(budget_ms, one_ms, reps)
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
