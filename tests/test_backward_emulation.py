@@ -386,6 +386,8 @@ TILINGS = {
     "da_split": dict(da_mode=2, bc_fused=1),
     "da_split_q32_lowp": dict(da_mode=2, bc_fused=1, dx_block_q=32, lowp=1, bc_block_n=32),
     "fused_local": dict(bc_fused=1, da_mode=1),
+    "latency_hints": dict(bc_fused=1, da_mode=1, bstate_load_latency=4, dx_load_latency=2,
+                          bc_load_latency=8),
     "dbc_fused_wide": dict(bc_fused=1, bc_block_p=64, bc_block_n=32, lowp=1),
 }
 

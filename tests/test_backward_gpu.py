@@ -280,6 +280,7 @@ CONFIGS = [
     {"bc_fused": 0, "da_mode": 0}, {"bc_fused": 0, "da_mode": 1, "lowp": 1},
     {"da_mode": 2, "bc_block_n": 32}, {"da_mode": 2, "dx_warps": 4, "dx_block_q": 128},
     {"cumsum_block_h": 2},
+    {"bstate_load_latency": 4, "dx_load_latency": 4, "bc_load_latency": 4},
 ]
 
 

@@ -62,6 +62,9 @@ class BackwardConfig:
                                  # in bwd_chunk_dx; 1 per-token row/column-sum terms there
                                  # (no cumsum per block pair), bwd_dt suffix-sums them; 2 the
                                  # W terms in bwd_chunk_dbc_fused (needs bc_fused=1)
+    bstate_load_latency: int = 0  # load latency hints (1-10; 0: none): bwd_state_pass's
+    dx_load_latency: int = 0      # per-chunk loads, bwd_chunk_dx's block loops,
+    bc_load_latency: int = 0      # bwd_chunk_dbc_fused's head loop
     bc_fused: int = 0            # 1: one program per whole chunk forms M once for dB and dC
                                  # (bc_block_q is then unused)
 
@@ -108,6 +111,9 @@ def check_config(cfg: BackwardConfig, headdim: int, dstate: int):
     Q = cfg.chunk_size
     if Q % cfg.dx_block_q or Q % cfg.bc_block_q:
         raise ValueError("backward config: dx_block_q and bc_block_q must divide chunk_size")
+    for k in ("bstate_load_latency", "dx_load_latency", "bc_load_latency"):
+        if not 0 <= getattr(cfg, k) <= 10:
+            raise ValueError(f"backward config: {k}={getattr(cfg, k)} is not in 0..10")
     if cfg.da_mode not in (0, 1, 2) or (cfg.da_mode == 2 and not cfg.bc_fused):
         raise ValueError(f"backward config: da_mode={cfg.da_mode} (0, 1, or 2 with bc_fused=1)")
     if cfg.dstate_pad < dstate:
@@ -206,7 +212,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
         (dout, z if has_z else dout, C, bufs.cum_buf, seq_arg,
          dfinal if dfinal is not None else bufs.hbuf, bufs.dstates, bufs.hbuf,
          Q, cfg.bstate_block_p, cfg.bstate_block_n, hpg, has_z, has_seq, dfinal is not None,
-         init is not None)))
+         init is not None, cfg.bstate_load_latency)))
 
     # 4: dx, dz, partials of dD, ddt, da
     v_part = bufs.v_part if bufs.v_part is not None else bufs.ddt_part
@@ -221,7 +227,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
          bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
          v_part, Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z,
-         has_seq, lowp, cfg.da_mode)))
+         has_seq, lowp, cfg.da_mode, cfg.dx_load_latency)))
 
     # 5: dB, dC
     big = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
@@ -233,7 +239,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
             (nchunks * batch * ngroups, -(-dstate // cfg.bc_block_n), 1),
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
              bufs.dstates, bufs.dB, bufs.dC, bufs.da_part, Q, cfg.bc_block_p, cfg.bc_block_n,
-             hpg, has_z, has_seq, lowp, cfg.da_mode == 2)))
+             hpg, has_z, has_seq, lowp, cfg.da_mode == 2, cfg.bc_load_latency)))
     else:
         n_qb = -(-seqlen // cfg.bc_block_q)
         calls.append(KernelCall(
@@ -363,7 +369,8 @@ def backward_compile_variants():
     items.append(("bf16-lowp", dict(dtype=bf, overrides=dict(lowp=1))))
     items.append(("bf16-unfused-stable-da", dict(dtype=bf, overrides=dict(bc_fused=0,
                                                                            da_mode=0))))
-    items.append(("bf16-split-da", dict(dtype=bf, overrides=dict(da_mode=2))))
+    items.append(("bf16-split-da-latency", dict(dtype=bf, overrides=dict(
+        da_mode=2, bstate_load_latency=4, dx_load_latency=4, bc_load_latency=4))))
     items.append(("bf16-fp16-dt-bf16-states", dict(dtype=bf, dt_dtype=torch.float16,
                                                    state_dtype=torch.bfloat16)))
     return items

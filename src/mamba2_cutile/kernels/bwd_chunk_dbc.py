@@ -165,6 +165,7 @@ def bwd_chunk_dbc_fused_fn(
     HAS_SEQ: ct.Constant[bool],
     LOWP: ct.Constant[bool],
     DA_W: ct.Constant[bool],
+    LAT: ct.Constant[int],        # load latency hint in the head loop (0: none)
 ):
     """dB and dC of one whole chunk in one program (the same sums as bwd_chunk_dbc_fn).
 
@@ -203,17 +204,17 @@ def bwd_chunk_dbc_fused_fn(
         slot = da_part.shape[0] - ct.num_blocks(1) + n_tile
     for hh in range(HEADS_PER_GROUP):
         head = group * HEADS_PER_GROUP + hh
-        g = block_decay(cum, batch, head, chunk, Q)
-        dtv = block_decay(dt, batch, head, chunk, Q)
+        g = block_decay(cum, batch, head, chunk, Q, LAT)
+        dtv = block_decay(dt, batch, head, chunk, Q, LAT)
         g_last = chunk_last_decay(cum, batch, head, chunk, Q)
         state_w = state_weight(g, s, before, HAS_SEQ)
         x_w = exit_weight(g, g_last, s, last, HAS_SEQ) * dtv
         dyx = ct.full((Q, Q), 0.0, dtype=ct.float32)
         for pt in range(n_pt):
-            dy = load_dy(dout, z, batch, chunk, head, pt, Q, BLOCK_P, HAS_Z)
-            xt = load_rows(x, batch, chunk, head, pt, Q, BLOCK_P)
-            h = load_state(states, batch, head, chunk, pt, n_tile, BLOCK_P, BLOCK_N)
-            ds = load_state(dstates, batch, head, chunk, pt, n_tile, BLOCK_P, BLOCK_N)
+            dy = load_dy(dout, z, batch, chunk, head, pt, Q, BLOCK_P, HAS_Z, LAT)
+            xt = load_rows(x, batch, chunk, head, pt, Q, BLOCK_P, LAT)
+            h = load_state(states, batch, head, chunk, pt, n_tile, BLOCK_P, BLOCK_N, LAT)
+            ds = load_state(dstates, batch, head, chunk, pt, n_tile, BLOCK_P, BLOCK_N, LAT)
             acc_c = ct.mma(mma_operand(dy * state_w[:, None], mm), mma_operand(h, mm), acc_c)
             acc_b = ct.mma(mma_operand(xt.astype(ct.float32) * x_w[:, None], mm),
                            mma_operand(ds, mm), acc_b)

@@ -91,6 +91,7 @@ def bwd_chunk_dx_fn(
     HAS_SEQ: ct.Constant[bool],
     LOWP: ct.Constant[bool],
     DA_MODE: ct.Constant[int],    # 0: stable form, 1: local terms, 2: split (see above)
+    LAT: ct.Constant[int],        # load latency hint in the key/query block loops (0: none)
 ):
     ZERO = ct.PaddingMode.ZERO
     NBPC = Q // BLOCK_Q                  # token blocks per chunk
@@ -159,14 +160,14 @@ def bwd_chunk_dx_fn(
         k_end = first
     for k in range(first, k_end):
         tok_k = k * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
-        g_k = block_decay(cum, batch, head, k, BLOCK_Q)
-        dt_k = block_decay(dt, batch, head, k, BLOCK_Q)
+        g_k = block_decay(cum, batch, head, k, BLOCK_Q, LAT)
+        dt_k = block_decay(dt, batch, head, k, BLOCK_Q, LAT)
         s_k = block_seq(seq_idx, batch, k, BLOCK_Q, HAS_SEQ)
-        bk = load_rows(b, batch, k, group, 0, BLOCK_Q, NP)
+        bk = load_rows(b, batch, k, group, 0, BLOCK_Q, NP, LAT)
         s = ct.mma(ct_t, mma_operand(bk.transpose(), mm),
                    ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
         cb = s * intra_decay(g_t, g_k, tok_t, tok_k, s_t, s_k, HAS_SEQ) * dt_k[None, :]
-        xk = load_rows(x, batch, k, head, p_tile, BLOCK_Q, BLOCK_P)
+        xk = load_rows(x, batch, k, head, p_tile, BLOCK_Q, BLOCK_P, LAT)
         if HAS_Z:
             y = ct.mma(wop(cb, mm, LOWP), wop(xk, mm, LOWP), y)
         if DA_MODE != 2:
@@ -222,15 +223,15 @@ def bwd_chunk_dx_fn(
     # query blocks q >= t: dXs += (L o S)_{qt}^T dY_q
     for q in range(t, end):
         tok_q = q * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
-        g_q = block_decay(cum, batch, head, q, BLOCK_Q)
+        g_q = block_decay(cum, batch, head, q, BLOCK_Q, LAT)
         s_q = block_seq(seq_idx, batch, q, BLOCK_Q, HAS_SEQ)
-        cq = load_rows(c, batch, q, group, 0, BLOCK_Q, NP)
+        cq = load_rows(c, batch, q, group, 0, BLOCK_Q, NP, LAT)
         st = ct.mma(bt, mma_operand(cq.transpose(), mm),
                     ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
         lt = intra_decay(g_q, g_t, tok_q, tok_t, s_q, s_t, HAS_SEQ).transpose()
-        dyq = load_rows(dout, batch, q, head, p_tile, BLOCK_Q, BLOCK_P).astype(ct.float32)
+        dyq = load_rows(dout, batch, q, head, p_tile, BLOCK_Q, BLOCK_P, LAT).astype(ct.float32)
         if HAS_Z:
-            zq = load_rows(z, batch, q, head, p_tile, BLOCK_Q, BLOCK_P).astype(ct.float32)
+            zq = load_rows(z, batch, q, head, p_tile, BLOCK_Q, BLOCK_P, LAT).astype(ct.float32)
             dyq = dyq * (zq / (1.0 + ct.exp(-zq)))
         acc = ct.mma(wop(st * lt, mm, LOWP), wop(dyq, mm, LOWP), acc)
 

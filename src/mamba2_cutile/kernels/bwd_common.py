@@ -11,12 +11,21 @@ token's), and with seq_idx
 "Seq before the chunk" is seq[c*Q - 1] (seq[0] for chunk 0: the initial state belongs to the
 row's first sequence); "seq of the chunk's last token" is seq[min(c*Q + Q - 1, L - 1)], which
 for non-decreasing seq_idx is the forward's max over the chunk's real tokens. Exponents are
-masked to -inf *before* exp2, so no inf is ever formed.
+masked to -inf *before* exp2, so no inf is ever formed. The load helpers take an optional
+latency hint LAT (1-10; 0, the default: none).
 """
 
 import cuda.tile as ct
 
 from ._common import mma_operand
+
+
+def _hint(LAT: ct.Constant[int]):
+    """The load latency hint for LAT (1-10), or none (0)."""
+    lat = None
+    if LAT > 0:
+        lat = LAT
+    return lat
 
 
 def seq_bounds(seq_idx, batch, chunk, seqlen, Q: ct.Constant[int]):
@@ -36,9 +45,10 @@ def block_seq(seq_idx, batch, blk, BLOCK: ct.Constant[int], HAS_SEQ: ct.Constant
     return ct.full((BLOCK,), 0, dtype=ct.int32)
 
 
-def block_decay(cum, batch, head, blk, BLOCK: ct.Constant[int]):
+def block_decay(cum, batch, head, blk, BLOCK: ct.Constant[int], LAT: ct.Constant[int] = 0):
     """(BLOCK,) log2 cumulative decays G2 of token block `blk` (cum is padded: always inside)."""
-    return ct.load(cum, index=(batch, head, blk), shape=(1, 1, BLOCK)).reshape((BLOCK,))
+    return ct.load(cum, index=(batch, head, blk), shape=(1, 1, BLOCK),
+                   latency=_hint(LAT)).reshape((BLOCK,))
 
 
 def chunk_last_decay(cum, batch, head, chunk, Q: ct.Constant[int]):
@@ -76,30 +86,33 @@ def intra_decay(g_row, g_col, tok_row, tok_col, s_row, s_col, HAS_SEQ: ct.Consta
 
 
 def load_dy(dout, z, batch, blk, head, p_tile, BLOCK: ct.Constant[int],
-            BLOCK_P: ct.Constant[int], HAS_Z: ct.Constant[bool]):
+            BLOCK_P: ct.Constant[int], HAS_Z: ct.Constant[bool], LAT: ct.Constant[int] = 0):
     """(BLOCK, BLOCK_P) fp32 dY = dout * silu(z) (dout without z); zero past L and P."""
     do = ct.load(dout, index=(batch, blk, head, p_tile), shape=(1, BLOCK, 1, BLOCK_P),
-                 padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK, BLOCK_P)).astype(ct.float32)
+                 padding_mode=ct.PaddingMode.ZERO,
+                 latency=_hint(LAT)).reshape((BLOCK, BLOCK_P)).astype(ct.float32)
     if HAS_Z:
         zt = ct.load(z, index=(batch, blk, head, p_tile), shape=(1, BLOCK, 1, BLOCK_P),
-                     padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK, BLOCK_P))
+                     padding_mode=ct.PaddingMode.ZERO,
+                     latency=_hint(LAT)).reshape((BLOCK, BLOCK_P))
         zt = zt.astype(ct.float32)
         return do * (zt / (1.0 + ct.exp(-zt)))
     return do
 
 
-def load_rows(t, batch, blk, col, c_tile, BLOCK: ct.Constant[int], WIDTH: ct.Constant[int]):
+def load_rows(t, batch, blk, col, c_tile, BLOCK: ct.Constant[int], WIDTH: ct.Constant[int],
+              LAT: ct.Constant[int] = 0):
     """(BLOCK, WIDTH) tile of a (B, L, heads or groups, width) tensor, zero past the ends."""
     return ct.load(t, index=(batch, blk, col, c_tile), shape=(1, BLOCK, 1, WIDTH),
-                   padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK, WIDTH))
+                   padding_mode=ct.PaddingMode.ZERO, latency=_hint(LAT)).reshape((BLOCK, WIDTH))
 
 
 def load_state(t, batch, head, chunk, p_tile, n_tile, BLOCK_P: ct.Constant[int],
-               BLOCK_N: ct.Constant[int]):
+               BLOCK_N: ct.Constant[int], LAT: ct.Constant[int] = 0):
     """(BLOCK_P, BLOCK_N) fp32 tile of a (B, H, C, P, N) per-chunk state tensor."""
     return ct.load(t, index=(batch, head, chunk, p_tile, n_tile),
-                   shape=(1, 1, 1, BLOCK_P, BLOCK_N),
-                   padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N)).astype(ct.float32)
+                   shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ct.PaddingMode.ZERO,
+                   latency=_hint(LAT)).reshape((BLOCK_P, BLOCK_N)).astype(ct.float32)
 
 
 def wop(tile, like, LOWP: ct.Constant[bool]):

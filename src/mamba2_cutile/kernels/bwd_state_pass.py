@@ -45,6 +45,7 @@ def bwd_state_pass_fn(
     HAS_SEQ: ct.Constant[bool],
     HAS_DFINAL: ct.Constant[bool],
     HAS_INIT: ct.Constant[bool],
+    LAT: ct.Constant[int],        # load latency hint of the per-chunk loads (0: none)
 ):
     bh, p_tile, n_tile = ct.bid(0), ct.bid(1), ct.bid(2)
     nheads = dout.shape[2]
@@ -65,9 +66,9 @@ def bwd_state_pass_fn(
         chunk = num_chunks - 1 - i
         ct.store(dstates, index=(batch, head, chunk, p_tile, n_tile),
                  tile=dh.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(dstates.dtype))
-        dy = load_dy(dout, z, batch, chunk, head, p_tile, Q, BLOCK_P, HAS_Z)
-        ct_ = load_rows(c, batch, chunk, group, n_tile, Q, BLOCK_N).astype(ct.float32)
-        g = block_decay(cum, batch, head, chunk, Q)
+        dy = load_dy(dout, z, batch, chunk, head, p_tile, Q, BLOCK_P, HAS_Z, LAT)
+        ct_ = load_rows(c, batch, chunk, group, n_tile, Q, BLOCK_N, LAT).astype(ct.float32)
+        g = block_decay(cum, batch, head, chunk, Q, LAT)
         g_last = ct.extract(g, index=(Q - 1,), shape=(1,))
         s = block_seq(seq_idx, batch, chunk, Q, HAS_SEQ)
         before = ct.full((1,), 0, dtype=ct.int32)
