@@ -7,6 +7,16 @@ import torch
 # max|err| / max|ref| bounds of the correctness tests, by input dtype
 TOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2, torch.float32: 2e-3}
 
+#: (b, l, h, g, p, n) problems of the forward and backward shape tests
+SHAPES = [
+    (1, 1000, 8, 1, 64, 128),
+    (2, 333, 6, 3, 80, 96),      # headdim and dstate not powers of two
+    (1, 515, 2, 1, 128, 256),
+    (3, 129, 4, 4, 16, 16),
+    (1, 200, 4, 2, 40, 24),
+    (1, 77, 2, 1, 256, 32),
+]
+
 
 def rel_err(a, ref):
     """max|a - ref| / max|ref| in float64 (0 for empty tensors)."""

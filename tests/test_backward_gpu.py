@@ -18,7 +18,7 @@ import torch
 from mamba2_cutile import backward, reference
 from mamba2_cutile.chunked_backward import ssd_chunked_backward
 from mamba2_cutile.bench.problems import random_problem
-from gpu_common import TOL, log_result, rel_err, mamba_ssm_scan  # noqa: F401
+from gpu_common import SHAPES as GPU_SHAPES, TOL, log_result, rel_err, mamba_ssm_scan  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
@@ -198,15 +198,7 @@ def test_against_recurrence_autograd(opt):
     check(inp, kw, 64, dout, dfinal, torch.float32, with_autograd=True)
 
 
-SHAPES = [  # (b, l, h, g, p, n)
-    (1, 1000, 8, 1, 64, 128),
-    (2, 333, 6, 3, 80, 96),      # headdim and dstate not powers of two
-    (1, 515, 2, 1, 128, 256),
-    (3, 129, 4, 4, 16, 16),
-    (1, 200, 4, 2, 40, 24),
-    (1, 77, 2, 1, 256, 32),
-    (1, 300, 2, 1, 256, 256),
-]
+SHAPES = GPU_SHAPES + [(1, 300, 2, 1, 256, 256)]   # (b, l, h, g, p, n)
 
 
 @pytest.mark.parametrize("chunk_size", [64, 128, 256])

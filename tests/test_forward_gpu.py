@@ -11,7 +11,7 @@ import torch
 
 from mamba2_cutile import mamba_chunk_scan_combined, reference
 from mamba2_cutile.bench.problems import default_seq_cuts, random_problem
-from gpu_common import TOL, log_result, rel_err, mamba_ssm_scan  # noqa: F401
+from gpu_common import SHAPES, TOL, log_result, rel_err, mamba_ssm_scan  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
@@ -72,16 +72,6 @@ OPTS = {
 def test_options(opt, dtype):
     inp, kw = make_problem(2, 300, 4, 2, 64, 64, dtype, OPTS[opt])
     check(inp, kw, 128, dtype)
-
-
-SHAPES = [  # (b, l, h, g, p, n)
-    (1, 1000, 8, 1, 64, 128),
-    (2, 333, 6, 3, 80, 96),      # headdim and dstate not powers of two
-    (1, 515, 2, 1, 128, 256),
-    (3, 129, 4, 4, 16, 16),
-    (1, 200, 4, 2, 40, 24),
-    (1, 77, 2, 1, 256, 32),
-]
 
 
 @pytest.mark.parametrize("chunk_size", [64, 128, 256])

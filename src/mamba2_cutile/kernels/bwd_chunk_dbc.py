@@ -83,10 +83,7 @@ def bwd_chunk_dbc_fn(
 
     tok_t = t * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
     s_t = block_seq(seq_idx, batch, t, BLOCK_Q, HAS_SEQ)
-    before = ct.full((1,), 0, dtype=ct.int32)
-    last = ct.full((1,), 0, dtype=ct.int32)
-    if HAS_SEQ:
-        before, last = seq_bounds(seq_idx, batch, chunk, seqlen, Q)
+    before, last = seq_bounds(seq_idx, batch, chunk, seqlen, Q, HAS_SEQ)
     acc = ct.full((BLOCK_Q, BLOCK_N), 0.0, dtype=ct.float32)
 
     if ct.bid(2) == 0:
@@ -191,10 +188,7 @@ def bwd_chunk_dbc_fused_fn(
 
     tok = chunk * Q + ct.arange(Q, dtype=ct.int32)
     s = block_seq(seq_idx, batch, chunk, Q, HAS_SEQ)
-    before = ct.full((1,), 0, dtype=ct.int32)
-    last = ct.full((1,), 0, dtype=ct.int32)
-    if HAS_SEQ:
-        before, last = seq_bounds(seq_idx, batch, chunk, seqlen, Q)
+    before, last = seq_bounds(seq_idx, batch, chunk, seqlen, Q, HAS_SEQ)
     bn = wop(load_rows(b, batch, chunk, group, n_tile, Q, BLOCK_N), mm, LOWP)
     cn = wop(load_rows(c, batch, chunk, group, n_tile, Q, BLOCK_N), mm, LOWP)
     acc_c = ct.full((Q, BLOCK_N), 0.0, dtype=ct.float32)

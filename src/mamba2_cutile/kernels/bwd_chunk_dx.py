@@ -115,10 +115,7 @@ def bwd_chunk_dx_fn(
     dt_t = block_decay(dt, batch, head, t, BLOCK_Q)
     g_last = chunk_last_decay(cum, batch, head, chunk, Q)
     s_t = block_seq(seq_idx, batch, t, BLOCK_Q, HAS_SEQ)
-    before = ct.full((1,), 0, dtype=ct.int32)
-    last = ct.full((1,), 0, dtype=ct.int32)
-    if HAS_SEQ:
-        before, last = seq_bounds(seq_idx, batch, chunk, seqlen, Q)
+    before, last = seq_bounds(seq_idx, batch, chunk, seqlen, Q, HAS_SEQ)
     state_w = state_weight(g_t, s_t, before, HAS_SEQ)
     exit_w = exit_weight(g_t, g_last, s_t, last, HAS_SEQ)
 

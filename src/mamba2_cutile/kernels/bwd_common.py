@@ -28,12 +28,16 @@ def _hint(LAT: ct.Constant[int]):
     return lat
 
 
-def seq_bounds(seq_idx, batch, chunk, seqlen, Q: ct.Constant[int]):
-    """(1,) tiles: seq id of the token before the chunk and of the chunk's last real token."""
-    before = ct.load(seq_idx, index=(batch, ct.maximum(chunk * Q - 1, 0)),
-                     shape=(1, 1)).reshape((1,))
-    last = ct.load(seq_idx, index=(batch, ct.minimum(chunk * Q + Q - 1, seqlen - 1)),
-                   shape=(1, 1)).reshape((1,))
+def seq_bounds(seq_idx, batch, chunk, seqlen, Q: ct.Constant[int], HAS_SEQ: ct.Constant[bool]):
+    """(1,) tiles: seq id of the token before the chunk and of the chunk's last real token
+    (zeros without seq_idx)."""
+    before = ct.full((1,), 0, dtype=ct.int32)
+    last = ct.full((1,), 0, dtype=ct.int32)
+    if HAS_SEQ:
+        before = ct.load(seq_idx, index=(batch, ct.maximum(chunk * Q - 1, 0)),
+                         shape=(1, 1)).reshape((1,))
+        last = ct.load(seq_idx, index=(batch, ct.minimum(chunk * Q + Q - 1, seqlen - 1)),
+                       shape=(1, 1)).reshape((1,))
     return before, last
 
 

@@ -71,10 +71,7 @@ def bwd_state_pass_fn(
         g = block_decay(cum, batch, head, chunk, Q, LAT)
         g_last = ct.extract(g, index=(Q - 1,), shape=(1,))
         s = block_seq(seq_idx, batch, chunk, Q, HAS_SEQ)
-        before = ct.full((1,), 0, dtype=ct.int32)
-        last = ct.full((1,), 0, dtype=ct.int32)
-        if HAS_SEQ:
-            before, last = seq_bounds(seq_idx, batch, chunk, seqlen, Q)
+        before, last = seq_bounds(seq_idx, batch, chunk, seqlen, Q, HAS_SEQ)
         w = state_weight(g, s, before, HAS_SEQ)
         carry = carry_weight(g_last, before, last, HAS_SEQ)
         wc = mma_operand(ct_ * w[:, None], c.dtype)
