@@ -567,3 +567,22 @@ def test_reps_within_budget():
     assert _reps_within(1000.0, 40.0, 50) == 25         # slow: what fits in the budget
     assert _reps_within(1000.0, 500.0, 50) == 10        # never under 10
     assert _reps_within(1000.0, 500.0, 5) == 5          # nor over what was asked
+
+
+def test_cli_bench_train_mode_on_cpu(monkeypatch, tmp_path, capsys):
+    """`--mode train` runs bwd and fwdbwd per shape in one process and writes one table and one
+    set of files per mode (the CUDA run replaced by the CPU runner)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(impls, "versions", lambda: {"gpu": "cpu stand-in"})
+    real = runner.run_case
+    monkeypatch.setattr(runner, "run_case", lambda shape, names, mode, timer, on_impl=None: real(
+        TINY, names, mode, runner.WallTimer(reps=2), device="cpu", on_impl=on_impl))
+    rc = cli.main(["bench", "--mode", "train", "--shapes", "seed", "--impls",
+                   "mamba2-cutile,reference", "--no-progress", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "benchmark (bwd)" in out and "benchmark (fwdbwd)" in out
+    for mode in ("bwd", "fwdbwd"):
+        doc = json.loads((tmp_path / f"bench-{mode}.json").read_text())
+        assert {r["mode"] for r in doc["rows"]} == {mode}
+        assert [r["status"] for r in doc["rows"]] == ["ok", "ok"]

@@ -57,6 +57,7 @@ class DecodeConfig:
     latency: int = 0        # state load latency hint (1-10; 0: none)
     tma: int = 1            # 0: state loads/stores without TMA (plain vector accesses)
     tma_vec: int = 1        # 0: the per-step x, B, C loads without TMA too
+    warps: int = 0          # num_worker_warps hint (0: the compiler's choice)
 
     def __post_init__(self):
         for name in ("block_p", "dstate_pad") + (("block_n",) if self.block_n else ()):
@@ -66,6 +67,9 @@ class DecodeConfig:
         if self.occupancy < 0 or self.persistent < 0:
             raise ValueError(f"decode config: occupancy={self.occupancy} and "
                              f"persistent={self.persistent} must be >= 0")
+        if self.warps not in (0, 4, 8):
+            raise ValueError(f"decode config: warps={self.warps} is not 0 (the compiler's "
+                             "choice), 4 or 8 (what tileiras 13.4 accepts)")
         if not 0 <= self.latency <= 10:
             raise ValueError(f"decode config: latency={self.latency} is not in 0..10")
         if self.tma not in (0, 1) or self.tma_vec not in (0, 1):
@@ -205,7 +209,7 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
     d_mode, d_arg = _head_mode(D)
     bias_mode, bias_arg = _head_mode(dt_bias)
     big = needs_int64(state, x4, dt_arg, a_arg, B4, C4, d_arg, z4, bias_arg, out5, y4)
-    kernel = hinted(state_update_i64 if big else state_update, cfg.occupancy)
+    kernel = hinted(state_update_i64 if big else state_update, cfg.occupancy, cfg.warps)
     flags = (cfg.block_p, cfg.dstate_pad, h // g, dt_head, a_head, d_mode, bias_mode,
              z4 is not None, bool(dt_softplus), state_batch_indices is not None,
              out5 is not None, cfg.persistent > 0,
