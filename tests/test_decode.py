@@ -322,3 +322,11 @@ def test_variant_compiles(name, problem, arch):
     calls = decode.plan_for_problem(**problem)
     assert len(calls) == 1
     assert compile_check.compile_call(calls[0], arch) > 0
+
+
+@pytest.mark.parametrize("spec, match", [("warps=2", "warps=2"), ("flat=2", "flat=2"),
+                                         ("flat=1,persistent=2", "flat=1")])
+def test_config_rejects(spec, match, monkeypatch):
+    monkeypatch.setenv("MAMBA2_CUTILE_DECODE_CONFIG", spec)
+    with pytest.raises(ValueError, match=match):
+        decode.default_decode_config(1, 8, 64, 128)

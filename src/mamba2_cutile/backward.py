@@ -98,6 +98,15 @@ def default_backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size,
         # (da_mode 2 cut bwd_chunk_dx to 0.53 ms but cost bwd_chunk_dbc_fused 0.82 ms more.)
         bc_fused=1,
         da_mode=1,
+        # session 4 sweep (results/): each alone, whole backward 1.55 ms ->
+        #   lowp=1 (MMA operands in the input dtype, as mamba_ssm): 1.47
+        #   + dx_warps=4 (bwd_chunk_dx 0.70 -> 0.57 ms): 1.36
+        #   + bc_load_latency=4 (bwd_chunk_dbc_fused 0.49 -> 0.39 ms), measured with lowp: 1.37
+        #   + bstate_load_latency=4 (bwd_state_pass 0.143 -> 0.127 ms), measured with lowp: 1.45
+        lowp=1,
+        dx_warps=4,
+        bc_load_latency=4,
+        bstate_load_latency=4,
     )
     return config_from_env(cfg, "MAMBA2_CUTILE_BWD_CONFIG", frozen=("chunk_size",))
 

@@ -58,6 +58,9 @@ class DecodeConfig:
     tma: int = 1            # 0: state loads/stores without TMA (plain vector accesses)
     tma_vec: int = 1        # 0: the per-step x, B, C loads without TMA too
     warps: int = 0          # num_worker_warps hint (0: the compiler's choice)
+    flat: int = 0           # 1: a 1-D grid in memory order (p tiles, then heads, then rows
+                            # fastest-first), so that programs running together stream one
+                            # contiguous stretch of the state
 
     def __post_init__(self):
         for name in ("block_p", "dstate_pad") + (("block_n",) if self.block_n else ()):
@@ -67,6 +70,9 @@ class DecodeConfig:
         if self.occupancy < 0 or self.persistent < 0:
             raise ValueError(f"decode config: occupancy={self.occupancy} and "
                              f"persistent={self.persistent} must be >= 0")
+        if self.flat not in (0, 1) or (self.flat and self.persistent):
+            raise ValueError(f"decode config: flat={self.flat} must be 0 or 1, and 0 with "
+                             "persistent")
         if self.warps not in (0, 4, 8):
             raise ValueError(f"decode config: warps={self.warps} is not 0 (the compiler's "
                              "choice), 4 or 8 (what tileiras 13.4 accepts)")
@@ -212,12 +218,12 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
     kernel = hinted(state_update_i64 if big else state_update, cfg.occupancy, cfg.warps)
     flags = (cfg.block_p, cfg.dstate_pad, h // g, dt_head, a_head, d_mode, bias_mode,
              z4 is not None, bool(dt_softplus), state_batch_indices is not None,
-             out5 is not None, cfg.persistent > 0,
+             out5 is not None, 1 if cfg.persistent else (2 if cfg.flat else 0),
              min(cfg.block_n, cfg.dstate_pad) if cfg.block_n and k == 1 else 0,
              cfg.latency + (0 if cfg.tma else 16) + (0 if cfg.tma_vec else 32))
     tiles = b * h * -(-p // cfg.block_p)
     grid = ((min(tiles, cfg.persistent * _sms(x)), 1, 1) if cfg.persistent
-            else (b, h, -(-p // cfg.block_p)))
+            else (tiles, 1, 1) if cfg.flat else (b, h, -(-p // cfg.block_p)))
     return kernel, grid, dt_head, a_head, d_mode, bias_mode, flags
 
 
@@ -511,6 +517,9 @@ def compile_variants():
                                      ngroups=3, headdim=80, dstate=96, options=("D", "bias"),
                                      config=DecodeConfig(block_p=16, dstate_pad=128,
                                                          block_n=64, persistent=2))),
+        ("flat-no-tma-idx", dict(dtype=bf, state_dtype=bf, layout="head", options=(
+            "D", "z", "bias", "softplus", "idx"), config=DecodeConfig(
+                block_p=64, dstate_pad=128, occupancy=4, tma=0, flat=1))),
         ("latency-no-tma", dict(dtype=bf, state_dtype=bf, layout="head", options=(
             "D", "z", "bias", "softplus", "idx"), config=DecodeConfig(
                 block_p=32, dstate_pad=128, occupancy=8, latency=4, tma=0))),
