@@ -1,4 +1,4 @@
-"""Decode config sweep in one process: BLOCK_P x occupancy x grid order (x latency) at a
+"""Decode config sweep in one process: BLOCK_P x occupancy x how the state moves (TMA or not) at a
 7B-class shape (H=128, P=64, N=128, G=8, bf16 state), each checked against mamba_ssm's y and
 state, then timed (CUDA graph). One JSON line per (batch, config).
 
@@ -27,10 +27,10 @@ for b in batches:
     t = time_graph(bd._theirs(dict(inp, state=inp["state"].clone())), reps=100)["median_ms"]
     print(json.dumps({"batch": b, "config": "mamba_ssm", "us": t * 1e3,
                       "gbps": nbytes / (t * 1e-3) / 1e9}), flush=True)
-    specs = [dict(block_p=64, occupancy=4, tma=0), dict(block_p=64, occupancy=4, tma=0, flat=1),
-             dict(block_p=64, occupancy=3, tma=0, flat=1),
-             dict(block_p=64, occupancy=4, tma=0, flat=1, latency=4),
-             dict(block_p=32, occupancy=4, tma=0, flat=1)]
+    specs = [dict(block_p=64, occupancy=4, tma=0), dict(block_p=64, occupancy=4, tma=2),
+             dict(block_p=64, occupancy=5, tma=2), dict(block_p=64, occupancy=6, tma=2),
+             dict(block_p=32, occupancy=8, tma=2), dict(block_p=128, occupancy=2, tma=2),
+             dict(block_p=64, occupancy=4, tma=2, latency=4)]
     for spec in specs:
         name = ",".join(f"{k}={v}" for k, v in spec.items())
         try:

@@ -103,10 +103,13 @@ def default_backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size,
         #   + dx_warps=4 (bwd_chunk_dx 0.70 -> 0.57 ms): 1.36
         #   + bc_load_latency=4 (bwd_chunk_dbc_fused 0.49 -> 0.39 ms), measured with lowp: 1.37
         #   + bstate_load_latency=4 (bwd_state_pass 0.143 -> 0.127 ms), measured with lowp: 1.45
+        # all four: 1.245 ms; then bstate_load_latency 8: 1.229 (bwd_state_pass 0.110 ms;
+        # gradients bit-identical), 2: 1.252; bc_load_latency 2/6/8 and dx_load_latency 2/6
+        # slower
         lowp=1,
         dx_warps=4,
         bc_load_latency=4,
-        bstate_load_latency=4,
+        bstate_load_latency=8,
     )
     return config_from_env(cfg, "MAMBA2_CUTILE_BWD_CONFIG", frozen=("chunk_size",))
 

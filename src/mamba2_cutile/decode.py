@@ -55,7 +55,8 @@ class DecodeConfig:
     persistent: int = 0     # >0: a fixed grid of this many programs per SM walks the tiles
     block_n: int = 0        # >0: one-token calls walk dstate in slices of this width
     latency: int = 0        # state load latency hint (1-10; 0: none)
-    tma: int = 1            # 0: state loads/stores without TMA (plain vector accesses)
+    tma: int = 1            # 0: state loads/stores without TMA (plain vector accesses);
+                            # 2: loads with TMA (into shared memory), stores without
     tma_vec: int = 1        # 0: the per-step x, B, C loads without TMA too
     warps: int = 0          # num_worker_warps hint (0: the compiler's choice)
     flat: int = 0           # 1: a 1-D grid in memory order (p tiles, then heads, then rows
@@ -78,9 +79,9 @@ class DecodeConfig:
                              "choice), 4 or 8 (what tileiras 13.4 accepts)")
         if not 0 <= self.latency <= 10:
             raise ValueError(f"decode config: latency={self.latency} is not in 0..10")
-        if self.tma not in (0, 1) or self.tma_vec not in (0, 1):
-            raise ValueError(f"decode config: tma={self.tma}, tma_vec={self.tma_vec} must be 0 "
-                             "or 1")
+        if self.tma not in (0, 1, 2) or self.tma_vec not in (0, 1):
+            raise ValueError(f"decode config: tma={self.tma} must be 0, 1 or 2 and "
+                             f"tma_vec={self.tma_vec} 0 or 1")
 
 
 def default_decode_config(batch, nheads, headdim, dstate, sms=132) -> DecodeConfig:
@@ -220,7 +221,8 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
              z4 is not None, bool(dt_softplus), state_batch_indices is not None,
              out5 is not None, 1 if cfg.persistent else (2 if cfg.flat else 0),
              min(cfg.block_n, cfg.dstate_pad) if cfg.block_n and k == 1 else 0,
-             cfg.latency + (0 if cfg.tma else 16) + (0 if cfg.tma_vec else 32))
+             cfg.latency + (0 if cfg.tma else 16) + (0 if cfg.tma_vec else 32)
+             + (0 if cfg.tma == 1 else 64))
     tiles = b * h * -(-p // cfg.block_p)
     grid = ((min(tiles, cfg.persistent * _sms(x)), 1, 1) if cfg.persistent
             else (tiles, 1, 1) if cfg.flat else (b, h, -(-p // cfg.block_p)))
@@ -520,6 +522,9 @@ def compile_variants():
         ("flat-no-tma-idx", dict(dtype=bf, state_dtype=bf, layout="head", options=(
             "D", "z", "bias", "softplus", "idx"), config=DecodeConfig(
                 block_p=64, dstate_pad=128, occupancy=4, tma=0, flat=1))),
+        ("tma-load-only", dict(dtype=bf, state_dtype=bf, layout="head", options=(
+            "D", "z", "bias", "softplus", "idx"), config=DecodeConfig(
+                block_p=64, dstate_pad=128, occupancy=4, tma=2))),
         ("latency-no-tma", dict(dtype=bf, state_dtype=bf, layout="head", options=(
             "D", "z", "bias", "softplus", "idx"), config=DecodeConfig(
                 block_p=32, dstate_pad=128, occupancy=8, latency=4, tma=0))),

@@ -5,7 +5,8 @@ its autograd, so `torch.compile` traces models that call it without a graph brea
 kernels on CUDA tensors and the chunked PyTorch SSD on CPU tensors, and returns
 (out, final_states, varlen_states); varlen_states is an empty tensor unless cu_seqlens is given.
 
-Backward: on CUDA tensors the cuTile kernels (`backward.ssd_backward_cuda`); elsewhere, or
+Backward: on CUDA tensors the cuTile kernels (`backward.ssd_backward_cuda`, wrapped in the
+opaque op `mamba2_cutile::ssd_backward_cuda` so that torch.compile traces around it); elsewhere, or
 with MAMBA2_CUTILE_BACKWARD=torch, the explicit chunked backward (`chunked_backward`, plain
 PyTorch stages, float32; float64 for float64 inputs), the blueprint of those kernels. Both
 recompute what they need from the saved inputs: nothing larger than the inputs is kept.
@@ -84,13 +85,37 @@ def backward_impl(x) -> str:
     return "cutile" if want == "cutile" and x.is_cuda else "torch"
 
 
+@torch.library.custom_op("mamba2_cutile::ssd_backward_cuda", mutates_args=())
+def ssd_backward_op(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+                    dout: Optional[Tensor], dfinal: Optional[Tensor], D: Optional[Tensor],
+                    z: Optional[Tensor], dt_bias: Optional[Tensor],
+                    initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
+                    dt_softplus: bool, dt_lo: float, dt_hi: float) -> list[Tensor]:
+    """The cuTile backward as an opaque op (torch.compile must not trace into its launches):
+    the gradients of _GRAD_INPUTS in order, an empty tensor for each absent input."""
+    from .backward import ssd_backward_cuda
+    grads = ssd_backward_cuda(x, dt, A, B, C, chunk_size, dout, dfinal, D=D, z=z,
+                              dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
+                              dt_softplus=dt_softplus, dt_limit=(dt_lo, dt_hi))
+    return [x.new_empty((0,)) if grads[k] is None else grads[k].contiguous()
+            for k in _GRAD_INPUTS]
+
+
+@ssd_backward_op.register_fake
+def _(x, dt, A, B, C, chunk_size, dout, dfinal, D, z, dt_bias, initial_states, seq_idx,
+      dt_softplus, dt_lo, dt_hi):
+    return [x.new_empty((0,)) if t is None else torch.empty_like(
+        t, memory_format=torch.contiguous_format)
+        for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)]
+
+
 def _backward(ctx, g_out, g_final, g_varlen):
     x, dt, A, B, C, D, z, dt_bias, h0, seq_idx = ctx.saved_tensors
     if backward_impl(x) == "cutile":
-        from .backward import ssd_backward_cuda
-        grads = ssd_backward_cuda(x, dt, A, B, C, ctx.chunk_size, g_out, g_final, D=D, z=z,
-                                  dt_bias=dt_bias, initial_states=h0, seq_idx=seq_idx,
-                                  dt_softplus=ctx.dt_softplus, dt_limit=ctx.dt_limit)
+        inputs = (x, dt, A, B, C, D, z, dt_bias, h0)
+        out = ssd_backward_op(x, dt, A, B, C, ctx.chunk_size, g_out, g_final, D, z, dt_bias,
+                              h0, seq_idx, ctx.dt_softplus, *ctx.dt_limit)
+        grads = {k: None if t is None else g for k, t, g in zip(_GRAD_INPUTS, inputs, out)}
     else:
         grads = chunked_backward.ssd_chunked_backward(
             x, dt, A, B, C, ctx.chunk_size, g_out, g_final, D=D, z=z, dt_bias=dt_bias,

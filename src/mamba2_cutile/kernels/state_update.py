@@ -79,7 +79,8 @@ def _load_state(state, slot, head, p_tile, nt, BLOCK_P: ct.Constant[int], W: ct.
                 MEM: ct.Constant[int]):
     """(BLOCK_P, W) float32 slice of the state. MEM = latency hint (1-10, 0: none) + 16 to
     load without TMA (plain vector loads straight into registers, no SMEM round trip) + 32 to
-    load the small per-step vectors (x, B, C) without TMA too."""
+    load the small per-step vectors (x, B, C) without TMA too + 64 to store the state without
+    TMA."""
     ZERO = ct.PaddingMode.ZERO
     idx = (slot, head, p_tile, nt)
     shape = (1, 1, BLOCK_P, W)
@@ -101,15 +102,15 @@ def _load_state(state, slot, head, p_tile, nt, BLOCK_P: ct.Constant[int], W: ct.
 def _store_state(state, h, slot, head, p_tile, nt, BLOCK_P: ct.Constant[int],
                  W: ct.Constant[int], MEM: ct.Constant[int]):
     tile = h.reshape((1, 1, BLOCK_P, W)).astype(state.dtype)
-    if MEM % 32 < 16:
+    if MEM % 128 < 64:
         ct.store(state, index=(slot, head, p_tile, nt), tile=tile)
     else:
         ct.store(state, index=(slot, head, p_tile, nt), tile=tile, allow_tma=False)
 
 
 def _load_vec(arr, index, shape, MEM: ct.Constant[int]):
-    """A small per-step load (x, B, C), zero padded; without TMA when MEM >= 32."""
-    if MEM >= 32:
+    """A small per-step load (x, B, C), zero padded; without TMA when MEM has its 32 bit."""
+    if MEM % 64 >= 32:
         return ct.load(arr, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO,
                        allow_tma=False)
     return ct.load(arr, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
@@ -249,8 +250,8 @@ def state_update_fn(
     HAS_OUT: ct.Constant[bool],
     PERSISTENT: ct.Constant[int],  # 0: grid (B, H, P tiles); 1: persistent loop; 2: 1-D grid
     BLOCK_N: ct.Constant[int],    # 0: the whole state per program; else K = 1, N in slices
-    MEM: ct.Constant[int],        # latency hint (0: none) +16: state without TMA, +32: x, B,
-                                  # C without TMA
+    MEM: ct.Constant[int],        # latency hint (0: none) +16: state loads without TMA,
+                                  # +32: x, B, C without TMA, +64: state stores without TMA
 ):
     if PERSISTENT == 1:
         # a fixed grid walks the (row, head, p tile) tiles, p tiles fastest (adjacent memory),
