@@ -32,7 +32,7 @@ if [[ -n ${DECODE_BENCH:-} ]]; then
   echo "decode rc=$?"; cat $L/decode.log; pack
 fi
 if [[ -n ${OPTIONS:-} ]]; then
-  DISABLE_AUTOTUNE=1 timeout ${OPTIONS_TIMEOUT:-120} python3 -m mamba2_cutile bench --shapes options \
+  DISABLE_AUTOTUNE=1 timeout ${OPTIONS_TIMEOUT:-120} python3 -m mamba2_cutile bench --shapes ${OPTIONS_SHAPES:-options} \
     --impls mamba2-cutile,mamba_ssm --out $L/options --no-progress > $L/options.log 2>&1
   echo "options rc=$?"; tail -n 16 $L/options.log | cut -c1-250; pack
 fi
