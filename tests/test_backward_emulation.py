@@ -379,7 +379,7 @@ TILINGS = {
     "dx_q32_bc_q16": dict(dx_block_q=32, bc_block_q=16),
     "wide_tiles": dict(dx_block_p=32, bc_block_p=32, bc_block_n=32, bstate_block_p=32,
                        bstate_block_n=32, cumsum_block_h=4),
-    "lowp": dict(lowp=1),
+    "lowp": dict(lowp=1, dx_lowp=1),
     "dbc_fused": dict(bc_fused=1),
     "da_local": dict(da_mode=1),
     "da_local_q32": dict(da_mode=1, dx_block_q=32, bc_fused=1),

@@ -265,6 +265,7 @@ def test_cuda_graph_capture():
 
 CONFIGS = [
     {"lowp": 0, "dx_warps": 8, "bc_load_latency": 0, "bstate_load_latency": 0},
+    {"dx_lowp": 1},
     {"dx_warps": 0, "bc_warps": 0}, {"dx_warps": 4, "bc_warps": 4},
     {"dx_block_q": 32, "bc_block_q": 128}, {"dx_block_q": 128, "bc_block_q": 32},
     {"dx_block_p": 16, "bc_block_p": 32, "bc_block_n": 32},

@@ -22,6 +22,7 @@ status: "ok", "MISMATCH (<name> <err>)", "missing", "n/a (...)", "skipped (...)"
 from __future__ import annotations
 
 import gc
+import os
 import time
 
 import torch
@@ -326,4 +327,8 @@ def meta(mode, reps, names, argv=None):
             "timing": "kernel: CUDA graph replay, L2 flushed, median (min-max); eager: wall "
                       "time of a Python call incl. launch overhead; first: first call "
                       "(compile/autotune); peak: max_memory_allocated delta over one call",
-            "argv": list(argv) if argv is not None else None}
+            "argv": list(argv) if argv is not None else None,
+            # config overrides in force (MAMBA2_CUTILE_BWD_CONFIG, ...): a table is only
+            # comparable with another run of the same settings
+            "env": {k: v for k, v in sorted(os.environ.items())
+                    if k.startswith("MAMBA2_CUTILE_") or k == "DISABLE_AUTOTUNE"}}
