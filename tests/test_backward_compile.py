@@ -32,7 +32,7 @@ def _key(call, arch):
 
 
 def test_variant_count():
-    assert len(VARIANTS) <= 18
+    assert len(VARIANTS) <= 19       # each costs ~12 compiles (6 kernels x 2 archs) in CI
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
