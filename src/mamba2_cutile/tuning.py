@@ -538,9 +538,12 @@ def tune(shapes, space=None, reps=30, min_gain=0.01, store_results=True, progres
 
         stream = torch.cuda.current_stream()
 
-        def run(over, plan_of=plan_of, stream=stream):
+        def run(over, plan_of=plan_of):
+            # the stream current at call time: a CUDA-graph capture runs on its own stream,
+            # and launches on any other one are not captured (an empty graph times as ~1 us)
+            s = torch.cuda.current_stream()
             for call in plan_of(over):
-                ct.launch(stream, call.grid, call.kernel, call.args)
+                ct.launch(s, call.grid, call.kernel, call.args)
 
         run({})                      # the later kernels' inputs, and the reference output
         ref = out.double()
@@ -569,6 +572,12 @@ def tune(shapes, space=None, reps=30, min_gain=0.01, store_results=True, progres
                 chosen.update(res.best.config)
         run({})
         default_ms = timing.time_graph(lambda: run({}), reps=reps)["median_ms"]
+        kernels_ms = sum(ms for label, ms in results
+                         if label.endswith(" default") and isinstance(ms, float))
+        if default_ms < 0.5 * kernels_ms:
+            raise RuntimeError(f"tune: the whole forward timed {default_ms:.4f} ms, under half "
+                               f"the sum of its kernels' default times ({kernels_ms:.4f} ms): "
+                               "the timing is broken, nothing is stored")
         best_ms = default_ms
         if chosen:
             run(chosen)

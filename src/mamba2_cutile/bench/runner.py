@@ -257,8 +257,8 @@ def run(shapes, names=None, mode="fwd", timer=None, device="cuda", progress=None
 
 
 def breakdown(shape, reps=30):
-    """Kernel time of each of our launches alone (CUDA graph), at one shape (plain problem:
-    D per head, zero initial state, final state)."""
+    """Kernel time of each of our launches alone (CUDA graph), at one shape: the problem of
+    `problems.make_inputs`, with the shape's options (z, dt_bias + softplus, seq_idx)."""
     import cuda.tile as ct
 
     from .. import interface, launch
@@ -266,10 +266,14 @@ def breakdown(shape, reps=30):
 
     inp = problems.make_inputs(shape)
     b, l, h, g, p, n = shape.dims()
-    cfg = launch.default_config(b, h, p, n, shape.chunk, shape.dtype, launch.num_sms(0))
+    cfg = launch.default_config(b, h, p, n, shape.chunk, shape.dtype, launch.num_sms(0),
+                                seqlen=l, device_index=0)      # what a call would run
     calls = interface.forward_launches(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
-                                       shape.chunk, D=inp["D"],
-                                       initial_states=inp["initial_states"], config=cfg)[0]
+                                       shape.chunk, D=inp["D"], z=inp.get("z"),
+                                       dt_bias=inp.get("dt_bias"),
+                                       initial_states=inp["initial_states"],
+                                       seq_idx=inp.get("seq_idx"),
+                                       dt_softplus=inp.get("dt_softplus", False), config=cfg)[0]
     row = {"shape": shape.name, "impl": "breakdown", "config": str(cfg), "kernels": {}}
     for call in calls:
         name = call.kernel._annotated_function.pyfunc.__name__
