@@ -13,7 +13,7 @@ export MAMBA2_CUTILE_CACHE_DIR=$L/tuning
 timeout ${TUNE_TIMEOUT:-90} python3 -m mamba2_cutile tune --shapes $TUNE_SHAPES > $L/tune.log 2>&1
 echo "tune rc=$?"; grep -E "^\S.*ms|forward|rejected|Error" $L/tune.log | cut -c1-160; pack
 DISABLE_AUTOTUNE=1 timeout ${FWD_TIMEOUT:-100} python3 -m mamba2_cutile bench --shapes $TUNE_SHAPES \
-  --impls mamba2-cutile,mamba_ssm --out $L/fwd --no-progress > $L/fwd.log 2>&1
+  --impls mamba2-cutile,mamba_ssm --out $L/fwd --jsonl --no-progress > $L/fwd.log 2>&1
 echo "fwd rc=$?"; grep -E "│ " $L/fwd.log | cut -c1-150; pack
 timeout ${TRAIN_TIMEOUT:-40} python3 -m mamba2_cutile bench --mode fwdbwd --shapes seed \
   --impls mamba2-cutile --out $L/train --no-progress > $L/train.log 2>&1
