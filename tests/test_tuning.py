@@ -14,6 +14,21 @@ from mamba2_cutile import tuning
 H200 = dict(gpu="NVIDIA H200", sms=132)
 
 
+REAL_SHIPPED = tuning.SHIPPED
+
+
+@pytest.fixture(autouse=True)
+def empty_shipped(tmp_path, monkeypatch):
+    """Every test here sees an empty shipped table (the real one is checked on its own in
+    test_shipped_table)."""
+    empty = tmp_path / "shipped-empty.json"
+    empty.write_text(json.dumps({"schema": tuning.SCHEMA, "entries": {}}))
+    monkeypatch.setattr(tuning, "SHIPPED", empty)
+    tuning.reload()
+    yield
+    tuning.reload()
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """A fresh cache directory, and a fresh in-memory state."""
@@ -274,8 +289,14 @@ def test_corrupt_file_tolerated(cache, content):
 
 
 def test_shipped_table(cache, tmp_path, monkeypatch):
-    doc = json.loads(tuning.SHIPPED.read_text())
+    doc = json.loads(REAL_SHIPPED.read_text())
     assert doc["schema"] == tuning.SCHEMA and isinstance(doc["entries"], dict)
+    for k, entry in doc["entries"].items():      # every shipped entry parses and is valid
+        parsed = tuning.TuningKey.parse(k)
+        assert str(parsed) == k and parsed.gpu == "NVIDIA H200"
+        assert entry["best_ms"] < entry["default_ms"]
+        base = launch_default(parsed)
+        assert tuning.valid_overrides(base, entry["overrides"]) == entry["overrides"]
     shipped = tmp_path / "shipped.json"
     old = key(cuda_tile="1.6.0", tileiras="13.3.0")
     shipped.write_text(json.dumps({"schema": 1, "entries": {
@@ -288,6 +309,13 @@ def test_shipped_table(cache, tmp_path, monkeypatch):
     assert tuning.lookup(key(gpu="NVIDIA B200")) is None                # other GPU: no
     tuning.store(key(), {"state_block_n": 16})                          # user cache wins
     assert tuning.lookup(key()) == {"state_block_n": 16}
+
+
+def launch_default(k):
+    from mamba2_cutile import launch
+    return launch.default_config(k.bh, 1, k.headdim, k.dstate, k.chunk,
+                                 getattr(torch, {"bf16": "bfloat16", "fp16": "float16",
+                                                 "fp32": "float32"}[k.dtype]), k.sms)
 
 
 # --------------------------------------------------------------------------- dispatcher hook
