@@ -7,12 +7,7 @@
 # within 2% of the first config's), BENCH_MODE (fwdbwd | train), DECODE_SWEEP_BATCHES,
 # DECODE_LATENCY_BATCHES, PYTEST_PATHS, TEST_TIMEOUT, SKIP (comma list: sweep,fwdbwd,decode).
 set -uo pipefail
-OUT=${OUT:-gpu_out}; L=/tmp/check; mkdir -p "$OUT" $L
-pack() { tar czf "$OUT/check.tgz" -C /tmp check; }
-source .kit/setup.sh > $L/setup.log 2>&1; tail -n 3 $L/setup.log
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .kit/extra/*.whl >/dev/null 2>&1
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > $L/gpu.txt 2>&1
-git log -1 --format=%h > $L/commit.txt 2>/dev/null
+source scripts/gpu_lib.sh; gpu_setup check
 SKIP=${SKIP:-}
 if [[ $SKIP != *sweep* ]]; then
   timeout ${BWD_SWEEP_TIMEOUT:-100} python3 scripts/sweep_backward.py seed ${BWD_SWEEP_CONFIGS:-default} \

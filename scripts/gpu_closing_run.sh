@@ -5,11 +5,7 @@
 # `mamba2-cutile tune` on TUNE_SHAPES (winners cached under the output, for tuned_h200.json),
 # and a per-kernel forward sweep on DIAG_SHAPES. Env: PYTEST_PATHS, TEST_WORKERS, *_TIMEOUT.
 set -uo pipefail
-OUT=${OUT:-gpu_out}; L=/tmp/closing; mkdir -p "$OUT" $L/tuning
-pack() { tar czf "$OUT/closing.tgz" -C /tmp closing; }
-source .kit/setup.sh > $L/setup.log 2>&1; tail -n 1 $L/setup.log
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .kit/extra/*.whl >/dev/null 2>&1
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > $L/gpu.txt 2>&1
+source scripts/gpu_lib.sh; gpu_setup closing; mkdir -p $L/tuning
 if [[ -n ${PYTEST_PATHS:-} ]]; then
   MAMBA2_TEST_LOG="$L/checks.log" timeout ${TEST_TIMEOUT:-170} python3 -m pytest -m gpu $PYTEST_PATHS \
     -n ${TEST_WORKERS:-12} --dist loadgroup -v -p no:cacheprovider -p no:benchmark --timeout=160 \

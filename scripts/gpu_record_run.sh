@@ -8,11 +8,7 @@
 # Env: TUNE_SHAPES (empty: no tuning), SKIP_FWD=1, SKIP_VERIFY=1, TILEGYM_TUNED=1, OPTIONS=1,
 # DECODE_BENCH=1, *_TIMEOUT.
 set -uo pipefail
-OUT=${OUT:-gpu_out}; L=/tmp/record; mkdir -p "$OUT" $L/tuning
-pack() { tar czf "$OUT/record.tgz" -C /tmp record; }
-source .kit/setup.sh > $L/setup.log 2>&1; tail -n 3 $L/setup.log
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .kit/extra/*.whl >/dev/null 2>&1
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > $L/gpu.txt 2>&1
+source scripts/gpu_lib.sh; gpu_setup record; mkdir -p $L/tuning
 export MAMBA2_CUTILE_CACHE_DIR=$L/tuning
 if [[ -n ${TUNE_SHAPES:-} ]]; then
   timeout ${TUNE_TIMEOUT:-150} python3 -m mamba2_cutile tune --shapes $TUNE_SHAPES \

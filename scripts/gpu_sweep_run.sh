@@ -5,10 +5,7 @@
 # BWD_SWEEP_CONFIGS (unset skips), ABLATE (a backward
 # config for scripts/ablate_backward.py; unset skips), DECODE_BATCHES ("none" skips), PYTEST_PATHS, PYTEST_K.
 set -uo pipefail
-OUT=${OUT:-gpu_out}; L=/tmp/sweep; mkdir -p "$OUT" $L
-source .kit/setup.sh > $L/setup.log 2>&1; tail -n 3 $L/setup.log
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .kit/extra/*.whl >/dev/null 2>&1
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > $L/gpu.txt 2>&1
+source scripts/gpu_lib.sh; gpu_setup sweep
 CONFIGS=${SWEEP_CONFIGS:-default}
 if [[ $CONFIGS != none ]]; then
   MAMBA2_CUTILE_TUNING=0 timeout ${SWEEP_TIMEOUT:-180} python3 scripts/sweep.py ${SWEEP_SHAPES:-seed,mamba2-2.7b-T8K} $CONFIGS \
@@ -32,4 +29,4 @@ if [[ -n ${PYTEST_PATHS:-} ]]; then
     --junitxml="$L/gpu_tests.xml" --durations=25 ${PYTEST_K:+-k "$PYTEST_K"} > "$L/gpu_tests.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$L/gpu_tests.log" | tail -n 30
 fi
-tar czf "$OUT/sweep.tgz" -C /tmp sweep
+pack

@@ -5,10 +5,7 @@
 # of PYTEST_PATHS/PYTEST_K, and a per-kernel forward breakdown on DIAG_SHAPES (with their
 # options). $OUT/tuned.tgz is re-packed after every step.
 set -uo pipefail
-OUT=${OUT:-gpu_out}; L=/tmp/tuned; mkdir -p "$OUT" $L/tuning
-pack() { tar czf "$OUT/tuned.tgz" -C /tmp tuned; }
-source .kit/setup.sh > $L/setup.log 2>&1; tail -n 1 $L/setup.log
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .kit/extra/*.whl >/dev/null 2>&1
+source scripts/gpu_lib.sh; gpu_setup tuned; mkdir -p $L/tuning
 export MAMBA2_CUTILE_CACHE_DIR=$L/tuning
 timeout ${TUNE_TIMEOUT:-90} python3 -m mamba2_cutile tune --shapes $TUNE_SHAPES > $L/tune.log 2>&1
 echo "tune rc=$?"; grep -E "^\S.*ms|forward|rejected|Error" $L/tune.log | cut -c1-160; pack
