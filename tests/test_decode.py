@@ -330,3 +330,20 @@ def test_config_rejects(spec, match, monkeypatch):
     monkeypatch.setenv("MAMBA2_CUTILE_DECODE_CONFIG", spec)
     with pytest.raises(ValueError, match=match):
         decode.default_decode_config(1, 8, 64, 128)
+
+
+@pytest.mark.parametrize("spec, mem, persistent, grid", [
+    # MEM = latency + 16 (state loads without TMA) + 32 (x, B, C without TMA) + 64 (state
+    # stores without TMA); PERSISTENT 0: (b, h, p tiles), 1: fixed grid, 2: 1-D memory order
+    (dict(tma=1), 0, 0, (4, 128, 2)),
+    (dict(tma=0), 16 + 64, 0, (4, 128, 2)),
+    (dict(tma=2), 64, 0, (4, 128, 2)),
+    (dict(tma=0, tma_vec=0, latency=5), 5 + 16 + 32 + 64, 0, (4, 128, 2)),
+    (dict(tma=0, flat=1), 16 + 64, 2, (4 * 128 * 2, 1, 1)),
+    (dict(tma=1, persistent=2), 0, 1, (2 * 132, 1, 1)),
+])
+def test_memory_flags_and_grids(spec, mem, persistent, grid):
+    cfg = decode.DecodeConfig(block_p=32, dstate_pad=128, occupancy=4, **spec)
+    (call,) = decode.plan_for_problem(config=cfg)
+    f = decode.variant_of(call)
+    assert f["MEM"] == mem and f["PERSISTENT"] == persistent and call.grid == grid

@@ -352,7 +352,7 @@ def test_check_env_reads_values(monkeypatch):
     ("block_n=32", None), ("block_n=32", 1), ("block_n=64,persistent=4,occupancy=4", None),
     ("block_n=32", 3), ("latency=4,tma=0", 3), ("tma=0,block_n=32", None),
     ("latency=2,block_n=64", None), ("flat=1,tma=0", 3), ("flat=1,tma=0,block_p=16", None),
-    ("warps=8,tma=0", 3)])
+    ("warps=8,tma=0", 3), ("tma=2", 3), ("tma=2,block_n=32", None)])
 def test_config_variants(spec, k, monkeypatch):
     """Every decode config a sweep may pick gives the right answer: padding and permuted slots,
     all options, per-step states; k = 3 steps (block_n then falls back to the whole state);

@@ -109,7 +109,8 @@ def default_backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size,
         # gradients bit-identical), 2: 1.252; bc_load_latency 2/6/8 and dx_load_latency 2/6
         # slower. lowp for bwd_chunk_dx too saves only 0.022 ms (0.587 -> 0.565) but made the
         # GPU tests' ddt_bias error 7x larger (1.7e-3 -> 1.3e-2 at (1, 200, 4, 2, 40, 24)), so
-        # it is off (dx_lowp=0): ddt, dA and ddt_bias keep fp32-operand accuracy.
+        # it is off (dx_lowp=0): ddt, dA and ddt_bias keep fp32-operand accuracy (in the
+        # default da_mode 1; with da_mode=2 the dB/dC launch forms dA terms, under lowp).
         lowp=1,
         dx_warps=4,
         bc_load_latency=4,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 import torch
@@ -176,7 +177,10 @@ def bench(args):
             print("wrote " + ", ".join(p for p in paths.values() if p)
                   + ("" if paths["png"] else " (no PNG: matplotlib missing or nothing timed)"))
         if args.json:
-            path = args.json if len(modes) == 1 else args.json.replace(".json", f"-{mode}.json")
+            path = args.json
+            if len(modes) > 1:          # one file per mode: out.json -> out-bwd.json, ...
+                j = pathlib.Path(args.json)
+                path = str(j.with_name(f"{j.stem}-{mode}{j.suffix or '.json'}"))
             report.write_json(path, rows[mode], meta, breakdown)
             print(f"wrote {path}")
         bad += [r for r in rows[mode] if r["status"].startswith("MISMATCH")

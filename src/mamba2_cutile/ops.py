@@ -10,6 +10,7 @@ opaque op `mamba2_cutile::ssd_backward_cuda` so that torch.compile traces around
 with MAMBA2_CUTILE_BACKWARD=torch, the explicit chunked backward (`chunked_backward`, plain
 PyTorch stages, float32; float64 for float64 inputs), the blueprint of those kernels. Both
 recompute what they need from the saved inputs: nothing larger than the inputs is kept.
+There is no double backward (create_graph=True through the CUDA backward raises).
 """
 
 from __future__ import annotations

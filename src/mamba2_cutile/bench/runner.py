@@ -290,7 +290,7 @@ def breakdown(shape, reps=30):
 
 def backward_breakdown(shape, reps=30, config=None, state_dtype=None, inputs=None):
     """Kernel time of each launch of the cuTile backward alone (CUDA graph), at one shape (the
-    plain problem of `breakdown`, with dout and dfinal_states as cotangents). `config`: a
+    problem of `breakdown`, options included, with dout and dfinal_states as cotangents). `config`: a
     BackwardConfig (default: the dispatcher's); `inputs`: (inputs, dout, dfinal) to reuse."""
     import cuda.tile as ct
 
@@ -301,8 +301,9 @@ def backward_breakdown(shape, reps=30, config=None, state_dtype=None, inputs=Non
                                    *problems.make_grad_outputs(shape))
     calls = []      # collected, not launched: each is launched (in plan order) below
     backward.run_backward(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], shape.chunk,
-                          dout, dfinal, D=inp["D"],
-                          initial_states=inp["initial_states"], state_dtype=state_dtype,
+                          dout, dfinal, D=inp["D"], z=inp.get("z"), dt_bias=inp.get("dt_bias"),
+                          initial_states=inp["initial_states"], seq_idx=inp.get("seq_idx"),
+                          dt_softplus=inp.get("dt_softplus", False), state_dtype=state_dtype,
                           config=config, launch_fn=calls.extend, sms=launch.num_sms(0))
     row = {"shape": shape.name, "impl": "breakdown-bwd", "kernels": {}}
     for i, call in enumerate(calls):
