@@ -334,13 +334,14 @@ def test_config_rejects(spec, match, monkeypatch):
 
 @pytest.mark.parametrize("spec, mem, persistent, grid", [
     # MEM = latency + 16 (state loads without TMA) + 32 (x, B, C without TMA) + 64 (state
-    # stores without TMA); PERSISTENT 0: (b, h, p tiles), 1: fixed grid, 2: 1-D memory order
-    (dict(tma=1), 0, 0, (4, 128, 2)),
-    (dict(tma=0), 16 + 64, 0, (4, 128, 2)),
-    (dict(tma=2), 64, 0, (4, 128, 2)),
-    (dict(tma=0, tma_vec=0, latency=5), 5 + 16 + 32 + 64, 0, (4, 128, 2)),
-    (dict(tma=0, flat=1), 16 + 64, 2, (4 * 128 * 2, 1, 1)),
-    (dict(tma=1, persistent=2), 0, 1, (2 * 132, 1, 1)),
+    # stores without TMA); the grid is (b, h, p tiles), or a 1-D one walked in memory order
+    # (persistent: a fixed number per SM; flat: one program per tile)
+    (dict(tma=1), 0, False, (4, 128, 2)),
+    (dict(tma=0), 16 + 64, False, (4, 128, 2)),
+    (dict(tma=2), 64, False, (4, 128, 2)),
+    (dict(tma=0, tma_vec=0, latency=5), 5 + 16 + 32 + 64, False, (4, 128, 2)),
+    (dict(tma=0, flat=1), 16 + 64, True, (4 * 128 * 2, 1, 1)),
+    (dict(tma=1, persistent=2), 0, True, (2 * 132, 1, 1)),
 ])
 def test_memory_flags_and_grids(spec, mem, persistent, grid):
     cfg = decode.DecodeConfig(block_p=32, dstate_pad=128, occupancy=4, **spec)

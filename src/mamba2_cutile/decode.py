@@ -219,11 +219,12 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
     kernel = hinted(state_update_i64 if big else state_update, cfg.occupancy, cfg.warps)
     flags = (cfg.block_p, cfg.dstate_pad, h // g, dt_head, a_head, d_mode, bias_mode,
              z4 is not None, bool(dt_softplus), state_batch_indices is not None,
-             out5 is not None, 1 if cfg.persistent else (2 if cfg.flat else 0),
+             out5 is not None, bool(cfg.persistent or cfg.flat),
              min(cfg.block_n, cfg.dstate_pad) if cfg.block_n and k == 1 else 0,
              cfg.latency + (0 if cfg.tma else 16) + (0 if cfg.tma_vec else 32)
              + (0 if cfg.tma == 1 else 64))
     tiles = b * h * -(-p // cfg.block_p)
+    # flat: the persistent loop with one program per tile, in memory order
     grid = ((min(tiles, cfg.persistent * _sms(x)), 1, 1) if cfg.persistent
             else (tiles, 1, 1) if cfg.flat else (b, h, -(-p // cfg.block_p)))
     return kernel, grid, dt_head, a_head, d_mode, bias_mode, flags

@@ -16,8 +16,8 @@ Per-head layouts (the usual Mamba-2 case): DT_HEAD reads dt as (B, K, H), A_HEAD
 dt_bias as (H,); 2 reads them as (H, P); 0 means absent.
 
 Tiles: the state (BLOCK_P, NP), NP = dstate rounded up to a power of two (zero padding).
-Grid: (batch, nheads, cdiv(P, BLOCK_P)); or (PERSISTENT 1) a fixed (programs,) grid looping
-over those tiles; or (PERSISTENT 2) one program per tile on a 1-D grid in memory order. Memory-bound: the state is read and written once. With BLOCK_N (one token per
+Grid: (batch, nheads, cdiv(P, BLOCK_P)), or with PERSISTENT a (programs,) grid looping over
+those tiles in memory order (one program per tile for the dispatcher's `flat` option). Memory-bound: the state is read and written once. With BLOCK_N (one token per
 call only) a program walks dstate in (BLOCK_P, BLOCK_N) slices instead of holding it whole.
 """
 
@@ -248,12 +248,12 @@ def state_update_fn(
     SOFTPLUS: ct.Constant[bool],
     HAS_IDX: ct.Constant[bool],
     HAS_OUT: ct.Constant[bool],
-    PERSISTENT: ct.Constant[int],  # 0: grid (B, H, P tiles); 1: persistent loop; 2: 1-D grid
+    PERSISTENT: ct.Constant[bool],
     BLOCK_N: ct.Constant[int],    # 0: the whole state per program; else K = 1, N in slices
     MEM: ct.Constant[int],        # latency hint (0: none) +16: state loads without TMA,
                                   # +32: x, B, C without TMA, +64: state stores without TMA
 ):
-    if PERSISTENT == 1:
+    if PERSISTENT:
         # a fixed grid walks the (row, head, p tile) tiles, p tiles fastest (adjacent memory),
         # so a program's next state load can be in flight while it finishes the current tile
         n_p = ct.cdiv(x.shape[3], BLOCK_P)
@@ -264,15 +264,6 @@ def state_update_fn(
                   rest // nheads, rest % nheads, t % n_p, BLOCK_P, NP, HEADS_PER_GROUP,
                   DT_HEAD, A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT,
                   BLOCK_N, MEM)
-    elif PERSISTENT == 2:
-        # one program per tile, numbered in memory order (p tiles fastest): the programs
-        # resident at once cover one contiguous stretch of the state
-        n_p = ct.cdiv(x.shape[3], BLOCK_P)
-        rest = ct.bid(0) // n_p
-        _tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y,
-              rest // x.shape[2], rest % x.shape[2], ct.bid(0) % n_p, BLOCK_P, NP,
-              HEADS_PER_GROUP, DT_HEAD, A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX,
-              HAS_OUT, BLOCK_N, MEM)
     else:
         _tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y,
               ct.bid(0), ct.bid(1), ct.bid(2), BLOCK_P, NP, HEADS_PER_GROUP,
