@@ -5,7 +5,7 @@
 # then the GPU tests of PYTEST_PATHS; logs re-packed into $OUT/check.tgz after every step.
 # Env: BWD_SWEEP_CONFIGS, BWD_PICK=1 (bench ours with the sweep's fastest config, gradients
 # within 2% of the first config's), BENCH_MODE (fwdbwd | train), DECODE_SWEEP_BATCHES,
-# DECODE_LATENCY_BATCHES, PYTEST_PATHS, TEST_TIMEOUT, SKIP (comma list: sweep,fwdbwd,decode).
+# DECODE_TIMING_BATCHES (scripts/decode_timing.py), DECODE_LATENCY_BATCHES, PYTEST_PATHS, TEST_TIMEOUT, SKIP (comma list: sweep,fwdbwd,decode).
 set -uo pipefail
 source scripts/gpu_lib.sh; gpu_setup check
 SKIP=${SKIP:-}
@@ -41,6 +41,11 @@ unset MAMBA2_CUTILE_BWD_CONFIG
 if [[ -n ${DECODE_SWEEP_BATCHES:-} ]]; then
   timeout ${DECODE_SWEEP_TIMEOUT:-80} python3 scripts/sweep_decode.py $DECODE_SWEEP_BATCHES > $L/sweep_decode.jsonl 2> $L/sweep_decode.err
   echo "decode sweep rc=$?"; cut -c1-200 $L/sweep_decode.jsonl; tail -3 $L/sweep_decode.err
+  pack
+fi
+if [[ -n ${DECODE_TIMING_BATCHES:-} ]]; then
+  timeout ${DECODE_TIMING_TIMEOUT:-120} python3 scripts/decode_timing.py $DECODE_TIMING_BATCHES > $L/decode_timing.jsonl 2> $L/decode_timing.err
+  echo "decode timing rc=$?"; cut -c1-220 $L/decode_timing.jsonl; tail -3 $L/decode_timing.err
   pack
 fi
 for b in ${DECODE_LATENCY_BATCHES:-}; do
