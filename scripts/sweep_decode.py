@@ -1,4 +1,4 @@
-"""Decode config sweep in one process: BLOCK_P x occupancy x how the state moves (TMA or not) at a
+"""Decode config sweep in one process: BLOCK_P x occupancy x how the state moves (TMA or not, bounds checks or not) at a
 7B-class shape (H=128, P=64, N=128, G=8, bf16 state), each checked against mamba_ssm's y and
 state, then timed (CUDA graph). One JSON line per (batch, config).
 
@@ -27,12 +27,12 @@ for b in batches:
     t = time_graph(bd._theirs(dict(inp, state=inp["state"].clone())), reps=100)["median_ms"]
     print(json.dumps({"batch": b, "config": "mamba_ssm", "us": t * 1e3,
                       "gbps": nbytes / (t * 1e-3) / 1e9}), flush=True)
-    specs = [dict(block_p=64, occupancy=4, tma=0), dict(block_p=64, occupancy=4, tma=2),
-             dict(block_p=64, occupancy=5, tma=2), dict(block_p=64, occupancy=6, tma=2),
-             dict(block_p=32, occupancy=8, tma=2), dict(block_p=128, occupancy=2, tma=2),
-             dict(block_p=64, occupancy=4, tma=2, latency=4)]
+    specs = [dict(), dict(unchecked=0), dict(occupancy=3), dict(occupancy=2),
+             dict(occupancy=5), dict(block_p=32, occupancy=8), dict(block_p=128, occupancy=2),
+             dict(latency=4), dict(latency=8), dict(tma=2), dict(tma=1), dict(block_n=64),
+             dict(flat=1), dict(persistent=4), dict(occupancy=3, warps=8)]
     for spec in specs:
-        name = ",".join(f"{k}={v}" for k, v in spec.items())
+        name = ",".join(f"{k}={v}" for k, v in spec.items()) or "default"
         try:
             run = dict(inp, state=inp["state"].clone())
             y = bd._ours(run, replace(default, **spec))()

@@ -211,7 +211,8 @@ def test_dispatch_int64_and_grid():
     assert call.grid == (1, 128, 64 // bp)
     # the H200 measurements behind the dispatcher: 64-channel tiles without TMA, 4 programs
     # per SM for big grids, 2 for small ones
-    assert bp == 64 and call.kernel is not None and f["MEM"] == 16 + 64
+    # (and, the tiles dividing the state exactly, no bounds checks: +128)
+    assert bp == 64 and call.kernel is not None and f["MEM"] == 16 + 64 + 128
     assert decode.default_decode_config(1, 128, 64, 128).occupancy == 2
     assert decode.default_decode_config(64, 128, 64, 128).occupancy == 4
 
@@ -334,17 +335,34 @@ def test_config_rejects(spec, match, monkeypatch):
 
 @pytest.mark.parametrize("spec, mem, persistent, grid", [
     # MEM = latency + 16 (state loads without TMA) + 32 (x, B, C without TMA) + 64 (state
-    # stores without TMA); the grid is (b, h, p tiles), or a 1-D one walked in memory order
-    # (persistent: a fixed number per SM; flat: one program per tile)
-    (dict(tma=1), 0, False, (4, 128, 2)),
-    (dict(tma=0), 16 + 64, False, (4, 128, 2)),
-    (dict(tma=2), 64, False, (4, 128, 2)),
-    (dict(tma=0, tma_vec=0, latency=5), 5 + 16 + 32 + 64, False, (4, 128, 2)),
-    (dict(tma=0, flat=1), 16 + 64, True, (4 * 128 * 2, 1, 1)),
-    (dict(tma=1, persistent=2), 0, True, (2 * 132, 1, 1)),
+    # stores without TMA) + 128 (no bounds checks: every state tile inside the state); the
+    # grid is (b, h, p tiles), or a 1-D one walked in memory order (persistent: a fixed number
+    # per SM; flat: one program per tile)
+    (dict(tma=1), 128, False, (4, 128, 2)),
+    (dict(tma=0), 16 + 64 + 128, False, (4, 128, 2)),
+    (dict(tma=0, unchecked=0), 16 + 64, False, (4, 128, 2)),
+    (dict(tma=2), 64 + 128, False, (4, 128, 2)),
+    (dict(tma=0, tma_vec=0, latency=5), 5 + 16 + 32 + 64 + 128, False, (4, 128, 2)),
+    (dict(tma=0, flat=1), 16 + 64 + 128, True, (4 * 128 * 2, 1, 1)),
+    (dict(tma=1, persistent=2), 128, True, (2 * 132, 1, 1)),
 ])
 def test_memory_flags_and_grids(spec, mem, persistent, grid):
     cfg = decode.DecodeConfig(block_p=32, dstate_pad=128, occupancy=4, **spec)
     (call,) = decode.plan_for_problem(config=cfg)
     f = decode.variant_of(call)
     assert f["MEM"] == mem and f["PERSISTENT"] == persistent and call.grid == grid
+
+
+@pytest.mark.parametrize("headdim, dstate, block_n, checked", [
+    (64, 128, 0, False), (80, 128, 0, True), (64, 96, 0, True), (64, 128, 32, False),
+    (64, 96, 32, False), (64, 96, 64, True), (16, 16, 0, False)])
+def test_bounds_checks_only_where_a_tile_can_stick_out(headdim, dstate, block_n, checked):
+    """The kernel drops its state bounds checks only when every tile lies inside the state:
+    headdim a multiple of block_p and dstate of the state tile's width (the padded dstate, or
+    block_n when walking dstate in slices)."""
+    cfg = decode.default_decode_config(4, 8, headdim, dstate)
+    cfg = decode.DecodeConfig(block_p=min(32, cfg.block_p), dstate_pad=cfg.dstate_pad,
+                              tma=0, block_n=block_n)
+    (call,) = decode.plan_for_problem(batch=4, nheads=8, ngroups=2, headdim=headdim,
+                                      dstate=dstate, config=cfg)
+    assert (decode.variant_of(call)["MEM"] >= 128) == (not checked)

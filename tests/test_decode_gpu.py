@@ -352,7 +352,8 @@ def test_check_env_reads_values(monkeypatch):
     ("block_n=32", None), ("block_n=32", 1), ("block_n=64,persistent=4,occupancy=4", None),
     ("block_n=32", 3), ("latency=4,tma=0", 3), ("tma=0,block_n=32", None),
     ("latency=2,block_n=64", None), ("flat=1,tma=0", 3), ("flat=1,tma=0,block_p=16", None),
-    ("warps=8,tma=0", 3), ("tma=2", 3), ("tma=2,block_n=32", None)])
+    ("warps=8,tma=0", 3), ("tma=2", 3), ("tma=2,block_n=32", None), ("unchecked=0", 3),
+    ("unchecked=0,block_n=32", None), ("unchecked=0,tma=1", None)])
 def test_config_variants(spec, k, monkeypatch):
     """Every decode config a sweep may pick gives the right answer: padding and permuted slots,
     all options, per-step states; k = 3 steps (block_n then falls back to the whole state);
@@ -361,6 +362,22 @@ def test_config_variants(spec, k, monkeypatch):
     inp, kw = make(b=6, k=k, h=16, g=4, nslots=9, opts=("D", "z", "bias"),
                    idx=[4, -1, 0, 8, -1, 2], out=True)
     check(inp, kw)
+
+
+@pytest.mark.parametrize("spec", ["", "unchecked=0", "block_n=32"])
+def test_slot_past_the_state_is_a_padding_row(spec, monkeypatch):
+    """Unvalidated on the GPU (no host sync), a slot >= nslots must not reach memory outside
+    the state, bounds checks or not: that row is a padding row (y = 0, nothing written)."""
+    monkeypatch.setenv("MAMBA2_CUTILE_DECODE_CONFIG", spec)
+    inp, kw = make(b=4, h=8, g=2, nslots=5, opts=("D", "z", "bias"), idx=[2, 5, 0, 1 << 20])
+    state = inp["state"].clone()
+    y = selective_state_update(**{**inp, "state": state}, **kw)
+    torch.cuda.synchronize()
+    assert (y[[1, 3]] == 0).all()
+    good = dict(kw, state_batch_indices=torch.tensor([2, -1, 0, -1], dtype=torch.int32,
+                                                       device="cuda"))
+    y_good, state_good = check(inp, good)
+    assert torch.equal(y, y_good) and torch.equal(state, state_good)
 
 
 @pytest.mark.parametrize("layout", ["general", "mixed"])

@@ -20,7 +20,9 @@ strides. Nothing is ever materialized (no copies, no extra launches) except an i
 `state_batch_indices`, converted to int32 (pass int32 to avoid that launch).
 
 The GPU path reads no tensor values (no host sync, CUDA-graph capturable); values are checked
-(slot range, distinct slots) only on CPU tensors or with MAMBA2_CUTILE_CHECK=1. CPU tensors run
+(slot range, distinct slots) only on CPU tensors or with MAMBA2_CUTILE_CHECK=1. Unchecked, a
+slot >= nslots is a padding row on the GPU (y = 0, nothing written): the kernel never reaches
+past the state, which lets it drop the state's bounds checks when the tiles divide it exactly. CPU tensors run
 a plain PyTorch version with the kernel's rounding points (`_update_torch`);
 `selective_state_update_ref` is the float64 sequential definition used by the tests.
 """
@@ -59,6 +61,9 @@ class DecodeConfig:
                             # 2: loads with TMA (into shared memory), stores without
     tma_vec: int = 1        # 0: the per-step x, B, C loads without TMA too
     warps: int = 0          # num_worker_warps hint (0: the compiler's choice)
+    unchecked: int = 1      # 1: state loads/stores without bounds checks when the tiles divide
+                            # the state exactly (headdim % block_p == 0, dstate == dstate_pad
+                            # or a multiple of block_n); 0: always checked
     flat: int = 0           # 1: a 1-D grid in memory order (p tiles, then heads, then rows
                             # fastest-first), so that programs running together stream one
                             # contiguous stretch of the state
@@ -79,6 +84,8 @@ class DecodeConfig:
                              "choice), 4 or 8 (what tileiras 13.4 accepts)")
         if not 0 <= self.latency <= 10:
             raise ValueError(f"decode config: latency={self.latency} is not in 0..10")
+        if self.unchecked not in (0, 1):
+            raise ValueError(f"decode config: unchecked={self.unchecked} must be 0 or 1")
         if self.tma not in (0, 1, 2) or self.tma_vec not in (0, 1):
             raise ValueError(f"decode config: tma={self.tma} must be 0, 1 or 2 and "
                              f"tma_vec={self.tma_vec} 0 or 1")
@@ -217,12 +224,15 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
     bias_mode, bias_arg = _head_mode(dt_bias)
     big = needs_int64(state, x4, dt_arg, a_arg, B4, C4, d_arg, z4, bias_arg, out5, y4)
     kernel = hinted(state_update_i64 if big else state_update, cfg.occupancy, cfg.warps)
+    block_n = min(cfg.block_n, cfg.dstate_pad) if cfg.block_n and k == 1 else 0
+    # every state tile inside the state: the kernel may drop its bounds checks (it maps a
+    # slot past the state to a padding row itself)
+    inside = p % cfg.block_p == 0 and n % (block_n or cfg.dstate_pad) == 0
     flags = (cfg.block_p, cfg.dstate_pad, h // g, dt_head, a_head, d_mode, bias_mode,
              z4 is not None, bool(dt_softplus), state_batch_indices is not None,
-             out5 is not None, bool(cfg.persistent or cfg.flat),
-             min(cfg.block_n, cfg.dstate_pad) if cfg.block_n and k == 1 else 0,
+             out5 is not None, bool(cfg.persistent or cfg.flat), block_n,
              cfg.latency + (0 if cfg.tma else 16) + (0 if cfg.tma_vec else 32)
-             + (0 if cfg.tma == 1 else 64))
+             + (0 if cfg.tma == 1 else 64) + (128 if cfg.unchecked and inside else 0))
     tiles = b * h * -(-p // cfg.block_p)
     # flat: the persistent loop with one program per tile, in memory order
     grid = ((min(tiles, cfg.persistent * _sms(x)), 1, 1) if cfg.persistent
@@ -526,6 +536,9 @@ def compile_variants():
         ("tma-load-only", dict(dtype=bf, state_dtype=bf, layout="head", options=(
             "D", "z", "bias", "softplus", "idx"), config=DecodeConfig(
                 block_p=64, dstate_pad=128, occupancy=4, tma=2))),
+        ("checked-no-tma-idx", dict(dtype=bf, state_dtype=bf, layout="head", options=(
+            "D", "z", "bias", "softplus", "idx"), config=DecodeConfig(
+                block_p=64, dstate_pad=128, occupancy=4, tma=0, unchecked=0))),
         ("latency-no-tma", dict(dtype=bf, state_dtype=bf, layout="head", options=(
             "D", "z", "bias", "softplus", "idx"), config=DecodeConfig(
                 block_p=32, dstate_pad=128, occupancy=8, latency=4, tma=0))),

@@ -68,10 +68,14 @@ def _finish_y(yv, xv, D, z, y, row, t, head, p_tile, BLOCK_P: ct.Constant[int],
     ct.store(y, index=(row, t, head, p_tile), tile=yv.reshape((1, 1, 1, BLOCK_P)).astype(y.dtype))
 
 
-def _slot_of(slots, row, HAS_IDX: ct.Constant[bool]):
+def _slot_of(slots, row, nslots, HAS_IDX: ct.Constant[bool]):
+    """Row's state slot; -1 (a padding row) for a negative slot and for one past the state,
+    so that no state access can leave the state even without bounds checks."""
     slot = ct.full((1,), 0, dtype=ct.int32).item() + row
     if HAS_IDX:
         slot = ct.load(slots, index=(row,), shape=(1,)).item()
+        if slot >= nslots:
+            slot = -1
     return slot
 
 
@@ -80,22 +84,27 @@ def _load_state(state, slot, head, p_tile, nt, BLOCK_P: ct.Constant[int], W: ct.
     """(BLOCK_P, W) float32 slice of the state. MEM = latency hint (1-10, 0: none) + 16 to
     load without TMA (plain vector loads straight into registers, no SMEM round trip) + 32 to
     load the small per-step vectors (x, B, C) without TMA too + 64 to store the state without
-    TMA."""
-    ZERO = ct.PaddingMode.ZERO
+    TMA + 128 when the dispatcher knows every state tile lies inside the state (P a multiple
+    of BLOCK_P, N of W, the slot checked): no bounds checks. Checked plain loads are each
+    guarded by a branch that consumes the loaded registers before the next load is issued, so
+    a thread has one load in flight at a time; unchecked, all of them go out back to back."""
     idx = (slot, head, p_tile, nt)
     shape = (1, 1, BLOCK_P, W)
     lat = MEM % 16
-    if MEM % 32 < 16:
+    tma = MEM % 32 < 16
+    if MEM % 256 >= 128:
+        # in bounds: no padding to define (tileiras rejects a padding mode without checks)
         if lat == 0:
-            t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO)
+            t = ct.load(state, index=idx, shape=shape, allow_tma=tma, check_bounds=False)
         else:
-            t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO, latency=lat)
-    else:
-        if lat == 0:
-            t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO, allow_tma=False)
-        else:
-            t = ct.load(state, index=idx, shape=shape, padding_mode=ZERO, allow_tma=False,
+            t = ct.load(state, index=idx, shape=shape, allow_tma=tma, check_bounds=False,
                         latency=lat)
+    elif lat == 0:
+        t = ct.load(state, index=idx, shape=shape, padding_mode=ct.PaddingMode.ZERO,
+                    allow_tma=tma)
+    else:
+        t = ct.load(state, index=idx, shape=shape, padding_mode=ct.PaddingMode.ZERO,
+                    allow_tma=tma, latency=lat)
     return t.reshape((BLOCK_P, W)).astype(ct.float32)
 
 
@@ -103,9 +112,10 @@ def _store_state(state, h, slot, head, p_tile, nt, BLOCK_P: ct.Constant[int],
                  W: ct.Constant[int], MEM: ct.Constant[int]):
     tile = h.reshape((1, 1, BLOCK_P, W)).astype(state.dtype)
     if MEM % 128 < 64:
-        ct.store(state, index=(slot, head, p_tile, nt), tile=tile)
+        ct.store(state, index=(slot, head, p_tile, nt), tile=tile, check_bounds=MEM % 256 < 128)
     else:
-        ct.store(state, index=(slot, head, p_tile, nt), tile=tile, allow_tma=False)
+        ct.store(state, index=(slot, head, p_tile, nt), tile=tile, allow_tma=False,
+                 check_bounds=MEM % 256 < 128)
 
 
 def _load_vec(arr, index, shape, MEM: ct.Constant[int]):
@@ -127,7 +137,7 @@ def _update_tile(
     group = head // HEADS_PER_GROUP
     nsteps = x.shape[1]
     ZERO = ct.PaddingMode.ZERO
-    slot = _slot_of(slots, row, HAS_IDX)
+    slot = _slot_of(slots, row, state.shape[0], HAS_IDX)
     if slot >= 0:
         h = _load_state(state, slot, head, p_tile, 0, BLOCK_P, NP, MEM)
         if A_HEAD:
@@ -169,7 +179,7 @@ def _update_tile_split_n(
     next slice can load while this one computes."""
     group = head // HEADS_PER_GROUP
     ZERO = ct.PaddingMode.ZERO
-    slot = _slot_of(slots, row, HAS_IDX)
+    slot = _slot_of(slots, row, state.shape[0], HAS_IDX)
     if slot >= 0:
         d = _step_dt(dt, dt_bias, row, 0, head, p_tile, BLOCK_P, DT_HEAD, BIAS_MODE, SOFTPLUS)
         xv = _load_vec(x, (row, 0, head, p_tile), (1, 1, 1, BLOCK_P),
