@@ -5,6 +5,7 @@ import multiprocessing
 import os
 import sys
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -374,6 +375,34 @@ def test_apply_forward_never_raises(cache, launch, monkeypatch):
     with pytest.warns(RuntimeWarning, match="lookup failed"):
         assert tuning.apply_forward(cfg, batch=4, seqlen=100, nheads=8, headdim=64,
                                     dstate=128, dtype=torch.bfloat16) is cfg
+
+
+def test_seq_idx_clamps_the_scan_block_after_the_table(cache, launch, monkeypatch):
+    """With seq_idx, chunk_scan's query block is at most 64 (a 128-token block spills), also
+    over a table entry that says otherwise; MAMBA2_CUTILE_CONFIG still has the last word."""
+    monkeypatch.setattr(tuning, "device_info", lambda idx=0: ("NVIDIA H200", 132))
+    kw = dict(seqlen=16384, device_index=0)
+    for chunk in (128, 256):
+        cfg = seed_cfg(launch, chunk_size=chunk)
+        assert cfg.scan_block_q == 128
+        seq = launch.default_config(4, 8, 64, 128, chunk, torch.bfloat16, has_seq=True)
+        assert (seq.scan_block_q, seq.scan_occupancy) == (64, 2)
+        assert replace(seq, scan_block_q=128, scan_occupancy=cfg.scan_occupancy) == cfg
+    assert launch.default_config(4, 8, 64, 128, 64, torch.bfloat16, has_seq=True) == \
+        seed_cfg(launch, chunk_size=64)
+    k = tuning.make_key(batch=4, seqlen=16384, nheads=8, headdim=64, dstate=128,
+                        chunk_size=128, dtype=torch.bfloat16, device_index=0)
+    tuning.store(k, {"scan_block_q": 128, "state_block_n": 64})
+    seq = launch.default_config(4, 8, 64, 128, 128, torch.bfloat16, has_seq=True, **kw)
+    assert (seq.scan_block_q, seq.state_block_n) == (64, 64)
+    monkeypatch.setenv("MAMBA2_CUTILE_CONFIG", "scan_block_q=128")
+    assert launch.default_config(4, 8, 64, 128, 128, torch.bfloat16, has_seq=True,
+                                 **kw).scan_block_q == 128
+    monkeypatch.delenv("MAMBA2_CUTILE_CONFIG")
+    # the plan a compile test builds follows the same rule: twice the query blocks
+    plain = launch.plan_for_problem(options=("z",))[-1]
+    seq = launch.plan_for_problem(options=("z", "seq_idx"))[-1]
+    assert seq.grid[0] == 2 * plain.grid[0] and seq.grid[1:] == plain.grid[1:]
 
 
 # --------------------------------------------------------------------------- search

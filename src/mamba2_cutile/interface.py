@@ -200,7 +200,8 @@ def forward_launches(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
         lo, hi = -float("inf"), float("inf")
     cfg = config or launch.default_config(b, h, p, n, Q, x.dtype,
                                           launch.num_sms(dev.index or 0), seqlen=l,
-                                          device_index=dev.index or 0)
+                                          device_index=dev.index or 0,
+                                          has_seq=seq_idx is not None)
     calls = launch.forward_plan(x, dt, A, B, C, z, D, dt_bias, lo, hi, dt_softplus, init,
                                 seq_idx, dt_buf, cum_buf, states, final, out, cfg)
     return calls, out, final, bufs, (x, B, init)

@@ -64,10 +64,11 @@ def num_sms(device_index: int) -> int:
 
 
 def default_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132, seqlen=None,
-                   device_index=None) -> ForwardConfig:
+                   device_index=None, has_seq=False) -> ForwardConfig:
     """The dispatcher: a good config from the shape alone (no search, no sync), then the
     tuning cache's overrides for the shape's bucket on this GPU when `seqlen` and
-    `device_index` are given (`mamba2-cutile tune` fills it), then MAMBA2_CUTILE_CONFIG."""
+    `device_index` are given (`mamba2-cutile tune` fills it), then MAMBA2_CUTILE_CONFIG.
+    `has_seq`: seq_idx is given (its same-sequence mask changes the best chunk_scan tile)."""
     np_ = max(16, next_pow2(dstate))
     bp = min(64, max(16, next_pow2(headdim)))
     p_tiles = -(-headdim // bp)
@@ -105,6 +106,13 @@ def default_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132, s
         cfg = tuning.apply_forward(cfg, batch=batch, seqlen=seqlen, nheads=nheads,
                                    headdim=headdim, dstate=dstate, dtype=dtype,
                                    device_index=device_index)
+    if has_seq and cfg.scan_block_q > 64:
+        # (after the tuning table, whose entries are measured without seq_idx) the
+        # same-sequence mask of a 128-token query block makes chunk_scan spill (256 B per
+        # thread at 2 CTAs/SM; none at 64): 64-token blocks at 2 CTAs/SM cut the whole forward
+        # 0.360 -> 0.291 ms at the seed problem with seq_idx and 0.389 -> 0.317 ms at B=2 T=8K
+        # H=24 chunk 256 with z, dt_bias and seq_idx (H200, session-5 sweep, results/)
+        cfg = replace(cfg, scan_block_q=64, scan_occupancy=2)
     return config_from_env(cfg, "MAMBA2_CUTILE_CONFIG", frozen=("chunk_size",))
 
 
@@ -251,7 +259,8 @@ def plan_for_problem(dtype=torch.bfloat16, chunk_size=128, batch=4, seqlen=16384
     x = e(b, l, h, p)
     f32 = torch.float32
     D = e(h, p, dt=f32) if "D_chan" in options else e(h, dt=f32) if "D_head" in options else None
-    cfg = replace(default_config(b, h, p, n, Q, dtype), **(overrides or {}))
+    cfg = replace(default_config(b, h, p, n, Q, dtype, has_seq="seq_idx" in options),
+                  **(overrides or {}))
     return forward_plan(
         x, e(b, l, h, dt=dt_dtype), e(h, dt=f32), e(b, l, g, n), e(b, l, g, n),
         e(b, l, h, p) if "z" in options else None, D,

@@ -267,7 +267,8 @@ def breakdown(shape, reps=30):
     inp = problems.make_inputs(shape)
     b, l, h, g, p, n = shape.dims()
     cfg = launch.default_config(b, h, p, n, shape.chunk, shape.dtype, launch.num_sms(0),
-                                seqlen=l, device_index=0)      # what a call would run
+                                seqlen=l, device_index=0,       # what a call would run
+                                has_seq="seq_idx" in shape.options)
     calls = interface.forward_launches(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
                                        shape.chunk, D=inp["D"], z=inp.get("z"),
                                        dt_bias=inp.get("dt_bias"),
