@@ -22,8 +22,9 @@ strides. Nothing is ever materialized (no copies, no extra launches) except an i
 The GPU path reads no tensor values (no host sync, CUDA-graph capturable); values are checked
 (slot range, distinct slots) only on CPU tensors or with MAMBA2_CUTILE_CHECK=1. Unchecked, a
 slot >= nslots is a padding row on the GPU (y = 0, nothing written): the kernel never reaches
-past the state, which lets it drop the state's bounds checks when the tiles divide it exactly. CPU tensors run
-a plain PyTorch version with the kernel's rounding points (`_update_torch`);
+past the state, which lets it drop the state's bounds checks when the tiles divide it
+exactly. CPU tensors run a plain PyTorch version with the kernel's rounding points
+(`_update_torch`);
 `selective_state_update_ref` is the float64 sequential definition used by the tests.
 """
 
