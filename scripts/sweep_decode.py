@@ -1,6 +1,6 @@
 """Decode config sweep in one process: BLOCK_P x occupancy x how the state moves (TMA or not,
-bounds checks or not) at a 7B-class shape (H=128, P=64, N=128, G=8, bf16 state), each checked against mamba_ssm's y and
-state, then timed (CUDA graph). One JSON line per (batch, config).
+bounds checks or not) at a 7B-class shape (H=128, P=64, N=128, G=8, bf16 state), each checked
+against mamba_ssm's y and state, then timed (CUDA graph). One JSON line per (batch, config).
 
     python3 scripts/sweep_decode.py [batches]
 """
