@@ -353,10 +353,13 @@ def test_memory_flags_and_grids(spec, mem, persistent, grid):
     assert f["MEM"] == mem and f["PERSISTENT"] == persistent and call.grid == grid
 
 
-@pytest.mark.parametrize("headdim, dstate, block_n, checked", [
-    (64, 128, 0, False), (80, 128, 0, True), (64, 96, 0, True), (64, 128, 32, False),
-    (64, 96, 32, False), (64, 96, 64, True), (16, 16, 0, False)])
-def test_bounds_checks_only_where_a_tile_can_stick_out(headdim, dstate, block_n, checked):
+@pytest.mark.parametrize("headdim, dstate, block_n, k, checked", [
+    (64, 128, 0, None, False), (80, 128, 0, None, True), (64, 96, 0, None, True),
+    (64, 128, 32, None, False), (64, 96, 32, None, False), (64, 96, 64, None, True),
+    (16, 16, 0, None, False),
+    # block_n is for one-token calls only: with k = 3 the (padded) whole state is the tile
+    (64, 96, 32, 3, True), (64, 128, 32, 3, False)])
+def test_bounds_checks_only_where_a_tile_can_stick_out(headdim, dstate, block_n, k, checked):
     """The kernel drops its state bounds checks only when every tile lies inside the state:
     headdim a multiple of block_p and dstate of the state tile's width (the padded dstate, or
     block_n when walking dstate in slices)."""
@@ -364,5 +367,21 @@ def test_bounds_checks_only_where_a_tile_can_stick_out(headdim, dstate, block_n,
     cfg = decode.DecodeConfig(block_p=min(32, cfg.block_p), dstate_pad=cfg.dstate_pad,
                               tma=0, block_n=block_n)
     (call,) = decode.plan_for_problem(batch=4, nheads=8, ngroups=2, headdim=headdim,
-                                      dstate=dstate, config=cfg)
+                                      dstate=dstate, k=k, config=cfg)
     assert (decode.variant_of(call)["MEM"] >= 128) == (not checked)
+
+
+@pytest.mark.parametrize("version, unchecked", [("13.4.92", True), ("13.10", True),
+                                                ("13.3.0", False), ("unknown", False)])
+def test_bounds_checks_kept_before_tileiras_13_4(version, unchecked, monkeypatch):
+    """`check_bounds=False` needs tileiras 13.4; cuda-tile 1.7 also runs with 13.2/13.3."""
+    from mamba2_cutile import tuning
+    monkeypatch.setattr(tuning, "tileiras_version", lambda: version)
+    decode._unchecked_supported.cache_clear()
+    decode._PLAN_CACHE.clear()
+    try:
+        (call,) = decode.plan_for_problem(batch=4)
+        assert (decode.variant_of(call)["MEM"] >= 128) == unchecked
+    finally:
+        decode._unchecked_supported.cache_clear()
+        decode._PLAN_CACHE.clear()

@@ -365,26 +365,37 @@ def test_config_variants(spec, k, monkeypatch):
 
 
 @pytest.mark.parametrize("spec", ["", "unchecked=0", "block_n=32"])
-def test_slot_past_the_state_is_a_padding_row(spec, monkeypatch):
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_slot_past_the_state_is_a_padding_row(spec, idx_dtype, monkeypatch):
     """Unvalidated on the GPU (no host sync), a slot >= nslots must not reach memory outside
-    the state, bounds checks or not: that row is a padding row (y = 0, nothing written)."""
+    the state, bounds checks or not: that row is a padding row (y = 0, nothing written). The
+    state is a view of a buffer one slot longer, so that a write just past it shows; int64
+    slots past int32 must not wrap onto a real slot."""
     monkeypatch.setenv("MAMBA2_CUTILE_DECODE_CONFIG", spec)
-    inp, kw = make(b=4, h=8, g=2, nslots=5, opts=("D", "z", "bias"), idx=[2, 5, 0, 1 << 20])
-    state = inp["state"].clone()
-    y = selective_state_update(**{**inp, "state": state}, **kw)
+    inp, kw = make(b=4, h=8, g=2, nslots=6, opts=("D", "z", "bias"))
+    buf = inp["state"]
+    past = [5, 1 << 20] if idx_dtype == torch.int32 else [2**32 + 1, 2**40]
+    kw["state_batch_indices"] = torch.tensor([2, past[0], 0, past[1]], dtype=idx_dtype,
+                                             device="cuda")
+    inp = dict(inp, state=buf[:5])
+    state_buf = buf.clone()
+    y = selective_state_update(**{**inp, "state": state_buf[:5]}, **kw)
     torch.cuda.synchronize()
     assert (y[[1, 3]] == 0).all()
+    assert torch.equal(state_buf[5], buf[5]), "the slot just past the state changed"
     good = dict(kw, state_batch_indices=torch.tensor([2, -1, 0, -1], dtype=torch.int32,
                                                        device="cuda"))
     y_good, state_good = check(inp, good)
-    assert torch.equal(y, y_good) and torch.equal(state, state_good)
+    assert torch.equal(y, y_good) and torch.equal(state_buf[:5], state_good)
 
 
 @pytest.mark.parametrize("layout", ["general", "mixed"])
-def test_split_n_layouts_and_odd_dstate(layout, monkeypatch):
-    """The dstate-slice variant with a general A (one exp per entry) and dstate 96 (a padded
-    last slice, and no slice wholly past dstate)."""
+@pytest.mark.parametrize("p", [80, 64])
+def test_split_n_layouts_and_odd_dstate(layout, p, monkeypatch):
+    """The dstate-slice variant with a general A (one exp per entry) and dstate 96 (no slice
+    wholly past dstate): with headdim 80 a p tile sticks out (bounds checked), with 64 every
+    32-wide slice lies inside the state (no checks)."""
     monkeypatch.setenv("MAMBA2_CUTILE_DECODE_CONFIG", "block_n=32")
-    inp, kw = make(b=5, h=6, g=3, p=80, n=96, layout=layout, opts=("D", "z", "bias"),
+    inp, kw = make(b=5, h=6, g=3, p=p, n=96, layout=layout, opts=("D", "z", "bias"),
                    idx=[3, -1, 0, 4, 1], out=True)
     check(inp, kw)

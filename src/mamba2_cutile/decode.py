@@ -30,7 +30,9 @@ exactly. CPU tensors run a plain PyTorch version with the kernel's rounding poin
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +66,8 @@ class DecodeConfig:
     warps: int = 0          # num_worker_warps hint (0: the compiler's choice)
     unchecked: int = 1      # 1: state loads/stores without bounds checks when the tiles divide
                             # the state exactly (headdim % block_p == 0, dstate == dstate_pad
-                            # or a multiple of block_n); 0: always checked
+                            # or a multiple of block_n) and tileiras is 13.4 or later; 0: always
+                            # checked
     flat: int = 0           # 1: a 1-D grid in memory order (p tiles, then heads, then rows
                             # fastest-first), so that programs running together stream one
                             # contiguous stretch of the state
@@ -139,6 +142,16 @@ def variant_of(call: KernelCall) -> dict:
     flags = {name: v for name, v in zip(names, call.args) if not isinstance(v, torch.Tensor)}
     flags["int64"] = fn.__annotations__.get("state") is _int64_annotation()
     return flags
+
+
+@functools.lru_cache(maxsize=None)
+def _unchecked_supported() -> bool:
+    """Whether the tileiras cuda-tile runs takes `check_bounds=False` (13.4 and later; cuda-tile
+    1.7 also runs with 13.2 and 13.3). Unknown counts as no: the checked kernel is slower,
+    never wrong."""
+    from .tuning import tileiras_version
+    m = re.match(r"(\d+)\.(\d+)", tileiras_version())
+    return m is not None and (int(m.group(1)), int(m.group(2))) >= (13, 4)
 
 
 def _int64_annotation():
@@ -228,7 +241,8 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
     block_n = min(cfg.block_n, cfg.dstate_pad) if cfg.block_n and k == 1 else 0
     # every state tile inside the state: the kernel may drop its bounds checks (it maps a
     # slot past the state to a padding row itself)
-    inside = p % cfg.block_p == 0 and n % (block_n or cfg.dstate_pad) == 0
+    inside = p % cfg.block_p == 0 and n % (block_n or cfg.dstate_pad) == 0 \
+        and _unchecked_supported()
     flags = (cfg.block_p, cfg.dstate_pad, h // g, dt_head, a_head, d_mode, bias_mode,
              z4 is not None, bool(dt_softplus), state_batch_indices is not None,
              out5 is not None, bool(cfg.persistent or cfg.flat), block_n,
@@ -390,7 +404,9 @@ def _update_cuda(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, out_sta
     import cuda.tile as ct
 
     if idx is not None and idx.dtype != torch.int32:
-        idx = idx.to(torch.int32)
+        # clamped first: a plain cast wraps 2**32 + 1 onto slot 1; clamped, every value past
+        # int32 stays past the state (a padding row in the kernel) and every negative one -1
+        idx = idx.clamp(-1, 2**31 - 1).to(torch.int32)
     stream = torch.cuda.current_stream(x.device)
     for call in decode_plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx,
                             out_states, y, cfg, layout_key=layout_key):
@@ -537,6 +553,9 @@ def compile_variants():
         ("tma-load-only", dict(dtype=bf, state_dtype=bf, layout="head", options=(
             "D", "z", "bias", "softplus", "idx"), config=DecodeConfig(
                 block_p=64, dstate_pad=128, occupancy=4, tma=2))),
+        ("checked-tma-load-only", dict(dtype=bf, state_dtype=bf, layout="head", options=(
+            "D", "z", "bias", "softplus"), config=DecodeConfig(
+                block_p=64, dstate_pad=128, occupancy=4, tma=2, unchecked=0))),
         ("checked-no-tma-idx", dict(dtype=bf, state_dtype=bf, layout="head", options=(
             "D", "z", "bias", "softplus", "idx"), config=DecodeConfig(
                 block_p=64, dstate_pad=128, occupancy=4, tma=0, unchecked=0))),

@@ -9,7 +9,8 @@ g = i // HEADS_PER_GROUP), channel p, state entry n, and each new token t = 0..K
 
 h = state[s, i] is loaded once, kept on chip in float32 across the K steps (optionally copied
 to out_states[r, t, i] after each step), and stored back in the state's dtype at the end.
-A negative slot marks a padding row: y is 0, nothing else is read or written.
+A negative slot, or one past the state (unvalidated on the GPU), marks a padding row: y is 0,
+nothing else is read or written.
 
 Per-head layouts (the usual Mamba-2 case): DT_HEAD reads dt as (B, K, H), A_HEAD reads A as
 (H,) (one exp per channel instead of one per state entry), D_MODE / BIAS_MODE 1 read D /
@@ -69,8 +70,8 @@ def _finish_y(yv, xv, D, z, y, row, t, head, p_tile, BLOCK_P: ct.Constant[int],
 
 
 def _slot_of(slots, row, nslots, HAS_IDX: ct.Constant[bool]):
-    """Row's state slot; -1 (a padding row) for a negative slot and for one past the state,
-    so that no state access can leave the state even without bounds checks."""
+    """Row's state slot; negative (a padding row) for a negative slot, and -1 for one past the
+    state, so that no state access can leave the state even without bounds checks."""
     slot = ct.full((1,), 0, dtype=ct.int32).item() + row
     if HAS_IDX:
         slot = ct.load(slots, index=(row,), shape=(1,)).item()
@@ -261,7 +262,8 @@ def state_update_fn(
     PERSISTENT: ct.Constant[bool],
     BLOCK_N: ct.Constant[int],    # 0: the whole state per program; else K = 1, N in slices
     MEM: ct.Constant[int],        # latency hint (0: none) +16: state loads without TMA,
-                                  # +32: x, B, C without TMA, +64: state stores without TMA
+                                  # +32: x, B, C without TMA, +64: state stores without TMA,
+                                  # +128: state tiles all inside the state (no bounds checks)
 ):
     if PERSISTENT:
         # a fixed grid walks the (row, head, p tile) tiles, p tiles fastest (adjacent memory),
