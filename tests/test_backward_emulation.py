@@ -196,6 +196,28 @@ class FakeCT(types.SimpleNamespace):
         return torch.cumsum(x, dim=axis)
 
     @staticmethod
+    def scan(x, axis, func, identity, reverse=False):
+        assert not reverse
+        out, acc = [], _t(identity, x)
+        for piece in torch.unbind(x, dim=axis):
+            acc = func(acc, piece)
+            out.append(acc)
+        return _tile(torch.stack(out, dim=axis))
+
+    @staticmethod
+    def gather(array, indices, mask=None, padding_value=0, check_bounds=True, latency=None):
+        idx = torch.broadcast_tensors(*(torch.as_tensor(i, dtype=torch.int64) for i in indices))
+        ok = torch.ones(idx[0].shape, dtype=torch.bool)
+        for i, size in zip(idx, array.shape):
+            ok &= (i >= 0) & (i < size)
+        if mask is not None:
+            ok &= torch.as_tensor(mask, dtype=torch.bool)
+        safe = tuple(torch.where(ok, i, 0) for i in idx)
+        dt = F64 if array.is_floating_point() else torch.int64
+        vals = array[safe].to(dt)
+        return _tile(torch.where(ok, vals, torch.as_tensor(padding_value, dtype=dt)))
+
+    @staticmethod
     def mma(a, b, acc):
         assert a.dim() == b.dim() == acc.dim() == 2 and a.shape[1] == b.shape[0]
         assert acc.shape == (a.shape[0], b.shape[1])

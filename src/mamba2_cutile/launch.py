@@ -157,11 +157,13 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
     nchunks = cum_buf.shape[2] // Q
-    if seq_idx is None:      # stand-in for an absent seq_idx: never read (its flag is off)
-        seq_arg = torch.empty((1, 1), dtype=torch.int32, device=x.device)
+    if seq_idx is None:      # stand-ins for an absent seq_idx: never read (its flag is off)
+        seq_arg = seq_start = torch.empty((1, 1), dtype=torch.int32, device=x.device)
     else:
         seq_arg = seq_idx
-    big = needs_int64(x, dt, B, C, z, seq_idx, init, dt_buf, cum_buf, states, out)
+        # where each token's sequence run begins in its chunk (decay_cumsum writes it)
+        seq_start = torch.empty((batch, nchunks * Q), dtype=torch.int32, device=x.device)
+    big = needs_int64(x, dt, B, C, z, seq_idx, seq_start, init, dt_buf, cum_buf, states, out)
     n_q = -(-seqlen // cfg.scan_block_q)       # query blocks holding at least one token
     p_tiles = -(-headdim // cfg.scan_block_p)
     if cfg.scan_persistent:
@@ -174,7 +176,8 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
             decay_cumsum_i64 if big else decay_cumsum,
             (batch * nchunks, -(-nheads // cfg.cumsum_block_h), 1),
             (dt, A, dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi),
-             dt_buf, cum_buf, Q, cfg.cumsum_block_h, dt_bias is not None, bool(dt_softplus)),
+             dt_buf, cum_buf, seq_arg, seq_start, Q, cfg.cumsum_block_h, dt_bias is not None,
+             bool(dt_softplus), seq_idx is not None),
         ),
         KernelCall(
             hinted(chunk_state_pass_i64 if big else chunk_state_pass, cfg.state_occupancy),
@@ -188,7 +191,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
             hinted(chunk_scan_i64 if big else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
             scan_grid,
             (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
-             seq_arg, states, out, Q, cfg.scan_block_q, cfg.scan_block_p, cfg.dstate_pad,
+             seq_start, states, out, Q, cfg.scan_block_q, cfg.scan_block_p, cfg.dstate_pad,
              nheads // ngroups, 0 if D is None else D.dim(), z is not None, seq_idx is not None,
              cfg.scan_load_latency, cfg.scan_persistent > 0,
              bool(cfg.scan_lowp) and x.dtype != torch.float32,

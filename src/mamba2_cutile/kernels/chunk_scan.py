@@ -7,7 +7,8 @@ For the query block i (BLOCK_Q tokens of chunk c) and the state h_c entering the
         + D * X_i                                                  skip
     Y_i <- Y_i * silu(Z_i)                                         gate, if z is given
 
-M is the causal mask (and, with seq_idx, the same-sequence mask); the masked C @ B^T block
+M is the causal mask (and, with seq_idx, the same-sequence mask: key >= the start of the
+query's sequence run in the chunk, from decay_cumsum's seq_start); the masked C @ B^T block
 (BLOCK_Q x BLOCK_Q) never leaves the chip. Only the diagonal block needs the causal mask,
 exponents are masked *before* exp2 so no inf is ever formed.
 
@@ -22,7 +23,7 @@ from ._common import int64_variant, mma_operand
 
 
 def _add_key_block(
-    acc, cb, kblk, g_q, row, s_q, x, dt, cum, seq_idx, batch, head, p_tile,
+    acc, cb, kblk, g_q, row, start_q, x, dt, cum, batch, head, p_tile,
     BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int], HAS_SEQ: ct.Constant[bool],
     LOWP: ct.Constant[bool], LAT,
 ):
@@ -32,9 +33,9 @@ def _add_key_block(
     col = kblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
     keep = row[:, None] >= col[None, :]
     if HAS_SEQ:
-        s_k = ct.load(seq_idx, index=(batch, kblk), shape=(1, BLOCK_Q),
-                      padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_Q,))
-        keep = keep & (s_q[:, None] == s_k[None, :])
+        # a per-query bound, not a per-(query, key) comparison of sequence ids: no key-column
+        # vector to hold (with ids, 128-token blocks spilled 256 B per thread)
+        keep = keep & (col[None, :] >= start_q[:, None])
     expo = ct.where(keep, g_q[:, None] - g_k[None, :], -float("inf"))
     # dt is folded into the decayed C B^T in fp32, so X enters the MMA unrounded: one
     # rounding (of the weights) instead of two. LOWP rounds the weights to the input
@@ -68,7 +69,7 @@ def _diag_tile_mma(
 
 
 def _scan_tile(
-    x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, p_tile, bh,
+    x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh,
     Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
     NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int], D_MODE: ct.Constant[int],
     HAS_Z: ct.Constant[bool], HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
@@ -88,14 +89,13 @@ def _scan_tile(
     g_q = ct.load(cum, index=(batch, head, qblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
     row = qblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)   # token index of each query
     state_scale = ct.exp2(g_q)
-    s_q = row
+    start_q = row
     if HAS_SEQ:
-        s_q = ct.load(seq_idx, index=(batch, qblk), shape=(1, BLOCK_Q),
-                      padding_mode=ZERO).reshape((BLOCK_Q,))
-        # the carried state belongs to the sequence of the token before the chunk
-        prev = ct.maximum(chunk * Q - 1, 0)
-        s_prev = ct.load(seq_idx, index=(batch, prev), shape=(1, 1)).reshape((1,))
-        state_scale = ct.where(s_q == s_prev, state_scale, 0.0)
+        start_q = ct.load(seq_start, index=(batch, qblk),
+                          shape=(1, BLOCK_Q)).reshape((BLOCK_Q,))
+        # the carried state belongs to the sequence of the token before the chunk: only rows
+        # whose run began before the chunk (start -1) take it
+        state_scale = ct.where(start_q < 0, state_scale, 0.0)
 
     # dstate is walked in BLOCK_N tiles: with several tiles the loop lets the compiler
     # prefetch the next C/B/h tiles while the current MMAs run. cdiv(N, BLOCK_N), not
@@ -115,7 +115,7 @@ def _scan_tile(
                 cb, acc = _diag_tile_mma(b, c, states, cb, acc, nt, batch, qblk, group, head,
                                          chunk, p_tile, BLOCK_Q, BLOCK_P, BLOCK_N, LAT, x.dtype)
         acc = acc * state_scale[:, None]
-        acc = _add_key_block(acc, cb, qblk, g_q, row, s_q, x, dt, cum, seq_idx, batch, head,
+        acc = _add_key_block(acc, cb, qblk, g_q, row, start_q, x, dt, cum, batch, head,
                              p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT)
     elif ONE_TILE:
         c_q = mma_operand(ct.load(c, index=(batch, qblk, group, 0),
@@ -130,7 +130,7 @@ def _scan_tile(
                          padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
             cb = ct.mma(c_q, mma_operand(bt.transpose(), x.dtype),
                         ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
-            acc = _add_key_block(acc, cb, kblk, g_q, row, s_q, x, dt, cum, seq_idx, batch,
+            acc = _add_key_block(acc, cb, kblk, g_q, row, start_q, x, dt, cum, batch,
                                  head, p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT)
     else:
         for nt in range(n_tiles):
@@ -151,7 +151,7 @@ def _scan_tile(
                              padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
                 cb = ct.mma(mma_operand(c_t, x.dtype), mma_operand(bt.transpose(), x.dtype),
                             cb)
-            acc = _add_key_block(acc, cb, kblk, g_q, row, s_q, x, dt, cum, seq_idx, batch,
+            acc = _add_key_block(acc, cb, kblk, g_q, row, start_q, x, dt, cum, batch,
                                  head, p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT)
 
     xq = ct.load(x, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
@@ -178,7 +178,8 @@ def chunk_scan_fn(
     D,           # (H,) or (H, P) float32 per D_MODE
     dt,          # (B, H, Lp) float32
     cum,         # (B, H, Lp) float32
-    seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
+    seq_start,   # (B, Lp) int32: where each token's sequence run begins in its chunk, -1 before
+                 # it (decay_cumsum; ignored unless HAS_SEQ)
     states,      # (B, H, C, P, N) entry state of each chunk
     out,         # (B, L, H, P)
     Q: ct.Constant[int],
@@ -212,7 +213,7 @@ def chunk_scan_fn(
                 qblk = t % n_q
                 rest = t // n_q
                 p_tile, bh = rest % n_p, rest // n_p
-            _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, p_tile, bh, Q,
+            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh, Q,
                        BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
                        LOAD_LATENCY, LOWP, BLOCK_N)
     else:
@@ -223,10 +224,10 @@ def chunk_scan_fn(
             qblk, bh = t // n_bh, t % n_bh
         else:
             qblk, bh = t % n_q, t // n_q
-        _scan_tile(x, b, c, z, D, dt, cum, seq_idx, states, out, qblk, ct.bid(1), bh, Q,
+        _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, ct.bid(1), bh, Q,
                    BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
                    LOAD_LATENCY, LOWP, BLOCK_N)
 
 chunk_scan = ct.kernel(chunk_scan_fn)
 chunk_scan_i64 = ct.kernel(int64_variant(
-    chunk_scan_fn, ["x", "b", "c", "z", "D", "dt", "cum", "seq_idx", "states", "out"]))
+    chunk_scan_fn, ["x", "b", "c", "z", "D", "dt", "cum", "seq_start", "states", "out"]))

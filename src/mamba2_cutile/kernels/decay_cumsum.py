@@ -7,6 +7,16 @@ Both are written in a [batch, head, token] layout padded to a whole number of ch
 later kernels read them with contiguous (TMA) loads and the last entry of every chunk is the
 decay of its last real token (padding adds dt' = 0), which makes partial chunks exact.
 
+With seq_idx, the head-tile-0 programs also write where each token's sequence run begins
+inside its chunk:
+
+    start_t = max{s in [chunk start, t] : s > 0 and seq_idx[s] != seq_idx[s - 1]}, or -1 if none
+
+(-1: the run began before the chunk, or at token 0 where the initial state carries in, so the
+carried state is the token's own). chunk_scan's
+same-sequence mask is then one comparison per key column, `key >= start_query`, instead of
+comparing every (query, key) pair's sequence ids; for non-decreasing seq_idx the two agree.
+
 Tiles: dt (1, Q, BLOCK_H) read from [batch, token, head]; grid (B * num_chunks, cdiv(H, BLOCK_H)).
 """
 
@@ -23,10 +33,13 @@ def decay_cumsum_fn(
     dt_hi: float,
     dt_out,      # (B, H, Lp) float32
     cum_out,     # (B, H, Lp) float32
+    seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
+    seq_start,   # (B, Lp) int32 out: start_t above (ignored unless HAS_SEQ)
     Q: ct.Constant[int],
     BLOCK_H: ct.Constant[int],
     HAS_BIAS: ct.Constant[bool],
     SOFTPLUS: ct.Constant[bool],
+    HAS_SEQ: ct.Constant[bool],
 ):
     num_chunks = cum_out.shape[2] // Q
     batch, chunk = ct.bid(0) // num_chunks, ct.bid(0) % num_chunks
@@ -55,8 +68,21 @@ def decay_cumsum_fn(
              tile=d.transpose().reshape((1, BLOCK_H, Q)))
     ct.store(cum_out, index=(batch, head_tile, chunk),
              tile=g.transpose().reshape((1, BLOCK_H, Q)))
+    if HAS_SEQ:
+        if head_tile == 0:
+            cur = ct.load(seq_idx, index=(batch, chunk), shape=(1, Q),
+                          padding_mode=ct.PaddingMode.ZERO).reshape((Q,))
+            # token 0 has no previous token: its run goes on from the initial state, as a run
+            # that began before the chunk (-1)
+            prev = ct.gather(seq_idx, (batch, token - 1), mask=token > 0)
+            first = (token > 0) & (cur != prev)
+            start = ct.scan(ct.where(first, token, -1), axis=0,
+                            func=lambda a, b: ct.maximum(a, b), identity=-1)
+            ct.store(seq_start, index=(batch, chunk),
+                     tile=start.reshape((1, Q)).astype(seq_start.dtype))
 
 
 decay_cumsum = ct.kernel(decay_cumsum_fn)
 decay_cumsum_i64 = ct.kernel(int64_variant(decay_cumsum_fn,
-                                           ["dt", "A", "dt_bias", "dt_out", "cum_out"]))
+                                           ["dt", "A", "dt_bias", "dt_out", "cum_out",
+                                            "seq_idx", "seq_start"]))
