@@ -107,11 +107,12 @@ def default_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132, s
                                    headdim=headdim, dstate=dstate, dtype=dtype,
                                    device_index=device_index)
     if has_seq and cfg.scan_block_q > 64:
-        # (after the tuning table, whose entries are measured without seq_idx) the
-        # same-sequence mask of a 128-token query block makes chunk_scan spill (256 B per
-        # thread at 2 CTAs/SM; none at 64): 64-token blocks at 2 CTAs/SM cut the whole forward
-        # 0.360 -> 0.291 ms at the seed problem with seq_idx and 0.389 -> 0.317 ms at B=2 T=8K
-        # H=24 chunk 256 with z, dt_bias and seq_idx (H200, session-5 sweep, results/)
+        # (after the tuning table, whose entries are measured without seq_idx) with seq_idx,
+        # 64-token query blocks at 2 CTAs/SM: with the per-pair sequence-id mask they cut the
+        # whole forward 0.360 -> 0.291 ms at the seed problem and 0.389 -> 0.317 ms at B=2
+        # T=8K H=24 chunk 256 with z, dt_bias and seq_idx (128-token blocks spilled); with
+        # today's run-start mask 128-token blocks no longer spill but are still slower there:
+        # 0.335 against 0.306 ms (H200, session-5 sweeps, results/)
         cfg = replace(cfg, scan_block_q=64, scan_occupancy=2)
     return config_from_env(cfg, "MAMBA2_CUTILE_CONFIG", frozen=("chunk_size",))
 
