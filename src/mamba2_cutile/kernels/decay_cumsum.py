@@ -13,9 +13,9 @@ inside its chunk:
     start_t = max{s in [chunk start, t] : s > 0 and seq_idx[s] != seq_idx[s - 1]}, or -1 if none
 
 (-1: the run began before the chunk, or at token 0 where the initial state carries in, so the
-carried state is the token's own). chunk_scan's
-same-sequence mask is then one comparison per key column, `key >= start_query`, instead of
-comparing every (query, key) pair's sequence ids; for non-decreasing seq_idx the two agree.
+carried state is the token's own). chunk_scan's same-sequence mask is then one comparison per
+key column, `key >= start_query`, instead of comparing every (query, key) pair's sequence ids;
+for non-decreasing seq_idx (the API's requirement) the two agree.
 
 Tiles: dt (1, Q, BLOCK_H) read from [batch, token, head]; grid (B * num_chunks, cdiv(H, BLOCK_H)).
 """
