@@ -371,6 +371,21 @@ def test_bounds_checks_only_where_a_tile_can_stick_out(headdim, dstate, block_n,
     assert (decode.variant_of(call)["MEM"] >= 128) == (not checked)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.uint8, torch.int64])
+def test_slots_to_int32_keep_their_meaning(dtype):
+    """Every integer dtype the API takes converts to the kernel's int32 without an error, and
+    without turning a padding or out-of-range slot into a real one."""
+    vals = [0, 5, 100] + ([-1, -7] if dtype != torch.uint8 else [])
+    if dtype == torch.int64:
+        vals += [2**32 + 1, 2**40, -(2**40)]
+    got = decode._slots_int32(torch.tensor(vals, dtype=dtype)).tolist()
+    for v, g in zip(vals, got):
+        if v < 0:
+            assert g < 0, (v, g)                         # still a padding row
+        else:
+            assert g == min(v, 2**31 - 1), (v, g)        # the slot, or one past any state
+
+
 @pytest.mark.parametrize("version, unchecked", [("13.4.92", True), ("13.10", True),
                                                 ("13.3.0", False), ("unknown", False)])
 def test_bounds_checks_kept_before_tileiras_13_4(version, unchecked, monkeypatch):

@@ -398,15 +398,22 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     return y
 
 
+def _slots_int32(idx):
+    """state_batch_indices as the kernel's int32, value for value: int64 is clamped first (a
+    plain cast wraps 2**32 + 1 onto slot 1; clamped, a slot past int32 stays past the state, a
+    padding row in the kernel); the narrower integer types convert exactly."""
+    if idx.dtype == torch.int64:
+        idx = idx.clamp(-1, 2**31 - 1)
+    return idx.to(torch.int32)
+
+
 def _update_cuda(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, out_states, y,
                  cfg=None, layout_key=None):
     """Launch the kernel. Inputs must already be validated. No host synchronization."""
     import cuda.tile as ct
 
     if idx is not None and idx.dtype != torch.int32:
-        # clamped first: a plain cast wraps 2**32 + 1 onto slot 1; clamped, every value past
-        # int32 stays past the state (a padding row in the kernel) and every negative one -1
-        idx = idx.clamp(-1, 2**31 - 1).to(torch.int32)
+        idx = _slots_int32(idx)
     stream = torch.cuda.current_stream(x.device)
     for call in decode_plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx,
                             out_states, y, cfg, layout_key=layout_key):
