@@ -15,7 +15,8 @@ import sys
 import cuda.tile as ct
 import torch
 
-from mamba2_cutile import backward, launch
+from mamba2_cutile.runtime import num_sms
+from mamba2_cutile.ssd import backward
 from mamba2_cutile.bench import problems, runner, timing
 
 
@@ -28,7 +29,7 @@ def grads(shape, inp, dout, dfinal, cfg, state_dtype):
     return backward.run_backward(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
                                  shape.chunk, dout, dfinal, D=inp["D"],
                                  initial_states=inp["initial_states"], state_dtype=state_dtype,
-                                 config=cfg, launch_fn=launch_fn, sms=launch.num_sms(0))
+                                 config=cfg, launch_fn=launch_fn, sms=num_sms(0))
 
 
 def rel(a, b):
@@ -59,8 +60,8 @@ def sweep_shape(shape, specs):
                 parts.remove(s)
         os.environ["MAMBA2_CUTILE_BWD_CONFIG"] = ",".join(parts)
         try:
-            cfg = backward.default_backward_config(b, h, g, p, n, shape.chunk, shape.dtype,
-                                                   launch.num_sms(0))
+            cfg = backward.backward_config(b, h, g, p, n, shape.chunk, shape.dtype,
+                                                   num_sms(0))
             got = grads(shape, inp, dout, dfinal, cfg, sdt)
             row = {"shape": shape.name, "config": spec}
             if first is None:

@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch
 
 from mamba2_cutile import decode
+from mamba2_cutile.decode import decode_config
 from mamba2_cutile.bench import decode as bd
 from mamba2_cutile.bench.timing import time_graph
 
@@ -20,7 +21,7 @@ theirs_fn = bd._mamba_ssm()
 for b in batches:
     inp = bd.make_decode_inputs(b, h, p, n, g)
     nbytes = bd.decode_bytes(inp)
-    default = decode.default_decode_config(b, h, p, n, 132)
+    default = decode_config(b, h, p, n, 132)
     ref_state = inp["state"].clone()
     ref_y = theirs_fn(ref_state, inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"],
                       z=inp["z"], dt_bias=inp["dt_bias"], dt_softplus=True)

@@ -1,11 +1,9 @@
-"""Argument checks and host-side helpers shared by the public functions (scan, decode,
-backward): errors name the argument and say what was expected."""
+"""Argument checks shared by the public functions (scan, decode): errors name the argument and
+say what was expected."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
-
 import torch
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -40,31 +38,28 @@ def expect_shape(name, t, shape, meaning):
                          f"got {shape_of(t)}")
 
 
-def as_kernel_input(t, dtype=None):
-    """A tensor the kernels can load: unit innermost stride (for TMA), no stride-0 (expanded)
-    dimension (TMA descriptors want strides that grow with the dimension), optional dtype
-    cast. Views that already qualify, such as slices of one projection, are not copied."""
-    if t is None:
-        return None
-    if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)
-    if t.dim() and (t.stride(-1) != 1 or any(
-            st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape))):
-        t = t.contiguous()
-    return t
+def check_same_device(tensors: dict, ref_name="x"):
+    """Every tensor of {name: tensor or None} is on the device of tensors[ref_name]."""
+    dev = tensors[ref_name].device
+    for name, t in tensors.items():
+        if t is not None and t.device != dev:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {dev}: "
+                             "all tensors must be on one device")
 
 
-def config_from_env(cfg, env_var: str, frozen=()):
-    """`cfg` (a dataclass of ints) with the overrides of env_var="field=value,...", for tuning
-    experiments. Fields in `frozen` (fixed by the problem) cannot be overridden."""
-    spec = os.environ.get(env_var, "").strip()
-    if not spec or spec == "default":
-        return cfg
-    fields = {}
-    for item in spec.split(","):
-        key, _, value = item.partition("=")
-        key = key.strip()
-        if key not in type(cfg).__dataclass_fields__ or key in frozen:
-            raise ValueError(f"{env_var}: unknown field {key!r}")
-        fields[key] = int(value)
-    return replace(cfg, **fields)
+def check_gpu_dtypes(tensors: dict):
+    """The kernels load fp16, bf16 or fp32 (no fp64 on the GPU path)."""
+    for name, t in tensors.items():
+        if t is not None and t.is_cuda and t.dtype not in GPU_FLOATS:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32 on the GPU, "
+                            f"got {t.dtype}")
+
+
+def value_checks_enabled(on_cuda: bool) -> bool:
+    """Whether to run the checks that read tensor values: always for CPU inputs; on the GPU
+    only with MAMBA2_CUTILE_CHECK=1, because they synchronize (the default GPU path can be
+    captured in a CUDA graph); never while torch.compile traces (a value read breaks the
+    graph)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not on_cuda or os.environ.get("MAMBA2_CUTILE_CHECK", "") not in ("", "0")

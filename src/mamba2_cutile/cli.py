@@ -1,8 +1,9 @@
-"""`python -m mamba2_cutile` / `mamba2-cutile`: the demo (default), `bench`, `verify`, `tune`.
+"""`python -m mamba2_cutile` / `mamba2-cutile`: the demo (default), `bench`, `verify`, `tune`,
+`resources`.
 
 This module only parses arguments and dispatches: bench/runner.py runs the benchmark cases,
-bench/report.py writes the table/JSON/CSV/PNG, verify.py holds the correctness matrix and
-tuning.py the tuning cache and search."""
+bench/report.py writes the table/JSON/CSV/PNG, bench/verify.py holds the correctness matrix,
+bench/tune.py the tuning search and bench/resources.py the per-kernel resource counts."""
 
 from __future__ import annotations
 
@@ -14,13 +15,10 @@ import sys
 import torch
 
 
-def _rel_err(a, ref):
-    return ((a.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
-
-
 def demo(args):
     from . import mamba_chunk_scan_combined, reference
     from .bench import problems
+    from .bench.accuracy import rel_err as _rel_err
 
     if not torch.cuda.is_available():
         print("No CUDA GPU found: running a small problem on the PyTorch path and compiling the "
@@ -32,14 +30,14 @@ def demo(args):
         print(f"  PyTorch path  B=2 T=300 H=4 P=32 N=64: out err {_rel_err(y, y_ref):.1e}, "
               f"final-state err {_rel_err(h, h_ref):.1e} (vs float64 recurrence)")
         try:
-            from . import compile_check, launch
+            from .bench import compile as cpu_compile, plans
         except ImportError as e:
             print(f"  cuda-tile is not installed ({e}); skipping the kernel compile")
             return 0
         import time
-        for call in launch.plan_for_problem():
+        for call in plans.forward_problem_plan():
             t0 = time.perf_counter()
-            size = compile_check.compile_call(call, "sm_90")
+            size = cpu_compile.compile_call(call, "sm_90")
             name = call.kernel._annotated_function.pyfunc.__name__.removesuffix("_fn")
             print(f"  compiled {name:<18} for sm_90: {size / 1024:7.0f} KiB cubin in "
                   f"{time.perf_counter() - t0:4.1f} s")
@@ -189,7 +187,7 @@ def bench(args):
 
 
 def verify_cmd(args):
-    from . import verify
+    from .bench import verify
 
     cases = verify.select(args.match)
     if args.list:
@@ -216,16 +214,19 @@ def verify_cmd(args):
 
 def tune_cmd(args):
     from . import tuning
+    from .bench import tune as search
 
+    if args.list:
+        return _list_shapes(args)
     if args.show:
         print(f"tuning cache: {tuning.cache_path()}")
         for k, v in sorted(tuning.entries().items()):
             print(f"  {k}: {v.get('overrides')}  (default {v.get('default_ms')} ms, "
                   f"best {v.get('best_ms')} ms)")
-        print(f"shipped table: {tuning.SHIPPED} ({len(tuning._shipped())} entries)")
+        print(f"shipped table: {tuning.SHIPPED} ({len(tuning.cache.shipped_entries())} entries)")
         return 0
-    space = tuning.parse_space(args.space)
-    tuning.split_space(space)            # an unknown field fails here, before any GPU work
+    space = search.parse_space(args.space)
+    search.split_space(space)            # an unknown field fails here, before any GPU work
     shapes = _select_shapes(args)
     if not shapes:
         print("mamba2-cutile tune: no shape selected", file=sys.stderr)
@@ -233,10 +234,10 @@ def tune_cmd(args):
     if not torch.cuda.is_available():
         return _no_gpu("tune", " (--show prints the cache without one)")
     from .bench import report
-    n_steps = len(shapes) * len(tuning.split_space(space))
+    n_steps = len(shapes) * len(search.split_space(space))
     console = report.make_console()
     with report.Progress(n_steps, "tune", console) as bar:
-        res = tuning.tune(shapes, space, reps=args.reps, min_gain=args.min_gain,
+        res = search.tune(shapes, space, reps=args.reps, min_gain=args.min_gain,
                           store_results=not args.dry_run,
                           progress=lambda s, what: bar.step(f"{s.name} {what}"))
     for r in res:
@@ -264,8 +265,30 @@ def _add_shape_args(p, default):
     p.add_argument("--dtype", help="run every shape in this dtype (bf16, fp16, fp32)")
 
 
+def resources_cmd(args):
+    import json as _json
+
+    from .bench import resources
+    from .config import parse_overrides
+    from .decode import DecodeConfig
+    from .ssd.backward import BackwardConfig
+    from .ssd.forward import ForwardConfig
+
+    cls = {"forward": ForwardConfig, "backward": BackwardConfig, "decode": DecodeConfig}[
+        args.family]
+    problem = _json.loads(args.problem) if args.problem else {}
+    for spec in args.overrides or ["default"]:
+        over = {} if spec == "default" else parse_overrides(cls, spec, "resources")
+        for call in resources.problem_calls(args.family, problem, over):
+            r = resources.compile_resources(call)
+            print(f"{spec:40s} {resources.kernel_name(call):18s} regs {r['regs']!s:>4} "
+                  f"stack {r['stack']:>5} B smem {r['smem'] / 1024:6.1f} KB "
+                  f"threads {r['threads']!s:>4} -> {r['ctas_per_sm']} CTA/SM", flush=True)
+    return 0
+
+
 def build_parser():
-    from . import verify
+    from .bench import verify
 
     parser = argparse.ArgumentParser(prog="mamba2-cutile", description=__doc__)
     sub = parser.add_subparsers(dest="cmd")
@@ -313,6 +336,19 @@ def build_parser():
                     help="store a non-default config only if it is this much faster")
     pt.add_argument("--dry-run", action="store_true", help="time, but store nothing")
     pt.add_argument("--show", action="store_true", help="print the cache and exit")
+    pt.add_argument("--list", action="store_true", help="list the shapes and exit")
+
+    pr = sub.add_parser(
+        "resources", help="registers, spills and shared memory per kernel (CPU compile)",
+        description="Compile a problem's launches for sm_90 on the CPU and print registers "
+                    "and spill bytes per thread, shared memory per CTA and CTAs per SM. Needs "
+                    "pyelftools (pip install mamba2-cutile[dev]).")
+    pr.add_argument("family", choices=("forward", "backward", "decode"))
+    pr.add_argument("problem", nargs="?", default="",
+                    help='problem as JSON, e.g. \'{"chunk_size": 256, "nheads": 80}\'')
+    pr.add_argument("overrides", nargs="*",
+                    help='config overrides to compare, e.g. "scan_block_q=64,scan_occupancy=2" '
+                         '(default: the dispatcher\'s config)')
     return parser
 
 
@@ -326,6 +362,8 @@ def main(argv=None):
             return verify_cmd(args)
         if args.cmd == "tune":
             return tune_cmd(args)
+        if args.cmd == "resources":
+            return resources_cmd(args)
     except ValueError as e:           # bad shape/space specs: one line, not a traceback
         print(f"mamba2-cutile {args.cmd}: {e}", file=sys.stderr)
         return 2

@@ -60,15 +60,15 @@ def decode_bytes(inp) -> int:
 
 
 def _ours(inp, cfg=None):
-    from mamba2_cutile import decode
+    from ..decode import api
 
     if cfg is None:
-        return lambda: decode.selective_state_update(**inp)
+        return lambda: api.selective_state_update(**inp)
     args = {k: v for k, v in inp.items()}
 
     def fwd():
         y = torch.empty(args["x"].shape, dtype=args["x"].dtype, device=args["x"].device)
-        decode._update_cuda(args["state"], args["x"], args["dt"], args["A"], args["B"],
+        api.update_cuda(args["state"], args["x"], args["dt"], args["A"], args["B"],
                             args["C"], args["D"], args["z"], args["dt_bias"],
                             args["dt_softplus"], None, None, y, cfg)
         return y
@@ -91,13 +91,14 @@ def bench_decode(batches=(1, 2, 4, 8, 16, 32, 64, 128, 256), h=128, p=64, n=128,
     block_ps: extra runs of ours with these BLOCK_P overrides (for tuning the dispatcher).
     k: tokens per call (None: the 3-D one-token form; mamba_ssm is timed only then).
     """
-    from mamba2_cutile import decode
+    from ..decode import decode_config
+    from ..runtime import num_sms
 
     rows = []
     for b in batches:
         inp = make_decode_inputs(b, h, p, n, g, k=k, dtype=dtype, state_dtype=state_dtype)
         nbytes = decode_bytes(inp)
-        default = decode.default_decode_config(b, h, p, n, decode._sms(inp["x"]))
+        default = decode_config(b, h, p, n, num_sms(inp["x"]))
         impls = [("ours", _ours(inp), default.block_p)]
         for bp in block_ps:
             impls.append((f"ours-bp{bp}", _ours(inp, replace(default, block_p=bp)), bp))

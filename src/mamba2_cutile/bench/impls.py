@@ -291,8 +291,8 @@ def versions():
     except Exception:  # noqa: BLE001
         v["cuda-tile"] = None
     try:
-        from mamba2_cutile import tuning
-        v["tileiras"] = tuning.tileiras_version()
+        from ..runtime import tileiras_version
+        v["tileiras"] = tileiras_version()
     except Exception:  # noqa: BLE001
         v["tileiras"] = None
     from importlib.metadata import PackageNotFoundError, version

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime import dtype_tag
+
 #: options a Shape may carry (all on top of the common problem of `make_inputs`)
 OPTIONS = ("z", "dt_bias", "seq_idx")
 
@@ -37,8 +39,7 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
-        dtype, str(dtype).removeprefix("torch."))
+    return dtype_tag(dtype)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import time
 import torch
 
 from . import impls, problems, roofline
+from .accuracy import rel_err
 
 #: cross-check tolerance on max|a - b| / max|b|, by (mode kind, input dtype)
 CHECK_TOL = {("fwd", torch.bfloat16): 2e-2, ("fwd", torch.float16): 2e-2,
@@ -36,11 +37,6 @@ CHECK_TOL = {("fwd", torch.bfloat16): 2e-2, ("fwd", torch.float16): 2e-2,
              ("bwd", torch.float32): 1e-2}
 FORWARD_OUTPUTS = ("out", "final")
 MODES = ("fwd", "bwd", "fwdbwd")
-
-
-def rel_err(a, ref) -> float:
-    a, ref = a.detach().double(), ref.detach().double()
-    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def compare(outs: dict, ref: dict, dtype, mode):
@@ -259,31 +255,28 @@ def run(shapes, names=None, mode="fwd", timer=None, device="cuda", progress=None
 def breakdown(shape, reps=30):
     """Kernel time of each of our launches alone (CUDA graph), at one shape: the problem of
     `problems.make_inputs`, with the shape's options (z, dt_bias + softplus, seq_idx)."""
-    import cuda.tile as ct
-
-    from .. import interface, launch
+    from ..runtime import launch_calls, num_sms
+    from ..ssd.forward import forward_config, forward_launches
     from . import timing
 
     inp = problems.make_inputs(shape)
     b, l, h, g, p, n = shape.dims()
-    cfg = launch.default_config(b, h, p, n, shape.chunk, shape.dtype, launch.num_sms(0),
-                                seqlen=l, device_index=0,       # what a call would run
-                                has_seq="seq_idx" in shape.options)
-    calls = interface.forward_launches(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
-                                       shape.chunk, D=inp["D"], z=inp.get("z"),
-                                       dt_bias=inp.get("dt_bias"),
-                                       initial_states=inp["initial_states"],
-                                       seq_idx=inp.get("seq_idx"),
-                                       dt_softplus=inp.get("dt_softplus", False), config=cfg)[0]
+    cfg = forward_config(b, h, p, n, shape.chunk, shape.dtype, num_sms(0),
+                         seqlen=l, device_index=0,       # what a call would run
+                         has_seq="seq_idx" in shape.options)
+    calls = forward_launches(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], shape.chunk,
+                             D=inp["D"], z=inp.get("z"), dt_bias=inp.get("dt_bias"),
+                             initial_states=inp["initial_states"], seq_idx=inp.get("seq_idx"),
+                             dt_softplus=inp.get("dt_softplus", False), config=cfg)[0]
     row = {"shape": shape.name, "impl": "breakdown", "config": str(cfg), "kernels": {}}
     for call in calls:
         name = call.kernel._annotated_function.pyfunc.__name__
 
         def launch_one(call=call):
-            ct.launch(torch.cuda.current_stream(), call.grid, call.kernel, call.args)
+            launch_calls([call], inp["x"].device)
         launch_one()
         ms = timing.time_graph(launch_one, reps=reps)["median_ms"]
-        row[name] = ms                       # flat, as before (scripts/gpu_run.sh reads it)
+        row[name] = ms
         row["kernels"][name.removesuffix("_fn")] = ms
     row["total_ms"] = sum(row["kernels"].values())
     return row
@@ -293,19 +286,18 @@ def backward_breakdown(shape, reps=30, config=None, state_dtype=None, inputs=Non
     """Kernel time of each launch of the cuTile backward alone (CUDA graph), at one shape (the
     problem of `breakdown`, options included, with dout and dfinal_states as cotangents). `config`: a
     BackwardConfig (default: the dispatcher's); `inputs`: (inputs, dout, dfinal) to reuse."""
-    import cuda.tile as ct
-
-    from .. import backward, launch
+    from ..runtime import launch_calls, num_sms
+    from ..ssd.backward import run_backward
     from . import timing
 
     inp, dout, dfinal = inputs or (problems.make_inputs(shape),
                                    *problems.make_grad_outputs(shape))
     calls = []      # collected, not launched: each is launched (in plan order) below
-    backward.run_backward(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], shape.chunk,
+    run_backward(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], shape.chunk,
                           dout, dfinal, D=inp["D"], z=inp.get("z"), dt_bias=inp.get("dt_bias"),
                           initial_states=inp["initial_states"], seq_idx=inp.get("seq_idx"),
                           dt_softplus=inp.get("dt_softplus", False), state_dtype=state_dtype,
-                          config=config, launch_fn=calls.extend, sms=launch.num_sms(0))
+                          config=config, launch_fn=calls.extend, sms=num_sms(0))
     row = {"shape": shape.name, "impl": "breakdown-bwd", "kernels": {}}
     for i, call in enumerate(calls):
         name = call.kernel._annotated_function.pyfunc.__name__.removesuffix("_fn")
@@ -313,7 +305,7 @@ def backward_breakdown(shape, reps=30, config=None, state_dtype=None, inputs=Non
             name = f"{name}#{i}"
 
         def launch_one(call=call):
-            ct.launch(torch.cuda.current_stream(), call.grid, call.kernel, call.args)
+            launch_calls([call], inp["x"].device)
         launch_one()
         row["kernels"][name] = timing.time_graph(launch_one, reps=reps)["median_ms"]
     row["total_ms"] = sum(row["kernels"].values())

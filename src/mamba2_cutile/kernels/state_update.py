@@ -18,8 +18,9 @@ dt_bias as (H,); 2 reads them as (H, P); 0 means absent.
 
 Tiles: the state (BLOCK_P, NP), NP = dstate rounded up to a power of two (zero padding).
 Grid: (batch, nheads, cdiv(P, BLOCK_P)), or with PERSISTENT a (programs,) grid looping over
-those tiles in memory order (one program per tile for the dispatcher's `flat` option). Memory-bound: the state is read and written once. With BLOCK_N (one token per
-call only) a program walks dstate in (BLOCK_P, BLOCK_N) slices instead of holding it whole.
+those tiles in memory order (one program per tile for the dispatcher's `flat` option).
+Memory-bound: the state is read and written once. With BLOCK_N (one token per call only) a
+program walks dstate in (BLOCK_P, BLOCK_N) slices instead of holding it whole.
 """
 
 import cuda.tile as ct
@@ -81,47 +82,45 @@ def _slot_of(slots, row, nslots, HAS_IDX: ct.Constant[bool]):
 
 
 def _load_state(state, slot, head, p_tile, nt, BLOCK_P: ct.Constant[int], W: ct.Constant[int],
-                MEM: ct.Constant[int]):
-    """(BLOCK_P, W) float32 slice of the state. MEM = latency hint (1-10, 0: none) + 16 to
-    load without TMA (plain vector loads straight into registers, no SMEM round trip) + 32 to
-    load the small per-step vectors (x, B, C) without TMA too + 64 to store the state without
-    TMA + 128 when the dispatcher knows every state tile lies inside the state (P a multiple
-    of BLOCK_P, N of W, the slot checked): no bounds checks. Checked plain loads are each
+                LATENCY: ct.Constant[int], LOAD_TMA: ct.Constant[bool],
+                IN_BOUNDS: ct.Constant[bool]):
+    """(BLOCK_P, W) float32 slice of the state. LATENCY: load latency hint (1-10, 0: none);
+    LOAD_TMA False: plain vector loads straight into registers (no SMEM round trip);
+    IN_BOUNDS: the dispatcher knows every state tile lies inside the state (P a multiple of
+    BLOCK_P, N of W, the slot checked), so no bounds checks. Checked plain loads are each
     guarded by a branch that consumes the loaded registers before the next load is issued, so
     a thread has one load in flight at a time; unchecked, all of them go out back to back."""
     idx = (slot, head, p_tile, nt)
     shape = (1, 1, BLOCK_P, W)
-    lat = MEM % 16
-    tma = MEM % 32 < 16
-    if MEM % 256 >= 128:
+    if IN_BOUNDS:
         # in bounds: no padding to define (tileiras rejects a padding mode without checks)
-        if lat == 0:
-            t = ct.load(state, index=idx, shape=shape, allow_tma=tma, check_bounds=False)
+        if LATENCY == 0:
+            t = ct.load(state, index=idx, shape=shape, allow_tma=LOAD_TMA, check_bounds=False)
         else:
-            t = ct.load(state, index=idx, shape=shape, allow_tma=tma, check_bounds=False,
-                        latency=lat)
-    elif lat == 0:
+            t = ct.load(state, index=idx, shape=shape, allow_tma=LOAD_TMA, check_bounds=False,
+                        latency=LATENCY)
+    elif LATENCY == 0:
         t = ct.load(state, index=idx, shape=shape, padding_mode=ct.PaddingMode.ZERO,
-                    allow_tma=tma)
+                    allow_tma=LOAD_TMA)
     else:
         t = ct.load(state, index=idx, shape=shape, padding_mode=ct.PaddingMode.ZERO,
-                    allow_tma=tma, latency=lat)
+                    allow_tma=LOAD_TMA, latency=LATENCY)
     return t.reshape((BLOCK_P, W)).astype(ct.float32)
 
 
 def _store_state(state, h, slot, head, p_tile, nt, BLOCK_P: ct.Constant[int],
-                 W: ct.Constant[int], MEM: ct.Constant[int]):
+                 W: ct.Constant[int], STORE_TMA: ct.Constant[bool], IN_BOUNDS: ct.Constant[bool]):
     tile = h.reshape((1, 1, BLOCK_P, W)).astype(state.dtype)
-    if MEM % 128 < 64:
-        ct.store(state, index=(slot, head, p_tile, nt), tile=tile, check_bounds=MEM % 256 < 128)
+    if STORE_TMA:
+        ct.store(state, index=(slot, head, p_tile, nt), tile=tile, check_bounds=not IN_BOUNDS)
     else:
         ct.store(state, index=(slot, head, p_tile, nt), tile=tile, allow_tma=False,
-                 check_bounds=MEM % 256 < 128)
+                 check_bounds=not IN_BOUNDS)
 
 
-def _load_vec(arr, index, shape, MEM: ct.Constant[int]):
-    """A small per-step load (x, B, C), zero padded; without TMA when MEM has its 32 bit."""
-    if MEM % 64 >= 32:
+def _load_vec(arr, index, shape, VEC_TMA: ct.Constant[bool]):
+    """A small per-step load (x, B, C), zero padded; VEC_TMA False: without TMA."""
+    if not VEC_TMA:
         return ct.load(arr, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO,
                        allow_tma=False)
     return ct.load(arr, index=index, shape=shape, padding_mode=ct.PaddingMode.ZERO)
@@ -132,7 +131,9 @@ def _update_tile(
     BLOCK_P: ct.Constant[int], NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
     DT_HEAD: ct.Constant[bool], A_HEAD: ct.Constant[bool], D_MODE: ct.Constant[int],
     BIAS_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
-    HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool], MEM: ct.Constant[int],
+    HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool],
+    LATENCY: ct.Constant[int], LOAD_TMA: ct.Constant[bool], STORE_TMA: ct.Constant[bool],
+    VEC_TMA: ct.Constant[bool], IN_BOUNDS: ct.Constant[bool],
 ):
     """All K steps of one (row, head, p tile), the whole (BLOCK_P, NP) state on chip."""
     group = head // HEADS_PER_GROUP
@@ -140,7 +141,8 @@ def _update_tile(
     ZERO = ct.PaddingMode.ZERO
     slot = _slot_of(slots, row, state.shape[0], HAS_IDX)
     if slot >= 0:
-        h = _load_state(state, slot, head, p_tile, 0, BLOCK_P, NP, MEM)
+        h = _load_state(state, slot, head, p_tile, 0, BLOCK_P, NP, LATENCY, LOAD_TMA,
+                        IN_BOUNDS)
         if A_HEAD:
             a = ct.load(A, index=(head,), shape=(1,)).reshape((1, 1)).astype(ct.float32)
         else:
@@ -150,18 +152,18 @@ def _update_tile(
             d = _step_dt(dt, dt_bias, row, t, head, p_tile, BLOCK_P, DT_HEAD, BIAS_MODE,
                          SOFTPLUS)
             xv = _load_vec(x, (row, t, head, p_tile), (1, 1, 1, BLOCK_P),
-                           MEM).reshape((BLOCK_P, 1)).astype(ct.float32)
+                           VEC_TMA).reshape((BLOCK_P, 1)).astype(ct.float32)
             bv = _load_vec(b, (row, t, group, 0), (1, 1, 1, NP),
-                           MEM).reshape((1, NP)).astype(ct.float32)
+                           VEC_TMA).reshape((1, NP)).astype(ct.float32)
             cv = _load_vec(c, (row, t, group, 0), (1, 1, 1, NP),
-                           MEM).reshape((1, NP)).astype(ct.float32)
+                           VEC_TMA).reshape((1, NP)).astype(ct.float32)
             h = h * ct.exp(a * d) + (d * xv) * bv
             if HAS_OUT:
                 ct.store(out_states, index=(row, t, head, p_tile, 0),
                          tile=h.reshape((1, 1, 1, BLOCK_P, NP)).astype(out_states.dtype))
             _finish_y(ct.sum(h * cv, axis=1, keepdims=True), xv, D, z, y, row, t, head,
                       p_tile, BLOCK_P, D_MODE, HAS_Z)
-        _store_state(state, h, slot, head, p_tile, 0, BLOCK_P, NP, MEM)
+        _store_state(state, h, slot, head, p_tile, 0, BLOCK_P, NP, STORE_TMA, IN_BOUNDS)
     else:
         zeros = ct.full((1, 1, 1, BLOCK_P), 0.0, dtype=y.dtype)
         for t in range(nsteps):
@@ -173,7 +175,9 @@ def _update_tile_split_n(
     BLOCK_P: ct.Constant[int], BLOCK_N: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
     DT_HEAD: ct.Constant[bool], A_HEAD: ct.Constant[bool], D_MODE: ct.Constant[int],
     BIAS_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
-    HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool], MEM: ct.Constant[int],
+    HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool],
+    LATENCY: ct.Constant[int], LOAD_TMA: ct.Constant[bool], STORE_TMA: ct.Constant[bool],
+    VEC_TMA: ct.Constant[bool], IN_BOUNDS: ct.Constant[bool],
 ):
     """One step (K = 1) of one (row, head, p tile), the state walked in (BLOCK_P, BLOCK_N)
     slices: fewer live registers per thread (no spills at high occupancy), and a loop whose
@@ -184,7 +188,7 @@ def _update_tile_split_n(
     if slot >= 0:
         d = _step_dt(dt, dt_bias, row, 0, head, p_tile, BLOCK_P, DT_HEAD, BIAS_MODE, SOFTPLUS)
         xv = _load_vec(x, (row, 0, head, p_tile), (1, 1, 1, BLOCK_P),
-                       MEM).reshape((BLOCK_P, 1)).astype(ct.float32)
+                       VEC_TMA).reshape((BLOCK_P, 1)).astype(ct.float32)
         dx = d * xv
         decay = d
         if A_HEAD:
@@ -194,11 +198,12 @@ def _update_tile_split_n(
         # cdiv(N, BLOCK_N), not NP // BLOCK_N: a slice wholly past dstate would load out of
         # bounds
         for nt in range(ct.cdiv(state.shape[3], BLOCK_N)):
-            h = _load_state(state, slot, head, p_tile, nt, BLOCK_P, BLOCK_N, MEM)
+            h = _load_state(state, slot, head, p_tile, nt, BLOCK_P, BLOCK_N, LATENCY,
+                            LOAD_TMA, IN_BOUNDS)
             bv = _load_vec(b, (row, 0, group, nt), (1, 1, 1, BLOCK_N),
-                           MEM).reshape((1, BLOCK_N)).astype(ct.float32)
+                           VEC_TMA).reshape((1, BLOCK_N)).astype(ct.float32)
             cv = _load_vec(c, (row, 0, group, nt), (1, 1, 1, BLOCK_N),
-                           MEM).reshape((1, BLOCK_N)).astype(ct.float32)
+                           VEC_TMA).reshape((1, BLOCK_N)).astype(ct.float32)
             if A_HEAD:
                 h = h * decay + dx * bv
             else:
@@ -209,7 +214,8 @@ def _update_tile_split_n(
                 ct.store(out_states, index=(row, 0, head, p_tile, nt),
                          tile=h.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(out_states.dtype))
             yv = yv + ct.sum(h * cv, axis=1, keepdims=True)
-            _store_state(state, h, slot, head, p_tile, nt, BLOCK_P, BLOCK_N, MEM)
+            _store_state(state, h, slot, head, p_tile, nt, BLOCK_P, BLOCK_N, STORE_TMA,
+                         IN_BOUNDS)
         _finish_y(yv, xv, D, z, y, row, 0, head, p_tile, BLOCK_P, D_MODE, HAS_Z)
     else:
         ct.store(y, index=(row, 0, head, p_tile), tile=ct.full((1, 1, 1, BLOCK_P), 0.0,
@@ -222,17 +228,19 @@ def _tile(
     DT_HEAD: ct.Constant[bool], A_HEAD: ct.Constant[bool], D_MODE: ct.Constant[int],
     BIAS_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
     HAS_IDX: ct.Constant[bool], HAS_OUT: ct.Constant[bool], BLOCK_N: ct.Constant[int],
-    MEM: ct.Constant[int],
+    LATENCY: ct.Constant[int], LOAD_TMA: ct.Constant[bool], STORE_TMA: ct.Constant[bool],
+    VEC_TMA: ct.Constant[bool], IN_BOUNDS: ct.Constant[bool],
 ):
     if BLOCK_N == 0:
         _update_tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y, row, head,
                      p_tile, BLOCK_P, NP, HEADS_PER_GROUP, DT_HEAD, A_HEAD, D_MODE,
-                     BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT, MEM)
+                     BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT, LATENCY, LOAD_TMA,
+                     STORE_TMA, VEC_TMA, IN_BOUNDS)
     else:
         _update_tile_split_n(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y, row,
                              head, p_tile, BLOCK_P, BLOCK_N, HEADS_PER_GROUP, DT_HEAD,
                              A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT,
-                             MEM)
+                             LATENCY, LOAD_TMA, STORE_TMA, VEC_TMA, IN_BOUNDS)
 
 
 def state_update_fn(
@@ -261,9 +269,11 @@ def state_update_fn(
     HAS_OUT: ct.Constant[bool],
     PERSISTENT: ct.Constant[bool],
     BLOCK_N: ct.Constant[int],    # 0: the whole state per program; else K = 1, N in slices
-    MEM: ct.Constant[int],        # latency hint (0: none) +16: state loads without TMA,
-                                  # +32: x, B, C without TMA, +64: state stores without TMA,
-                                  # +128: state tiles all inside the state (no bounds checks)
+    LATENCY: ct.Constant[int],    # state load latency hint (1-10; 0: none)
+    LOAD_TMA: ct.Constant[bool],  # state loads through TMA (else plain vector loads)
+    STORE_TMA: ct.Constant[bool],  # state stores through TMA
+    VEC_TMA: ct.Constant[bool],   # x, B, C loads through TMA
+    IN_BOUNDS: ct.Constant[bool],  # every state tile lies inside the state: no bounds checks
 ):
     if PERSISTENT:
         # a fixed grid walks the (row, head, p tile) tiles, p tiles fastest (adjacent memory),
@@ -275,12 +285,12 @@ def state_update_fn(
             _tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y,
                   rest // nheads, rest % nheads, t % n_p, BLOCK_P, NP, HEADS_PER_GROUP,
                   DT_HEAD, A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT,
-                  BLOCK_N, MEM)
+                  BLOCK_N, LATENCY, LOAD_TMA, STORE_TMA, VEC_TMA, IN_BOUNDS)
     else:
         _tile(state, x, dt, A, b, c, D, z, dt_bias, slots, out_states, y,
               ct.bid(0), ct.bid(1), ct.bid(2), BLOCK_P, NP, HEADS_PER_GROUP,
               DT_HEAD, A_HEAD, D_MODE, BIAS_MODE, HAS_Z, SOFTPLUS, HAS_IDX, HAS_OUT, BLOCK_N,
-              MEM)
+              LATENCY, LOAD_TMA, STORE_TMA, VEC_TMA, IN_BOUNDS)
 
 
 state_update = ct.kernel(state_update_fn)

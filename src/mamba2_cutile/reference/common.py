@@ -1,0 +1,28 @@
+"""What the PyTorch definitions share: dt's preprocessing, group expansion, the D term."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+
+def process_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
+    """dt <- clamp(softplus?(dt + dt_bias), dt_limit), as mamba_ssm."""
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    if tuple(dt_limit) != (0.0, float("inf")):
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
+
+
+def expand_groups(t, nheads):
+    """(b, l, g, n) -> (b, l, h, n): head i uses group i // (h // g). (A kernel just indexes
+    group = head // HEADS_PER_GROUP instead of materializing this.)"""
+    return t.repeat_interleave(nheads // t.shape[2], dim=2)
+
+
+def d_term(D, x):
+    if D is None:
+        return 0.0
+    return (D[:, None] if D.dim() == 1 else D) * x

@@ -1,0 +1,171 @@
+"""What every launcher shares: the planned launch (`KernelCall`), launching a plan, the GPU's SM
+count, 64-bit indexing, kernel hints, kernel-ready inputs and the toolchain versions.
+
+Nothing here reads tensor values, so plans stay safe under CUDA-graph capture, and everything
+works on `meta` tensors (the CPU compile check builds the same plans the GPU path launches).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import torch
+
+INT32_LIMIT = 2**31 - 1
+#: the SM count assumed for a tensor that is not on a CUDA device (meta tensors, CPU emulation):
+#: the H200's, so CPU-built plans match the GPU's
+DEFAULT_SMS = 132
+
+
+@dataclass
+class KernelCall:
+    """One planned launch: a cuTile kernel, its grid and its argument tuple."""
+    kernel: object
+    grid: tuple
+    args: tuple
+
+
+def launch_calls(calls, device) -> None:
+    """Launch `calls` in order on the current stream of `device` (the stream current at call
+    time: a CUDA-graph capture runs on its own stream and sees only launches there)."""
+    if not calls:
+        return
+    import cuda.tile as ct
+
+    stream = torch.cuda.current_stream(device)
+    for call in calls:
+        ct.launch(stream, call.grid, call.kernel, call.args)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(where=None) -> int:
+    """SM count of a CUDA device (an index, a torch.device or a tensor on it); DEFAULT_SMS for
+    anything not on a CUDA device."""
+    if isinstance(where, torch.Tensor):
+        where = where.device
+    if isinstance(where, torch.device):
+        if where.type != "cuda":
+            return DEFAULT_SMS
+        where = where.index if where.index is not None else torch.cuda.current_device()
+    if where is None:
+        if not torch.cuda.is_available():
+            return DEFAULT_SMS
+        where = torch.cuda.current_device()
+    return _device_sms(int(where))
+
+
+def needs_int64(*tensors) -> bool:
+    """True when any tensor spans 2**31 elements or more (counting its strided extent)."""
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+        if extent > INT32_LIMIT:
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def with_hints(kernel, occupancy: int = 0, warps: int = 0):
+    """`kernel` with occupancy / worker-warp hints (0: the compiler's choice); created once per
+    (kernel, hints) and kept, because each new kernel object has its own compile cache."""
+    hints = {}
+    if occupancy:
+        hints["occupancy"] = occupancy
+    if warps:
+        hints["num_worker_warps"] = warps
+    return kernel.replace_hints(**hints) if hints else kernel
+
+
+def as_kernel_input(t, dtype=None):
+    """A tensor the kernels can load: unit innermost stride (for TMA), no stride-0 (expanded)
+    dimension (TMA descriptors want strides that grow with the dimension), optional dtype
+    cast. Views that already qualify, such as slices of one projection, are not copied."""
+    if t is None:
+        return None
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if t.dim() and (t.stride(-1) != 1 or any(
+            st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape))):
+        t = t.contiguous()
+    return t
+
+
+def dt_clamp_bounds(dt_limit):
+    """The kernels' clamp of dt' for mamba_ssm's `dt_limit`: mamba_ssm clamps only for a
+    non-default limit, so the default (0, inf) becomes no clamp at all (-inf, inf)."""
+    lo, hi = (float(v) for v in dt_limit)
+    if (lo, hi) == (0.0, float("inf")):
+        return -float("inf"), float("inf")
+    return lo, hi
+
+
+_DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+               torch.float64: "fp64"}
+
+
+def dtype_tag(dtype) -> str:
+    """Short name of a floating dtype ("bf16", "fp16", "fp32", "fp64"); str(dtype) otherwise."""
+    return _DTYPE_TAGS.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@functools.lru_cache(maxsize=None)
+def tileiras_version() -> str:
+    """Version of the tileiras cuda-tile compiles with, e.g. '13.4.92', else 'unknown'.
+
+    Asks the binary cuda-tile itself would run (`tileiras --version`, through cuda-tile's
+    private `_compile._get_compiler_version_string`, which may fall back to a system
+    tileiras); failing that, the nvidia-cuda-tileiras package version."""
+    try:
+        from cuda.tile._compile import _get_compiler_version_string
+        text = _get_compiler_version_string() or ""
+        m = re.search(r"\bV(\d+\.\d+(?:\.\d+)?)", text) or \
+            re.search(r"release (\d+\.\d+)", text)
+        if m:
+            return m.group(1)
+    except Exception:  # noqa: BLE001 - private API, missing binary, ...
+        pass
+    try:
+        from importlib.metadata import version
+        return version("nvidia-cuda-tileiras")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def version_at_least(version: str, major: int, minor: int) -> bool:
+    """Whether a 'major.minor[.patch]' version string is at least major.minor ('unknown' and
+    other non-versions: False)."""
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return m is not None and (int(m.group(1)), int(m.group(2))) >= (major, minor)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_tile_version() -> str:
+    try:
+        import cuda.tile as ct
+        return str(ct.__version__)
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+@functools.lru_cache(maxsize=None)
+def device_info(device_index: int = 0):
+    """(GPU name, SM count) of a CUDA device, or ('none', 0) without CUDA."""
+    try:
+        if not torch.cuda.is_available():
+            return "none", 0
+        props = torch.cuda.get_device_properties(device_index)
+        return props.name, int(props.multi_processor_count)
+    except Exception:  # noqa: BLE001
+        return "none", 0

@@ -1,0 +1,367 @@
+"""The cuTile backward pass of the chunked SSD: plans, configs, the launcher.
+
+Six launches (no host synchronization, CUDA-graph capturable), following the stages of
+`reference.chunked_backward` (see each kernel's docstring for its equations, tiles and grid):
+
+  1. decay_cumsum        (forward kernel 1) recompute dt' and G2 = log2(e) cumsum(A dt')
+  2. chunk_state_pass    (forward kernel 2) recompute the chunk entry states h_c (fp32)
+  3. bwd_state_pass      reverse pass over chunks: exit-state gradients dS_c, dinitial_states
+  4. bwd_chunk_dx        per chunk: dx, dz, and per-tile partials of dD, ddt_direct, da
+  5. bwd_chunk_dbc       per chunk: dB and dC, summed over each group's heads in-program
+  6. bwd_dt              da -> ddt' -> ddt (clamp, softplus, dt_bias), partials of dA, ddt_bias
+
+then three small fixed-shape torch sums (dA, ddt_bias, dD partials; deterministic) and dtype
+casts. Nothing uses atomics: every cross-program reduction goes through a partial buffer that
+a later kernel or a torch sum reduces in a fixed order, so two runs give equal bits.
+
+Plans are built from tensors (real CUDA tensors, or `meta` tensors for the CPU compile check,
+or CPU float64 tensors for the tile-program emulation in tests/test_backward_emulation.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from .. import config as _config
+from ..kernels.bwd_chunk_dbc import (bwd_chunk_dbc, bwd_chunk_dbc_fused, bwd_chunk_dbc_fused_i64,
+                                     bwd_chunk_dbc_i64)
+from ..kernels.bwd_chunk_dx import bwd_chunk_dx, bwd_chunk_dx_i64
+from ..kernels.bwd_dt import bwd_dt, bwd_dt_i64
+from ..kernels.bwd_state_pass import bwd_state_pass, bwd_state_pass_i64
+from ..runtime import (KernelCall, as_kernel_input, dt_clamp_bounds, launch_calls, needs_int64,
+                       next_pow2, num_sms, with_hints)
+from .forward import ForwardConfig, forward_plan, forward_shape_config
+
+INF = float("inf")
+NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Tile sizes and hints of the backward launches (all tile sizes powers of two)."""
+    chunk_size: int
+    cumsum_block_h: int          # decay_cumsum and bwd_dt: heads per program
+    state_block_p: int           # chunk_state_pass (recompute of h_c)
+    state_block_n: int
+    bstate_block_p: int          # bwd_state_pass
+    bstate_block_n: int
+    dx_block_q: int              # bwd_chunk_dx: tokens per program (<= chunk_size)
+    dx_block_p: int              # bwd_chunk_dx: channels per program
+    dstate_pad: int              # padded dstate (whole N in bwd_chunk_dx tiles)
+    bc_block_q: int              # bwd_chunk_dbc: tokens per program
+    bc_block_p: int              # bwd_chunk_dbc: p-tile of the dY X^T reduction loop
+    bc_block_n: int              # bwd_chunk_dbc: dstate columns per program
+    lowp: int = 0                # 1: the dB/dC launch's MMAs with computed fp32 operands in
+                                 # the input dtype (as mamba_ssm rounds them)
+    dx_lowp: int = 0             # 1: the same in bwd_chunk_dx (costs ddt, dA, ddt_bias accuracy)
+    bstate_occupancy: int = 0    # 0: the compiler's choice
+    dx_occupancy: int = 0
+    bc_occupancy: int = 0
+    dx_warps: int = 8            # num_worker_warps hints (0: the compiler's choice; with it,
+    bc_warps: int = 8            # tileiras 13.4 spills 0.3-1.7 KB per thread in these two)
+    da_mode: int = 0             # the decay gradient da (see bwd_chunk_dx): 0 the stable form
+                                 # in bwd_chunk_dx; 1 per-token row/column-sum terms there
+                                 # (no cumsum per block pair), bwd_dt suffix-sums them; 2 the
+                                 # W terms in bwd_chunk_dbc_fused (needs bc_fused=1)
+    bstate_load_latency: int = 0  # load latency hints (1-10; 0: none): bwd_state_pass's
+    dx_load_latency: int = 0      # per-chunk loads, bwd_chunk_dx's block loops,
+    bc_load_latency: int = 0      # bwd_chunk_dbc_fused's head loop
+    bc_fused: int = 0            # 1: one program per whole chunk forms M once for dB and dC
+                                 # (bc_block_q is then unused)
+
+    FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
+
+    def __post_init__(self):
+        c = _config
+        c.check_pow2(self, "chunk_size")      # the API takes SUPPORTED_CHUNK_SIZES
+        c.check_pow2(self, *(f.name for f in fields(self)
+                             if f.name.endswith(("_block_q", "_block_p", "_block_n", "_block_h",
+                                                 "_pad"))))
+        if self.chunk_size % self.dx_block_q or self.chunk_size % self.bc_block_q:
+            raise ValueError(f"BackwardConfig: dx_block_q={self.dx_block_q} and bc_block_q="
+                             f"{self.bc_block_q} must divide chunk_size={self.chunk_size}")
+        for name in ("bstate_load_latency", "dx_load_latency", "bc_load_latency"):
+            c.check_range(self, name, 0, 10)
+        for name in ("bstate_occupancy", "dx_occupancy", "bc_occupancy"):
+            c.check_range(self, name, 0, 32)
+        for name in ("dx_warps", "bc_warps"):
+            c.check_choice(self, name, (0, 4, 8))
+        for name in ("lowp", "dx_lowp", "bc_fused"):
+            c.check_choice(self, name, (0, 1))
+        if self.da_mode not in (0, 1, 2) or (self.da_mode == 2 and not self.bc_fused):
+            raise ValueError(f"BackwardConfig: da_mode={self.da_mode} must be 0, 1, or 2 with "
+                             "bc_fused=1")
+
+
+def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
+                    sms=132) -> BackwardConfig:
+    """The dispatcher: a config from the shape alone (no search, no sync), then
+    MAMBA2_CUTILE_BWD_CONFIG overrides ("dx_block_q=32,lowp=1"). The recompute's tiles come
+    from the forward's shape rule, never from MAMBA2_CUTILE_CONFIG or the tuning table."""
+    fwd = forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms)
+    np_ = max(16, next_pow2(dstate))
+    pp = max(16, next_pow2(headdim))
+    # bwd_chunk_dx holds (BQ, NP) B/C tiles and (BP, NP) fp32 h_c / dS_c tiles at once: keep
+    # the p-tile narrow for a wide state or fp32 inputs
+    wide = np_ >= 256 or dtype == torch.float32
+    cfg = BackwardConfig(
+        chunk_size=chunk_size,
+        cumsum_block_h=fwd.cumsum_block_h,
+        state_block_p=fwd.state_block_p,
+        state_block_n=fwd.state_block_n,
+        bstate_block_p=fwd.state_block_p,
+        bstate_block_n=fwd.state_block_n,
+        dx_block_q=min(chunk_size, 64),
+        dx_block_p=min(pp, 32 if wide else 64),
+        dstate_pad=np_,
+        bc_block_q=min(chunk_size, 64),
+        bc_block_p=min(pp, 64),
+        bc_block_n=min(np_, 64),
+        # measured on the H200 at the seed problem (session 3, results/): one whole-chunk
+        # dB/dC program took bwd_chunk_dbc from 1.02 to 0.54 ms; the per-token da terms
+        # (da_mode 1) took bwd_chunk_dx from 0.88 to 0.70 ms; whole backward 2.24 -> 1.57 ms.
+        # (da_mode 2 cut bwd_chunk_dx to 0.53 ms but cost bwd_chunk_dbc_fused 0.82 ms more.)
+        bc_fused=1,
+        da_mode=1,
+        # session 4 sweep (results/): each alone, whole backward 1.55 ms ->
+        #   lowp=1 (MMA operands in the input dtype, as mamba_ssm): 1.47
+        #   + dx_warps=4 (bwd_chunk_dx 0.70 -> 0.57 ms): 1.36
+        #   + bc_load_latency=4 (bwd_chunk_dbc_fused 0.49 -> 0.39 ms), measured with lowp: 1.37
+        #   + bstate_load_latency=4 (bwd_state_pass 0.143 -> 0.127 ms), measured with lowp: 1.45
+        # all four: 1.245 ms; then bstate_load_latency 8: 1.229 (bwd_state_pass 0.110 ms;
+        # gradients bit-identical), 2: 1.252; bc_load_latency 2/6/8 and dx_load_latency 2/6
+        # slower. lowp for bwd_chunk_dx too saves only 0.022 ms (0.587 -> 0.565) but made the
+        # GPU tests' ddt_bias error 7x larger (1.7e-3 -> 1.3e-2 at (1, 200, 4, 2, 40, 24)), so
+        # it is off (dx_lowp=0): ddt, dA and ddt_bias keep fp32-operand accuracy (in the
+        # default da_mode 1; with da_mode=2 the dB/dC launch forms dA terms, under lowp).
+        lowp=1,
+        dx_warps=4,
+        bc_load_latency=4,
+        bstate_load_latency=8,
+    )
+    return _config.with_env(cfg, _config.ENV_BACKWARD)
+
+
+def check_config(cfg: BackwardConfig, headdim: int, dstate: int):
+    """What a problem asks of a (self-validated) config: the padded dstate holds dstate."""
+    if cfg.dstate_pad < dstate:
+        raise ValueError(f"BackwardConfig: dstate_pad={cfg.dstate_pad} is smaller than "
+                         f"dstate={dstate}")
+
+
+@dataclass
+class BackwardBuffers:
+    """Everything the backward launches write (the outputs and the scratch they share)."""
+    dt_buf: torch.Tensor       # (B, H, Lp) dt' (fp32)
+    cum_buf: torch.Tensor      # (B, H, Lp) G2 (fp32)
+    states: torch.Tensor       # (B, H, nc, P, N) entry states (state dtype, default fp32)
+    hbuf: torch.Tensor         # (B, H, P, N) fp32: the recompute's final state, then dh_0
+    dstates: torch.Tensor      # (B, H, nc, P, N) exit-state gradients dS_c
+    da_part: torch.Tensor      # (n_pt * Q / dx_block_q, B, H, Lp) fp32; da_mode 2:
+                               # (n_pt + cdiv(N, bc_block_n), B, H, Lp)
+    v_part: torch.Tensor | None    # (n_pt, B, H, Lp) fp32 (da_mode 2)
+    ddt_part: torch.Tensor     # (n_pt, B, H, Lp) fp32
+    dD_part: torch.Tensor | None   # (cdiv(L, dx_block_q), B, H, P) fp32
+    dA_part: torch.Tensor      # (B * nc, H) fp32
+    dbias_part: torch.Tensor | None  # (B * nc, H) fp32
+    dx: torch.Tensor
+    dz: torch.Tensor | None
+    dB: torch.Tensor
+    dC: torch.Tensor
+    ddt: torch.Tensor
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.__dict__.values()
+                   if t is not None)
+
+
+def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtype=None,
+                     buf_dtype=torch.float32, out_dtypes=None) -> BackwardBuffers:
+    """Allocate on x's device (also `meta`). out_dtypes: dtype per gradient name (default: the
+    tensor's own dtype)."""
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    Q = cfg.chunk_size
+    nc = -(-l // Q)
+    lp = nc * Q
+    n_pt = -(-p // cfg.dx_block_p)
+    n_q = -(-l // cfg.dx_block_q)
+    dev = x.device
+    od = dict(x=x.dtype, z=None if z is None else z.dtype, B=B.dtype, C=C.dtype, dt=dt.dtype)
+    od.update(out_dtypes or {})
+    e = lambda *s, dt=buf_dtype: torch.empty(s, dtype=dt, device=dev)  # noqa: E731
+    sdt = state_dtype or buf_dtype
+    return BackwardBuffers(
+        dt_buf=e(b, h, lp), cum_buf=e(b, h, lp), states=e(b, h, nc, p, n, dt=sdt),
+        hbuf=e(b, h, p, n), dstates=e(b, h, nc, p, n, dt=sdt),
+        da_part=(e(n_pt + -(-n // cfg.bc_block_n), b, h, lp) if cfg.da_mode == 2
+                 else e(n_pt * (Q // cfg.dx_block_q), b, h, lp)),
+        v_part=e(n_pt, b, h, lp) if cfg.da_mode == 2 else None,
+        ddt_part=e(n_pt, b, h, lp),
+        dD_part=None if D is None else e(n_q, b, h, p),
+        dA_part=e(b * nc, h), dbias_part=None if dt_bias is None else e(b * nc, h),
+        dx=e(b, l, h, p, dt=od["x"]), dz=None if z is None else e(b, l, h, p, dt=od["z"]),
+        dB=e(b, l, g, n, dt=od["B"]), dC=e(b, l, g, n, dt=od["C"]), ddt=e(b, l, h, dt=od["dt"]),
+    )
+
+
+def recompute_config(cfg: BackwardConfig, x, B) -> ForwardConfig:
+    """The forward config of the recompute launches: the forward's shape rule with the
+    backward config's tiles for them (no tuning table, no MAMBA2_CUTILE_CONFIG)."""
+    b, _, h, p = x.shape
+    fwd = forward_shape_config(b, h, p, B.shape[3], cfg.chunk_size, x.dtype)
+    return replace(fwd, cumsum_block_h=cfg.cumsum_block_h, state_block_p=cfg.state_block_p,
+                   state_block_n=cfg.state_block_n)
+
+
+def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
+                  dout, dfinal, bufs: BackwardBuffers, cfg: BackwardConfig):
+    """The six launches of the backward. Inputs as the kernels take them (B, C, z, dout in x's
+    dtype with unit innermost stride; A, D, dt_bias, init, dfinal fp32; seq_idx int32);
+    unused optional inputs None. Reads no tensor values."""
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    Q = cfg.chunk_size
+    hpg = nheads // ngroups
+    nchunks = bufs.cum_buf.shape[2] // Q
+    dev = x.device
+    seq_arg = seq_idx if seq_idx is not None else torch.empty((1, 1), dtype=torch.int32,
+                                                               device=dev)
+    has_z, has_seq = z is not None, seq_idx is not None
+    lowp = bool(cfg.lowp) and x.dtype != torch.float32
+    dx_lowp = bool(cfg.dx_lowp) and x.dtype != torch.float32
+
+    # 1, 2: the forward's first two kernels recompute dt', G2 and the entry states
+    calls = forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
+                         seq_idx, bufs.dt_buf, bufs.cum_buf, bufs.states, bufs.hbuf, x,
+                         recompute_config(cfg, x, B))[:2]
+
+    # 3: reverse pass over chunks
+    int64 = needs_int64(dout, z, C, bufs.cum_buf, seq_idx, dfinal, bufs.dstates, bufs.hbuf)
+    calls.append(KernelCall(
+        with_hints(bwd_state_pass_i64 if int64 else bwd_state_pass, cfg.bstate_occupancy),
+        (batch * nheads, -(-headdim // cfg.bstate_block_p), -(-dstate // cfg.bstate_block_n)),
+        (dout, z if has_z else dout, C, bufs.cum_buf, seq_arg,
+         dfinal if dfinal is not None else bufs.hbuf, bufs.dstates, bufs.hbuf,
+         Q, cfg.bstate_block_p, cfg.bstate_block_n, hpg, has_z, has_seq, dfinal is not None,
+         init is not None, cfg.bstate_load_latency)))
+
+    # 4: dx, dz, partials of dD, ddt, da
+    v_part = bufs.v_part if bufs.v_part is not None else bufs.ddt_part
+    n_q = -(-seqlen // cfg.dx_block_q)
+    d_mode = 0 if D is None else D.dim()
+    int64 = needs_int64(x, B, C, z, dout, D, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
+                      bufs.dstates, bufs.dx, bufs.dz, bufs.da_part, bufs.ddt_part, bufs.dD_part)
+    calls.append(KernelCall(
+        with_hints(bwd_chunk_dx_i64 if int64 else bwd_chunk_dx, cfg.dx_occupancy, cfg.dx_warps),
+        (n_q * batch * nheads, -(-headdim // cfg.dx_block_p), 1),
+        (x, B, C, z if has_z else x, dout, D if D is not None else A, bufs.dt_buf, bufs.cum_buf,
+         seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
+         bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
+         v_part, Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z,
+         has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency)))
+
+    # 5: dB, dC
+    int64 = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
+                      bufs.dstates, bufs.dB, bufs.dC, bufs.da_part if cfg.bc_fused else None)
+    if cfg.bc_fused:
+        calls.append(KernelCall(
+            with_hints(bwd_chunk_dbc_fused_i64 if int64 else bwd_chunk_dbc_fused, cfg.bc_occupancy,
+                   cfg.bc_warps),
+            (nchunks * batch * ngroups, -(-dstate // cfg.bc_block_n), 1),
+            (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
+             bufs.dstates, bufs.dB, bufs.dC, bufs.da_part, Q, cfg.bc_block_p, cfg.bc_block_n,
+             hpg, has_z, has_seq, lowp, cfg.da_mode == 2, cfg.bc_load_latency)))
+    else:
+        n_qb = -(-seqlen // cfg.bc_block_q)
+        calls.append(KernelCall(
+            with_hints(bwd_chunk_dbc_i64 if int64 else bwd_chunk_dbc, cfg.bc_occupancy, cfg.bc_warps),
+            (n_qb * batch * ngroups, -(-dstate // cfg.bc_block_n), 2),
+            (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
+             bufs.dstates, bufs.dB, bufs.dC, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.bc_block_n,
+             hpg, has_z, has_seq, lowp)))
+
+    # 6: dt chain, dA and ddt_bias partials
+    int64 = needs_int64(dt, bufs.dt_buf, bufs.da_part, bufs.ddt_part, bufs.ddt, bufs.dA_part)
+    calls.append(KernelCall(
+        bwd_dt_i64 if int64 else bwd_dt,
+        (batch * nchunks, -(-nheads // cfg.cumsum_block_h), 1),
+        (dt, A, dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi), bufs.dt_buf,
+         bufs.da_part, bufs.ddt_part, v_part, bufs.ddt, bufs.dA_part,
+         bufs.dbias_part if dt_bias is not None else bufs.dA_part,
+         Q, cfg.dx_block_q, cfg.cumsum_block_h, dt_bias is not None, bool(dt_softplus),
+         cfg.da_mode)))
+    return calls
+
+
+def run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z=None,
+                 dt_bias=None, initial_states=None, seq_idx=None, dt_softplus=False,
+                 dt_limit=(0.0, INF), state_dtype=None, config=None, *, launch_fn,
+                 buf_dtype=torch.float32, sms=132, return_buffers=False, on_buffers=None):
+    """The backward on any device, launching the plan through `launch_fn(calls)`.
+    `buf_dtype` is the dtype of the fp32 scratch and fp32 kernel inputs (float64 for the CPU
+    emulation; `on_buffers(bufs)` runs before the launches, e.g. to poison them with NaN).
+    Returns the gradient dict (and the buffers with return_buffers)."""
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
+                  initial_states=initial_states)
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    Q = chunk_size
+    f32 = buf_dtype
+    mm = x.dtype
+    out_dtypes = {k: t.dtype for k, t in inputs.items() if t is not None}
+
+    if l == 0 or b * h == 0:
+        grads = {k: None if t is None else torch.zeros_like(t) for k, t in inputs.items()}
+        if initial_states is not None and dfinal_states is not None:
+            grads["initial_states"] = dfinal_states.to(initial_states.dtype).clone()
+        return (grads, None) if return_buffers else grads
+
+    xk = as_kernel_input(x)
+    Bk, Ck, zk = (as_kernel_input(t, mm) for t in (B, C, z))
+    dtk = as_kernel_input(dt)
+    Ak = as_kernel_input(A, f32)
+    Dk = as_kernel_input(D, f32)
+    biask = as_kernel_input(dt_bias, f32)
+    init = as_kernel_input(initial_states, f32)
+    dfin = as_kernel_input(dfinal_states, f32)
+    dout = torch.zeros_like(xk) if dout is None else as_kernel_input(dout, mm)
+    seq = None if seq_idx is None else as_kernel_input(seq_idx, torch.int32)
+
+    cfg = config or backward_config(b, h, g, p, n, Q, mm, sms)
+    check_config(cfg, p, n)
+    lo, hi = dt_clamp_bounds(dt_limit)
+    bufs = allocate_buffers(xk, dtk, Bk, Ck, zk, Dk, biask, cfg, state_dtype, f32, out_dtypes)
+    calls = backward_plan(xk, dtk, Ak, Bk, Ck, zk, Dk, biask, lo, hi, dt_softplus, init, seq,
+                          dout, dfin, bufs, cfg)
+    if on_buffers is not None:
+        on_buffers(bufs)
+    launch_fn(calls)
+
+    grads = dict(x=bufs.dx, dt=bufs.ddt, B=bufs.dB, C=bufs.dC, z=bufs.dz)
+    grads["A"] = bufs.dA_part.sum(dim=0)
+    grads["dt_bias"] = None if dt_bias is None else bufs.dbias_part.sum(dim=0)
+    if D is not None:
+        grads["D"] = bufs.dD_part.sum(dim=(0, 1, 3) if D.dim() == 1 else (0, 1))
+    else:
+        grads["D"] = None
+    grads["initial_states"] = None if initial_states is None else bufs.hbuf
+    grads = {k: None if inputs[k] is None else grads[k].to(inputs[k].dtype) for k in NAMES}
+    return (grads, bufs) if return_buffers else grads
+
+
+def ssd_backward_cuda(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z=None,
+                      dt_bias=None, initial_states=None, seq_idx=None, dt_softplus=False,
+                      dt_limit=(0.0, INF), state_dtype=None, config=None):
+    """Gradients of `ssd_forward_cuda`'s (out, final_states) for the cotangents dout (None: 0)
+    and dfinal_states (None: 0). Inputs must already be validated (as for the forward).
+    Returns a dict x, dt, A, B, C, D, z, dt_bias, initial_states -> gradient in the input's
+    dtype (None for absent inputs); the same values as `reference.chunked_backward.ssd_chunked_backward`.
+    `state_dtype`: dtype of the recomputed entry states and of the exit-state gradients
+    (default float32). No host synchronization: capturable in a CUDA graph."""
+    dev = x.device
+    return run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states, D, z, dt_bias,
+                        initial_states, seq_idx, dt_softplus, dt_limit, state_dtype, config,
+                        launch_fn=lambda calls: launch_calls(calls, dev), sms=num_sms(dev))

@@ -1,0 +1,258 @@
+"""The forward pass of the chunked SSD on CUDA tensors: its config, its plan of three launches,
+and the launcher.
+
+| launch | kernel | what |
+| --- | --- | --- |
+| 1 | `decay_cumsum` | dt' = clamp(softplus(dt + bias)) and the per-chunk cumsum of A dt' in log2 space |
+| 2 | `chunk_state_pass` | the chunk entry states, one sequential pass over chunks |
+| 3 | `chunk_scan` | the output: carried-state term, masked decayed C B^T times X, D x, z gate |
+
+A plan is built from tensors (real CUDA tensors at run time, or `meta` tensors when compiling on
+a CPU), so the CPU compile check exercises exactly the argument lists the GPU path launches.
+Nothing here reads tensor values: plans are safe under CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .. import config as _config
+from ..kernels.chunk_scan import chunk_scan, chunk_scan_i64
+from ..kernels.chunk_state_pass import chunk_state_pass, chunk_state_pass_i64
+from ..kernels.decay_cumsum import decay_cumsum, decay_cumsum_i64
+from ..runtime import (KernelCall, as_kernel_input, dt_clamp_bounds, launch_calls, needs_int64,
+                       next_pow2, num_sms, with_hints)
+from .varlen import empty_varlen_states, varlen_states_from_chunks
+
+SUPPORTED_CHUNK_SIZES = (64, 128, 256)
+MAX_HEADDIM = 256
+MAX_DSTATE = 256
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """Tile sizes and hints of the three forward kernels (all powers of two)."""
+    chunk_size: int
+    cumsum_block_h: int
+    state_block_p: int
+    state_block_n: int
+    state_load_latency: int
+    scan_block_q: int
+    scan_block_p: int
+    dstate_pad: int
+    state_occupancy: int = 0        # 0: let the compiler choose
+    scan_occupancy: int = 0
+    scan_load_latency: int = 0      # 0: let the compiler choose
+    scan_persistent: int = 0        # >0: a persistent grid of this many programs per SM
+    scan_lowp: int = 0              # 1: (C B^T) X MMA in the input dtype (fp16/bf16), not tf32
+    scan_head_major: int = 0        # 1: heads fastest in the grid (they share B and C tiles)
+    scan_warps: int = 0             # num_worker_warps hint of chunk_scan (0: compiler's choice)
+    state_scale_x: int = -1         # 1: chunk_state_pass weights X, 0: B, -1: the smaller
+    scan_block_n: int = 0           # dstate tile of chunk_scan's K loop (0: all of dstate_pad)
+    state_fresh_acc: int = 0        # 1: chunk_state_pass MMA into a fresh accumulator, then add
+
+    FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
+
+    def __post_init__(self):
+        c = _config
+        c.check_pow2(self, "chunk_size")      # the API takes SUPPORTED_CHUNK_SIZES
+        c.check_pow2(self, "cumsum_block_h", "state_block_p", "state_block_n", "scan_block_q",
+                     "scan_block_p", "dstate_pad")
+        c.check_pow2(self, "scan_block_n", allow_zero=True)
+        for name in ("state_load_latency", "scan_load_latency"):
+            c.check_range(self, name, 0, 10)
+        for name in ("state_occupancy", "scan_occupancy"):
+            c.check_range(self, name, 0, 32)
+        c.check_range(self, "scan_persistent", 0, 16)
+        c.check_range(self, "state_scale_x", -1, 1)
+        for name in ("state_fresh_acc", "scan_lowp", "scan_head_major"):
+            c.check_choice(self, name, (0, 1))
+        c.check_choice(self, "scan_warps", (0, 4, 8))
+        if self.scan_block_q > self.chunk_size:
+            raise ValueError(f"ForwardConfig: scan_block_q={self.scan_block_q} is larger than "
+                             f"chunk_size={self.chunk_size}")
+        if self.state_block_n > self.dstate_pad:
+            raise ValueError(f"ForwardConfig: state_block_n={self.state_block_n} is larger than "
+                             f"dstate_pad={self.dstate_pad}")
+
+
+def scale_x(cfg: ForwardConfig) -> bool:
+    """Whether chunk_state_pass puts the decay weights on X (else on B): an explicit 0/1, or
+    by default on the smaller of the two MMA operand tiles (BLOCK_P vs BLOCK_N)."""
+    if cfg.state_scale_x >= 0:
+        return bool(cfg.state_scale_x)
+    return cfg.state_block_n > cfg.state_block_p
+
+
+def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
+                         sms=132) -> ForwardConfig:
+    """The dispatcher's rule: a good config from the shape alone (no search, no sync)."""
+    np_ = max(16, next_pow2(dstate))
+    bp = min(64, max(16, next_pow2(headdim)))
+    p_tiles = -(-headdim // bp)
+    # The chunk loop of chunk_state_pass is sequential, so the grid must fill the GPU by
+    # splitting the state: the widest n-tile that still gives most SMs a program (measured on
+    # the H200 at the seed problem: 128 programs of 64x32 beat 256 of 64x16 and 64 of 64x64).
+    bn = np_
+    while bn > 16 and batch * nheads * p_tiles * (-(-dstate // bn)) < (3 * sms) // 4:
+        bn //= 2
+    wide = np_ >= 256 or dtype == torch.float32      # larger tiles per query row
+    bq = min(chunk_size, 64 if wide else 128)
+    # Measured on the H200 (2026-11-30 sweep, results/): the (C B^T) X MMA in the input dtype
+    # (scan_lowp, as mamba_ssm) cut chunk_scan from 0.280 to 0.210 ms at the seed problem; the
+    # state pass's MMA into a fresh accumulator was as fast or faster at both shapes swept; the
+    # decay weights belong on the smaller MMA operand (weighting X instead of a 128-wide B cut
+    # the state pass from 0.458 to 0.174 ms at B=2 T=8K H=80 chunk 256).
+    cfg = ForwardConfig(
+        chunk_size=chunk_size,
+        cumsum_block_h=min(16, max(2, next_pow2(nheads))),
+        state_block_p=bp,
+        state_block_n=bn,
+        state_load_latency=8,
+        scan_block_q=bq,
+        scan_block_p=bp,
+        dstate_pad=np_,
+        scan_lowp=1,
+        state_fresh_acc=1,
+        # a chunk of several query blocks (the K-loop path): two CTAs per SM cut chunk_scan
+        # from 0.662 to 0.374 ms at B=2 T=8K H=80 chunk 256, and 0.207 to 0.122 ms at H=24
+        # (H200, 2026-11-30 session-3 sweep)
+        scan_occupancy=2 if bq < chunk_size else 0,
+    )
+    return cfg
+
+
+def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132, seqlen=None,
+                   device_index=None, has_seq=False) -> ForwardConfig:
+    """The config a forward launch uses, in the precedence of `mamba2_cutile.config`: the shape
+    rule, then the tuning table's overrides for the shape's bucket on this GPU when `seqlen`
+    and `device_index` are given, then the seq_idx rule below, then MAMBA2_CUTILE_CONFIG.
+    `has_seq`: seq_idx is given (its same-sequence mask changes the best chunk_scan tile)."""
+    cfg = forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms)
+    if seqlen is not None and device_index is not None:
+        from ..tuning import apply_forward
+        cfg = apply_forward(cfg, batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim,
+                            dstate=dstate, dtype=dtype, device_index=device_index)
+    if has_seq and cfg.scan_block_q > 64:
+        # after the tuning table, whose entries are measured without seq_idx: with seq_idx,
+        # 64-token query blocks at 2 CTAs/SM (128-token blocks were slower with the
+        # run-start mask: 0.335 against 0.306 ms at B=2 T=8K H=24 chunk 256 with z, dt_bias and
+        # seq_idx; docs/results/2026-11-30-h200-forward-options-sweep.jsonl)
+        cfg = replace(cfg, scan_block_q=64, scan_occupancy=2)
+    return _config.with_env(cfg, _config.ENV_FORWARD)
+
+
+def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
+                 dt_buf, cum_buf, states, final, out, cfg: ForwardConfig):
+    """The three launches of the forward pass. Unused optional inputs must be None."""
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    Q = cfg.chunk_size
+    nchunks = cum_buf.shape[2] // Q
+    if seq_idx is None:      # stand-ins for an absent seq_idx: never read (its flag is off)
+        seq_arg = seq_start = torch.empty((1, 1), dtype=torch.int32, device=x.device)
+    else:
+        seq_arg = seq_idx
+        # where each token's sequence run begins in its chunk (decay_cumsum writes it)
+        seq_start = torch.empty((batch, nchunks * Q), dtype=torch.int32, device=x.device)
+    int64 = needs_int64(x, dt, B, C, z, seq_idx, seq_start, init, dt_buf, cum_buf, states, out)
+    n_q = -(-seqlen // cfg.scan_block_q)       # query blocks holding at least one token
+    p_tiles = -(-headdim // cfg.scan_block_p)
+    if cfg.scan_persistent:
+        n_tiles = n_q * p_tiles * batch * nheads
+        scan_grid = (min(n_tiles, cfg.scan_persistent * num_sms(x)), 1, 1)
+    else:
+        scan_grid = (n_q * batch * nheads, p_tiles, 1)
+    calls = [
+        KernelCall(
+            decay_cumsum_i64 if int64 else decay_cumsum,
+            (batch * nchunks, -(-nheads // cfg.cumsum_block_h), 1),
+            (dt, A, dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi),
+             dt_buf, cum_buf, seq_arg, seq_start, Q, cfg.cumsum_block_h, dt_bias is not None,
+             bool(dt_softplus), seq_idx is not None),
+        ),
+        KernelCall(
+            with_hints(chunk_state_pass_i64 if int64 else chunk_state_pass, cfg.state_occupancy),
+            (batch * nheads, -(-headdim // cfg.state_block_p), -(-dstate // cfg.state_block_n)),
+            (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
+             Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
+             init is not None, seq_idx is not None, cfg.state_load_latency,
+             scale_x(cfg), bool(cfg.state_fresh_acc)),
+        ),
+        KernelCall(
+            with_hints(chunk_scan_i64 if int64 else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
+            scan_grid,
+            (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
+             seq_start, states, out, Q, cfg.scan_block_q, cfg.scan_block_p, cfg.dstate_pad,
+             nheads // ngroups, 0 if D is None else D.dim(), z is not None, seq_idx is not None,
+             cfg.scan_load_latency, cfg.scan_persistent > 0,
+             bool(cfg.scan_lowp) and x.dtype != torch.float32,
+             bool(cfg.scan_head_major),
+             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad)),
+        ),
+    ]
+    return calls
+
+
+def ssd_forward_cuda(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+                     initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
+                     dt_limit=(0.0, float("inf")), state_dtype=None, config=None):
+    """Launch the forward kernels. Inputs must already be validated. No host synchronization."""
+    calls, out, final, (dt_buf, cum_buf, states), (x, B, init) = forward_launches(
+        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
+        dt_limit, state_dtype, config)
+    b, l, h, p = x.shape
+    state_dtype = state_dtype if state_dtype is not None else C.dtype
+    if not calls:                # l = 0 or no heads: nothing to launch
+        final = init.clone() if init is not None else final.zero_()
+        varlen = None
+        if cu_seqlens is not None:
+            varlen = empty_varlen_states(cu_seqlens, init, (h, p, B.shape[3]), state_dtype)
+        return out, final, varlen
+    launch_calls(calls, x.device)
+    varlen = None
+    if cu_seqlens is not None:
+        varlen = varlen_states_from_chunks(x, B, dt_buf, cum_buf, states, init, cu_seqlens,
+                                           chunk_size).to(state_dtype)
+    return out, final, varlen
+
+
+def forward_launches(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+                     initial_states=None, seq_idx=None, dt_softplus=False,
+                     dt_limit=(0.0, float("inf")), state_dtype=None, config=None):
+    """The forward's planned launches and the buffers they write, for CUDA inputs:
+    (calls, out, final, (dt_buf, cum_buf, states), (x, B, init) as the kernels read them).
+    `calls` is empty when there is nothing to launch (l = 0 or b * h = 0)."""
+    b, l, h, p = x.shape
+    n = B.shape[3]
+    Q = chunk_size
+    dev = x.device
+    state_dtype = state_dtype if state_dtype is not None else C.dtype
+    mm = x.dtype
+    x = as_kernel_input(x)
+    B, C, z = (as_kernel_input(t, mm) for t in (B, C, z))
+    dt = as_kernel_input(dt)
+    A = as_kernel_input(A, torch.float32)
+    D = as_kernel_input(D, torch.float32)
+    dt_bias = as_kernel_input(dt_bias, torch.float32)
+    init = as_kernel_input(initial_states, torch.float32)
+    if seq_idx is not None:
+        seq_idx = as_kernel_input(seq_idx, torch.int32)
+
+    nchunks = -(-l // Q)
+    final = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
+    out = torch.empty((b, l, h, p), dtype=x.dtype, device=dev)
+    dt_buf = torch.empty((b, h, nchunks * Q), dtype=torch.float32, device=dev)
+    cum_buf = torch.empty((b, h, nchunks * Q), dtype=torch.float32, device=dev)
+    states = torch.empty((b, h, nchunks, p, n), dtype=state_dtype, device=dev)
+    bufs = (dt_buf, cum_buf, states)
+    if l == 0 or b * h == 0:     # a zero-sized grid is a launch error
+        return [], out, final, bufs, (x, B, init)
+    lo, hi = dt_clamp_bounds(dt_limit)
+    cfg = config or forward_config(b, h, p, n, Q, x.dtype, num_sms(dev), seqlen=l,
+                                   device_index=dev.index or 0, has_seq=seq_idx is not None)
+    calls = forward_plan(x, dt, A, B, C, z, D, dt_bias, lo, hi, dt_softplus, init, seq_idx,
+                         dt_buf, cum_buf, states, final, out, cfg)
+    return calls, out, final, bufs, (x, B, init)

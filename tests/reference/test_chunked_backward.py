@@ -1,0 +1,229 @@
+"""CPU, float64: the explicit chunked backward (`chunked_backward.ssd_chunked_backward`) against
+torch.autograd through the token-by-token recurrence (and the chunked forward)."""
+
+import pytest
+import torch
+
+from mamba2_cutile import reference
+from mamba2_cutile.reference import ssd_chunked_backward
+
+NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+F64 = torch.float64
+TOL = 1e-9
+
+
+def make_inputs(seed=0, b=2, l=150, h=4, g=2, p=5, n=7, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731
+    return dict(x=r(b, l, h, p), dt=r(b, l, h) * 0.5 + 0.3,
+                A=-torch.rand(h, generator=gen, dtype=dtype) - 0.5,
+                B=r(b, l, g, n), C=r(b, l, g, n), D_head=r(h), D_chan=r(h, p), z=r(b, l, h, p),
+                dt_bias=r(h) * 0.3, initial_states=r(b, h, p, n))
+
+
+def make_seq_idx(b, l):
+    """Resets within chunks, exactly at chunk boundaries (64, 128, 192, 256), right after one
+    (65, 129), just before one (63), at token 1, at the last token, one-token sequences, gaps
+    in the ids, and a row that does not start at 0."""
+    rows = ([1, 40, 64, 100, 128, 129, 192, 250, l - 1],
+            [63, 64, 65, 130, 200, 256, 257])
+    seq = torch.zeros(b, l, dtype=torch.int32)
+    for r in range(b):
+        marks = rows[r % 2]
+        seq[r] = 5 * r
+        for k, pos in enumerate(marks):
+            if 0 < pos < l:
+                seq[r, pos:] = 5 * r + 2 * (k + 1)
+    return seq
+
+
+OPTIONS = {
+    "none": dict(),
+    "D_head": dict(D="D_head"),
+    "D_chan": dict(D="D_chan"),
+    "z": dict(z=True),
+    "D_z": dict(D="D_head", z=True),
+    "bias_softplus": dict(dt_bias=True, dt_softplus=True),
+    "dt_limit": dict(dt_bias=True, dt_softplus=True, dt_limit=(0.7, 1.1)),
+    "dt_limit_nosoftplus": dict(dt_limit=(0.2, 0.6)),
+    "initial_states": dict(initial_states=True),
+    "seq_idx": dict(seq_idx=True),
+    "seq_idx_init": dict(seq_idx=True, initial_states=True),
+    "all": dict(D="D_chan", z=True, dt_bias=True, dt_softplus=True, dt_limit=(0.7, 1.1),
+                initial_states=True, seq_idx=True),
+}
+
+
+def build(opt, l, b=2, h=4, g=2, p=5, n=7, seed=0):
+    inp = make_inputs(seed=seed, b=b, l=l, h=h, g=g, p=p, n=n)
+    args = dict(x=inp["x"], dt=inp["dt"], A=inp["A"], B=inp["B"], C=inp["C"],
+                D=inp[opt["D"]] if "D" in opt else None,
+                z=inp["z"] if opt.get("z") else None,
+                dt_bias=inp["dt_bias"] if opt.get("dt_bias") else None,
+                initial_states=inp["initial_states"] if opt.get("initial_states") else None)
+    kw = dict(seq_idx=make_seq_idx(b, l) if opt.get("seq_idx") else None,
+              dt_softplus=opt.get("dt_softplus", False),
+              dt_limit=opt.get("dt_limit", (0.0, float("inf"))))
+    return args, kw
+
+
+def autograd_grads(forward, args, kw, dout, dfinal, **extra):
+    leaves = {k: (None if v is None else v.clone().requires_grad_(True)) for k, v in args.items()}
+    y, h, _ = forward(**leaves, **kw, **extra)
+    outs, cots = [y], [dout]
+    if dfinal is not None:
+        outs.append(h)
+        cots.append(dfinal)
+    names = [k for k in NAMES if leaves[k] is not None]
+    got = torch.autograd.grad(outs, [leaves[k] for k in names], cots, allow_unused=True)
+    res = dict.fromkeys(NAMES)
+    for k, gr in zip(names, got):
+        res[k] = torch.zeros_like(args[k]) if gr is None else gr
+    return res
+
+
+def explicit_grads(args, kw, chunk, dout, dfinal, dtype=F64):
+    return ssd_chunked_backward(args["x"], args["dt"], args["A"], args["B"], args["C"], chunk,
+                                dout, dfinal, D=args["D"], z=args["z"], dt_bias=args["dt_bias"],
+                                initial_states=args["initial_states"], dtype=dtype, **kw)
+
+
+def cotangents(args, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    x, B = args["x"], args["B"]
+    b, l, h, p = x.shape
+    dout = torch.randn(b, l, h, p, generator=gen, dtype=x.dtype)
+    dfinal = torch.randn(b, h, p, B.shape[-1], generator=gen, dtype=x.dtype)
+    return dout, dfinal
+
+
+def assert_close(got, ref, tol=TOL):
+    for k in NAMES:
+        if ref[k] is None:
+            assert got[k] is None, f"d{k} should be None"
+            continue
+        assert got[k] is not None, f"d{k} missing"
+        assert got[k].shape == ref[k].shape, f"d{k}: shape {got[k].shape} != {ref[k].shape}"
+        scale = ref[k].abs().max().item()
+        err = (got[k] - ref[k]).abs().max().item()
+        assert err <= tol * max(scale, 1e-12), f"d{k}: error {err:.3e}, scale {scale:.3e}"
+
+
+@pytest.mark.parametrize("with_final", [True, False], ids=["dfinal", "no_dfinal"])
+@pytest.mark.parametrize("l", [150, 300, 37, 1])
+@pytest.mark.parametrize("opt", list(OPTIONS))
+def test_matches_recurrence_autograd(opt, l, with_final):
+    args, kw = build(OPTIONS[opt], l)
+    dout, dfinal = cotangents(args)
+    dfinal = dfinal if with_final else None
+    ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, dfinal, dtype=F64)
+    got = explicit_grads(args, kw, 64, dout, dfinal)
+    assert_close(got, ref)
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 128])
+@pytest.mark.parametrize("g", [1, 2, 4])
+def test_chunk_sizes_and_groups(chunk, g):
+    args, kw = build(OPTIONS["all"], 150, g=g, seed=3)
+    dout, dfinal = cotangents(args, seed=11)
+    ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, dfinal, dtype=F64)
+    assert_close(explicit_grads(args, kw, chunk, dout, dfinal), ref)
+
+
+def test_matches_chunked_forward_autograd():
+    args, kw = build(OPTIONS["all"], 300, seed=4)
+    dout, dfinal = cotangents(args, seed=2)
+    ref = autograd_grads(reference.ssd_chunked, args, kw, dout, dfinal, chunk_size=64,
+                         dtype=F64)
+    assert_close(explicit_grads(args, kw, 64, dout, dfinal), ref)
+
+
+def test_dt_limit_really_clamps():
+    """The dt_limit cases above clamp a good share of dt at both ends."""
+    for opt in ("dt_limit", "dt_limit_nosoftplus"):
+        args, kw = build(OPTIONS[opt], 300)
+        v = args["dt"] + (0 if args["dt_bias"] is None else args["dt_bias"])
+        w = torch.nn.functional.softplus(v) if kw["dt_softplus"] else v
+        lo, hi = kw["dt_limit"]
+        assert (w < lo).float().mean() > 0.1 and (w > hi).float().mean() > 0.1
+
+
+@pytest.mark.parametrize("softplus", [False, True])
+def test_clamp_and_softplus_boundaries(softplus):
+    """dt exactly at the clamp bounds (torch.clamp passes the gradient there) and dt + bias
+    exactly at softplus's threshold (20: sigmoid branch) and just above it."""
+    args, kw = build(dict(dt_bias=True), 150, seed=5)
+    dt = args["dt"].clone()
+    bias = args["dt_bias"]
+    pre = (lambda y: torch.log(torch.expm1(torch.tensor(y, dtype=F64)))) if softplus \
+        else (lambda y: torch.tensor(y, dtype=F64))
+    dt[:, ::7] = pre(0.25) - bias
+    dt[:, 3::11] = pre(0.75) - bias
+    if softplus:
+        dt[0, 5] = 20.0 - bias       # v = 20 (up to rounding): the sigmoid branch
+        dt[1, 9] = 20.0 - bias + 1e-9
+    v = dt + bias
+    w = torch.nn.functional.softplus(v) if softplus else v
+    # bounds equal to values that occur exactly (head 0; other heads land within rounding)
+    lo, hi = w[0, 0, 0].item(), w[0, 3, 0].item()
+    assert (w == lo).sum() >= 2 and (w == hi).sum() >= 2
+    assert (w < lo).any() and (w > hi).any()
+    if softplus:
+        assert (v == 20.0).any() and ((v > 20.0) & (v < 20.0 + 1e-6)).any()
+    args["dt"] = dt
+    kw = dict(seq_idx=None, dt_softplus=softplus, dt_limit=(lo, hi))
+    dout, dfinal = cotangents(args)
+    ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, dfinal, dtype=F64)
+    assert_close(explicit_grads(args, kw, 64, dout, dfinal), ref)
+    if softplus:   # the threshold tokens with an unbounded limit
+        kw["dt_limit"] = (0.0, 100.0)
+        ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, dfinal, dtype=F64)
+        got = explicit_grads(args, kw, 64, dout, dfinal)
+        assert_close(got, ref)
+        # at v = 20 torch uses sigmoid(20) = 1 - 2e-9, not 1: check those entries tightly
+        at = v >= 20.0
+        rel = ((got["dt"] - ref["dt"]).abs() / ref["dt"].abs())[at]
+        assert rel.max() < 1e-11
+
+
+def test_default_limit_does_not_clamp_negative_dt():
+    """With the default dt_limit (0, inf) nothing is clamped, not even negative dt."""
+    args, kw = build(dict(), 150)
+    args["dt"] = args["dt"] - 0.5
+    assert (args["dt"] < 0).any()
+    dout, dfinal = cotangents(args)
+    ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, dfinal, dtype=F64)
+    got = explicit_grads(args, kw, 64, dout, dfinal)
+    assert_close(got, ref)
+    assert (got["dt"][args["dt"] < 0] != 0).all()
+
+
+def test_dfinal_only():
+    """Only the final state's gradient (dout = 0): reaches only the last sequence of each row."""
+    args, kw = build(OPTIONS["all"], 300)
+    _, dfinal = cotangents(args)
+    dout = torch.zeros_like(args["x"])
+    ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, dfinal, dtype=F64)
+    got = explicit_grads(args, kw, 64, None, dfinal)
+    assert_close(got, ref)
+    last = kw["seq_idx"] == kw["seq_idx"][:, -1:]
+    assert (got["x"][~last] == 0).all()
+
+
+def test_empty_sequence():
+    args, kw = build(OPTIONS["all"], 0)
+    dout, dfinal = cotangents(args)
+    got = explicit_grads(args, kw, 64, dout, dfinal)
+    assert torch.equal(got["initial_states"], dfinal)
+    assert all(got[k].abs().sum() == 0 for k in NAMES if k != "initial_states")
+
+
+def test_float32_compute_and_dtypes():
+    args, kw = build(OPTIONS["all"], 150, seed=6)
+    dout, dfinal = cotangents(args)
+    ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, dfinal, dtype=F64)
+    a32 = {k: None if v is None else v.float() for k, v in args.items()}
+    got = explicit_grads(a32, kw, 64, dout.float(), dfinal.float(), dtype=torch.float32)
+    for k in NAMES:
+        assert got[k].dtype == torch.float32
+    assert_close({k: None if v is None else v.double() for k, v in got.items()}, ref, tol=1e-4)

@@ -1,0 +1,164 @@
+"""CPU, float64: the backward's tile programs, run one program instance at a time.
+
+The kernels cannot run without a GPU, so this executes *the kernel functions themselves* (their
+Python source, unchanged) with `ct` replaced by a small float64 PyTorch emulation of the cuTile
+operations they use: `ct.load` partitions the array into tiles of the given shape and indexes
+that tile space, out-of-bounds elements are 0 with PaddingMode.ZERO and NaN otherwise (so a
+reliance on undefined padding shows up), a tile lying entirely outside the array is an error,
+`ct.store` drops the out-of-bounds part. Every program of every grid runs in turn (the same
+grids and argument lists `backward.backward_plan` builds for the GPU), scratch buffers start as
+NaN (a read of something no program wrote poisons the result), and each array element may be
+written by one program of a launch only (two programs writing one slot would be a race on the
+GPU).
+
+The gradients must match `chunked_backward.ssd_chunked_backward` (itself checked against
+autograd) to float64 rounding, with partial chunks, seq_idx resets on and inside chunk
+boundaries, several token blocks per chunk, several p- and n-tiles, and every option.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("cuda.tile")
+
+from mamba2_cutile.reference import ssd_chunked_backward  # noqa: E402
+from mamba2_cutile.ssd import backward  # noqa: E402
+from support.emulator import (CT, F64, OPTIONS, _Padding, _tile, emulate_launch,  # noqa: E402
+                              make_problem, poison)
+
+NAMES = backward.NAMES
+
+
+def small_config(Q, p, n, **over):
+    """Small tiles, so one chunk holds several token blocks and P, N several tiles; the
+    per-block dB/dC programs and the stable da form (bc_fused=0, da_mode=0) unless `over`
+    says otherwise (the dispatcher's own choice is tested by test_emulated_dispatcher_config)."""
+    cfg = backward.backward_config(2, 4, 2, p, n, Q, F64)
+    cfg = replace(cfg, bc_fused=0, da_mode=0,
+                  dx_block_q=16, dx_block_p=16, bc_block_q=32, bc_block_p=16,
+                  bc_block_n=16, bstate_block_p=16, bstate_block_n=16, state_block_p=16,
+                  state_block_n=16, cumsum_block_h=2, dstate_pad=max(16, 1 << (n - 1).bit_length()))
+    return replace(cfg, **over)
+
+
+def emulated_grads(args, kw, Q, dout, dfinal, cfg):
+    return backward.run_backward(**args, chunk_size=Q, dout=dout, dfinal_states=dfinal, **kw,
+                                 config=cfg, launch_fn=emulate_launch, buf_dtype=F64,
+                                 on_buffers=poison)
+
+
+def reference_grads(args, kw, Q, dout, dfinal):
+    return ssd_chunked_backward(**args, chunk_size=Q, dout=dout, dfinal_states=dfinal, **kw,
+                                dtype=F64)
+
+
+def assert_close(got, ref, tol=1e-10):
+    for k in NAMES:
+        if ref[k] is None:
+            assert got[k] is None, f"d{k} should be None"
+            continue
+        assert got[k] is not None, f"d{k} missing"
+        assert got[k].shape == ref[k].shape, f"d{k}: shape {got[k].shape} != {ref[k].shape}"
+        assert got[k].dtype == ref[k].dtype, f"d{k}: dtype {got[k].dtype} != {ref[k].dtype}"
+        assert torch.isfinite(got[k]).all(), f"d{k} has non-finite entries"
+        scale = ref[k].abs().max().item()
+        err = (got[k] - ref[k]).abs().max().item()
+        assert err <= tol * max(scale, 1e-12), f"d{k}: error {err:.3e}, scale {scale:.3e}"
+
+
+@pytest.mark.parametrize("opt", list(OPTIONS))
+def test_emulated_kernels_match_chunked_backward(opt):
+    Q = 64
+    args, kw, dout, dfinal = make_problem(OPTIONS[opt], Q=Q)
+    cfg = small_config(Q, 20, 7)
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("l", [1, 16, 64, 65, 128, 137])
+def test_emulated_lengths(l):
+    """One token, a single block, exactly one and two chunks, one token past a chunk."""
+    Q = 64
+    args, kw, dout, dfinal = make_problem(OPTIONS["all"], l=l, Q=Q, seed=1)
+    cfg = small_config(Q, 20, 7)
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+TILINGS = {
+    "one_block_per_chunk": dict(dx_block_q=64, bc_block_q=64),
+    "dx_q32_bc_q16": dict(dx_block_q=32, bc_block_q=16),
+    "wide_tiles": dict(dx_block_p=32, bc_block_p=32, bc_block_n=32, bstate_block_p=32,
+                       bstate_block_n=32, cumsum_block_h=4),
+    "lowp": dict(lowp=1, dx_lowp=1),
+    "dbc_fused": dict(bc_fused=1),
+    "da_local": dict(da_mode=1),
+    "da_local_q32": dict(da_mode=1, dx_block_q=32, bc_fused=1),
+    "da_split": dict(da_mode=2, bc_fused=1),
+    "da_split_q32_lowp": dict(da_mode=2, bc_fused=1, dx_block_q=32, lowp=1, bc_block_n=32),
+    "fused_local": dict(bc_fused=1, da_mode=1),
+    "latency_hints": dict(bc_fused=1, da_mode=1, bstate_load_latency=4, dx_load_latency=2,
+                          bc_load_latency=8),
+    "dbc_fused_wide": dict(bc_fused=1, bc_block_p=64, bc_block_n=32, lowp=1),
+}
+
+
+@pytest.mark.parametrize("tiling", list(TILINGS))
+def test_emulated_tilings(tiling):
+    Q = 64
+    args, kw, dout, dfinal = make_problem(OPTIONS["all"], l=150, Q=Q, seed=2, h=6, g=3, p=40,
+                                          n=20)
+    cfg = small_config(Q, 40, 20, **TILINGS[tiling])
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("g", [1, 4])
+def test_emulated_groups_and_chunk_32(g):
+    Q = 32
+    args, kw, dout, dfinal = make_problem(OPTIONS["all"], l=100, Q=Q, seed=3, g=g, p=16, n=16)
+    cfg = small_config(Q, 16, 16, bc_block_q=16)
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("opt", ["D_head_z_seq", "init_no_dfinal", "all", "none"])
+def test_emulated_dbc_fused_options(opt, mode):
+    """The whole-chunk dB/dC program with seq_idx resets, z, no dfinal; 4 heads per group."""
+    Q = 32
+    args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=90, Q=Q, seed=5, g=1, p=24, n=20)
+    cfg = small_config(Q, 24, 20, bc_fused=1, bc_block_n=16, da_mode=mode)
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("Q", [64, 128, 256])
+def test_emulated_dispatcher_config(Q):
+    """The dispatcher's own tiles (64-token blocks, 16- or 32-wide p/n tiles here)."""
+    args, kw, dout, dfinal = make_problem(OPTIONS["all"], b=1, l=300, h=2, g=1, p=24, n=12,
+                                          Q=Q, seed=4)
+    cfg = backward.backward_config(1, 2, 1, 24, 12, Q, torch.bfloat16)
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+def test_emulation_harness_checks():
+    """The harness itself: undefined padding reads NaN, a tile outside the array and two
+    programs writing one element are errors."""
+    a = torch.arange(10, dtype=F64)
+    t = CT.load(a, index=(2,), shape=(4,))
+    assert torch.isnan(t[2:]).all() and t[:2].tolist() == [8.0, 9.0]
+    assert CT.load(a, index=(2,), shape=(4,), padding_mode=_Padding.ZERO)[2:].eq(0).all()
+    with pytest.raises(AssertionError):
+        CT.load(a, index=(3,), shape=(4,))
+    CT.owner = {}
+    out = torch.zeros(8, dtype=F64)
+    CT.program = 1
+    CT.store(out, index=(0,), tile=_tile(torch.ones(4, dtype=F64)))
+    CT.store(out, index=(0,), tile=_tile(torch.ones(4, dtype=F64)))    # same program: fine
+    CT.program = 2
+    with pytest.raises(AssertionError):
+        CT.store(out, index=(1,), tile=_tile(torch.ones(2, dtype=F64)))

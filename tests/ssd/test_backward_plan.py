@@ -1,0 +1,44 @@
+"""CPU: the backward's plans on `meta` tensors: grid limits and 64-bit variants (their compiles
+are in test_ssd_compile.py)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("cuda.tile")
+
+from mamba2_cutile.bench import plans  # noqa: E402
+from mamba2_cutile.ssd import backward  # noqa: E402
+
+
+def test_plan_grids_respect_cuda_limits():
+    """Axes 1 and 2 of every grid stay within 65535, also for huge batch * heads."""
+    calls = plans.backward_problem_plan(batch=600, seqlen=3, nheads=128, headdim=4, dstate=16,
+                                        chunk_size=64)
+    for call in calls:
+        assert all(1 <= g for g in call.grid)
+        assert all(g <= 65535 for g in call.grid[1:])
+        assert call.grid[0] < 2**31
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(da_mode=2), dict(bc_fused=0, da_mode=0)],
+                         ids=["default", "da_mode2", "unfused"])
+def test_int64_variant_whenever_an_argument_needs_it(overrides):
+    """Every launch with an array argument of 2^31 elements or more gets its 64-bit variant
+    (here the decay-gradient scratch is the largest array: narrow p- and n-tiles)."""
+    import cuda.tile as ct
+
+    b, l, h, g, p, n, Q = 1, 31744 * 256, 16, 1, 8, 256, 256
+    e = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
+    x, dt, A = e(b, l, h, p), e(b, l, h, dt=torch.float32), e(h, dt=torch.float32)
+    B, C = e(b, l, g, n), e(b, l, g, n)
+    cfg = replace(backward.backward_config(b, h, g, p, n, Q, torch.bfloat16),
+                  dx_block_p=8, bc_block_n=16, **overrides)
+    calls = []
+    backward.run_backward(x, dt, A, B, C, Q, x, launch_fn=calls.extend, config=cfg)
+    for call in calls:
+        fn = call.kernel._annotated_function.pyfunc
+        big = max(a.numel() for a in call.args if isinstance(a, torch.Tensor))
+        is64 = any(v is ct.IndexedWithInt64 for v in fn.__annotations__.values())
+        assert is64 == (big >= 2**31), (fn.__name__, big)

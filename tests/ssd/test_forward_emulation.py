@@ -1,0 +1,76 @@
+"""CPU, float64: the forward's three tile programs, run one program instance at a time.
+
+The same emulated cuTile as tests/test_backward_emulation.py (the kernel functions' own source,
+`ct` replaced by float64 PyTorch; buffers poisoned with NaN; one writer per element): the
+forward plan's launches must reproduce the float64 recurrence to rounding, with seq_idx resets
+inside chunks and on chunk boundaries, partial last chunks, several query blocks per chunk and
+every option. This is what checks chunk_scan's same-sequence mask (a per-query run start that
+decay_cumsum writes) without a GPU.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("cuda.tile")
+
+from mamba2_cutile.reference import ssd_recurrence  # noqa: E402
+from mamba2_cutile.runtime import dt_clamp_bounds  # noqa: E402
+from mamba2_cutile.ssd import forward  # noqa: E402
+from support.emulator import F64, OPTIONS, emulate_launch, make_problem  # noqa: E402
+
+
+def emulated_forward(args, kw, Q, cfg):
+    x, dt, A, B, C = (args[k] for k in ("x", "dt", "A", "B", "C"))
+    b, l, h, p = x.shape
+    n = B.shape[3]
+    nc = -(-l // Q)
+    nan = lambda *s: torch.full(s, float("nan"), dtype=F64)  # noqa: E731
+    dt_buf, cum_buf, states = nan(b, h, nc * Q), nan(b, h, nc * Q), nan(b, h, nc, p, n)
+    final, out = nan(b, h, p, n), nan(b, l, h, p)
+    lo, hi = dt_clamp_bounds(kw["dt_limit"])
+    seq = kw["seq_idx"]
+    calls = forward.forward_plan(x, dt, A, B, C, kw["z"], kw["D"], kw["dt_bias"], lo, hi,
+                                 kw["dt_softplus"], kw["initial_states"],
+                                 None if seq is None else seq.to(torch.int32),
+                                 dt_buf, cum_buf, states, final, out, cfg)
+    if seq is not None:                  # the run starts are written by kernel 1: poison them
+        calls[0].args[8].fill_(-(2**30))
+    emulate_launch(calls)
+    return out, final
+
+
+def small_forward_config(Q, n, **over):
+    cfg = forward.forward_shape_config(2, 4, 20, n, Q, F64)
+    cfg = replace(cfg, cumsum_block_h=2, state_block_p=16, state_block_n=16, scan_block_p=16,
+                  dstate_pad=max(16, 1 << (n - 1).bit_length()))
+    return replace(cfg, **over)
+
+
+def check(args, kw, Q, cfg, tol=1e-10):
+    out, final = emulated_forward(args, kw, Q, cfg)
+    ref_out, ref_final, _ = ssd_recurrence(**args, **kw)
+    for name, got, ref in (("out", out, ref_out), ("final", final, ref_final)):
+        assert torch.isfinite(got).all(), f"{name} has non-finite entries"
+        err = (got - ref).abs().max().item()
+        scale = ref.abs().max().item()
+        assert err <= tol * scale, f"{name}: error {err:.3e}, scale {scale:.3e}"
+
+
+@pytest.mark.parametrize("opt", ["seq_idx", "D_head_z_seq", "all", "none"])
+@pytest.mark.parametrize("Q, block_q", [(64, 16), (64, 64), (128, 32), (128, 128), (256, 64)])
+def test_emulated_forward_matches_recurrence(opt, Q, block_q):
+    """Several query blocks per chunk (block_q < Q: the key-block loop) and one (the diagonal
+    block only); seq_idx resets at token 1, inside chunks, on and one after chunk boundaries,
+    at the last token; a partial last chunk (l = 150 or 300)."""
+    l = {64: 150, 128: 300, 256: 600}[Q]
+    args, kw, _, _ = make_problem(OPTIONS[opt], l=l, Q=Q)
+    check(args, kw, Q, small_forward_config(Q, 7, scan_block_q=block_q))
+
+
+@pytest.mark.parametrize("l", [1, 2, 63, 64, 65])
+def test_emulated_forward_short_with_seq_idx(l):
+    """Sequences shorter than a chunk, a reset at the very last token of a chunk."""
+    args, kw, _, _ = make_problem(OPTIONS["seq_idx"], l=l, Q=64)
+    check(args, kw, 64, small_forward_config(64, 7, scan_block_q=32))

@@ -1,0 +1,316 @@
+"""GPU: the cuTile forward against the float64 recurrence (and mamba_ssm's error, if present).
+
+Tolerance: max|out - ref| / max|ref| <= 2e-2 for fp16/bf16 inputs, <= 2e-3 for fp32 inputs,
+and never above 1.5x mamba_ssm's own error on the same inputs (when mamba_ssm is importable).
+Final and varlen states use the same scale.
+"""
+
+
+import pytest
+import torch
+
+from mamba2_cutile import mamba_chunk_scan_combined, reference
+from mamba2_cutile.bench.problems import default_seq_cuts, random_problem
+from support.gpu import SHAPES, TOL, log_result, rel_err, mamba_ssm_scan  # noqa: F401
+
+pytestmark = pytest.mark.gpu
+
+
+
+def make_problem(b, l, h, g, p, n, dtype, opts, seed=0):
+    """Realistic random inputs (bench.problems.random_problem) with the options in `opts`."""
+    return random_problem(b, l, h, g, p, n, dtype, D=opts.get("D"), z=bool(opts.get("z")),
+                          dt_bias=bool(opts.get("dt_bias")), dt_limit=opts.get("dt_limit"),
+                          init=bool(opts.get("init")),
+                          seq_cuts=default_seq_cuts(l) if opts.get("seq_idx") else None,
+                          seed=seed)
+
+
+def check(inp, kw, chunk_size, dtype, compare_mamba=True, state_dtype=None):
+    y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
+    y, h = mamba_chunk_scan_combined(**inp, chunk_size=chunk_size, return_final_states=True,
+                                     state_dtype=state_dtype, **kw)
+    assert y.dtype == inp["x"].dtype and y.shape == inp["x"].shape
+    assert h.dtype == torch.float32
+    assert torch.isfinite(y).all() and torch.isfinite(h).all()
+    e_y, e_h = rel_err(y, y_ref), rel_err(h, h_ref)
+    tol = TOL[dtype]
+    msg = f"out err {e_y:.2e}, final-state err {e_h:.2e}, tol {tol:.0e}"
+    f = mamba_ssm_scan() if compare_mamba else None
+    if f is not None:
+        ym, hm = f(**inp, chunk_size=chunk_size, return_final_states=True, **kw)
+        m_y, m_h = rel_err(ym, y_ref), rel_err(hm, h_ref)
+        msg += f"; mamba_ssm out err {m_y:.2e}, final-state err {m_h:.2e}"
+        print(msg)
+        log_result(msg)
+        assert e_y <= 1.5 * m_y, msg
+        assert e_h <= 1.5 * m_h, msg
+    else:
+        print(msg)
+        log_result(msg)
+    assert e_y <= tol, msg
+    assert e_h <= tol, msg
+    return y, h
+
+
+OPTS = {
+    "none": {},
+    "D_head": {"D": "h"},
+    "D_chan": {"D": "hp"},
+    "z": {"z": True},
+    "bias_softplus": {"dt_bias": True},
+    "dt_limit": {"dt_limit": (0.004, 0.05)},
+    "init": {"init": True},
+    "seq_idx": {"seq_idx": True},
+    "all": {"D": "hp", "z": True, "dt_bias": True, "dt_limit": (0.002, 0.08), "init": True,
+            "seq_idx": True},
+}
+
+
+@pytest.mark.parametrize("opt", list(OPTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_options(opt, dtype):
+    inp, kw = make_problem(2, 300, 4, 2, 64, 64, dtype, OPTS[opt])
+    check(inp, kw, 128, dtype)
+
+
+@pytest.mark.parametrize("chunk_size", [64, 128, 256])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_shapes(shape, chunk_size):
+    inp, kw = make_problem(*shape, torch.bfloat16, OPTS["all"], seed=1)
+    check(inp, kw, chunk_size, torch.bfloat16)
+
+
+@pytest.mark.parametrize("l", [1, 17, 64, 65, 255])
+def test_short_and_partial(l):
+    inp, kw = make_problem(2, l, 4, 1, 32, 64, torch.bfloat16, {"D": "h", "init": True})
+    check(inp, kw, 256, torch.bfloat16)
+
+
+def test_state_dtype_fp32():
+    inp, kw = make_problem(2, 700, 4, 1, 64, 128, torch.bfloat16, OPTS["all"])
+    check(inp, kw, 256, torch.bfloat16, state_dtype=torch.float32)
+
+
+def test_empty():
+    inp, kw = make_problem(2, 0, 4, 1, 32, 64, torch.bfloat16, {"init": True})
+    y, h = mamba_chunk_scan_combined(**inp, chunk_size=128, return_final_states=True, **kw)
+    assert y.shape == (2, 0, 4, 32)
+    torch.testing.assert_close(h, kw["initial_states"])
+
+
+def test_strided_views_of_one_projection():
+    """x, B, C, z, dt as slices of one in_proj output, as in a Mamba-2 block."""
+    b, l, h, g, p, n = 2, 300, 4, 1, 64, 64
+    dev = "cuda"
+    d_inner = h * p
+    width = 2 * d_inner + 2 * g * n + h
+    proj = torch.randn(b, l, width, device=dev, dtype=torch.bfloat16)
+    z, x, Bf, Cf, dt = torch.split(proj, [d_inner, d_inner, g * n, g * n, h], dim=-1)
+    x, z = x.view(b, l, h, p), z.view(b, l, h, p)
+    Bm, Cm = Bf.view(b, l, g, n), Cf.view(b, l, g, n)
+    dt = dt.float() * 0.5 - 4.0
+    A = -torch.rand(h, device=dev) * 4 - 1
+    inp = dict(x=x, dt=dt, A=A, B=Bm, C=Cm)
+    kw = dict(z=z, D=torch.randn(h, device=dev), dt_bias=torch.randn(h, device=dev) * 0.1,
+              dt_softplus=True)
+    assert not x.is_contiguous()
+    y_strided, _ = check(inp, kw, 128, torch.bfloat16)
+    contig = {k: v.contiguous() for k, v in inp.items()}
+    y_contig = mamba_chunk_scan_combined(**contig, chunk_size=128, **kw)
+    torch.testing.assert_close(y_strided, y_contig, rtol=0, atol=0)
+
+
+def _varlen_problem(dtype, with_init):
+    lens = [100, 28, 1, 300, 128, 67]
+    l = sum(lens)
+    inp, kw = make_problem(1, l, 4, 2, 48, 80, dtype, {"D": "h", "z": True, "init": with_init})
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    seq = torch.repeat_interleave(torch.arange(len(lens), device="cuda", dtype=torch.int32),
+                                  torch.tensor(lens, device="cuda"))[None]
+    kw["seq_idx"] = seq
+    return inp, kw, cu
+
+
+@pytest.mark.parametrize("with_init", [False, True])
+def test_varlen_states(with_init):
+    inp, kw, cu = _varlen_problem(torch.bfloat16, with_init)
+    y_ref, h_ref, v_ref = reference.ssd_recurrence(**inp, cu_seqlens=cu, **kw)
+    y, h, v = mamba_chunk_scan_combined(**inp, chunk_size=128, cu_seqlens=cu,
+                                        return_final_states=True, return_varlen_states=True,
+                                        **kw)
+    assert v.shape == (6, 4, 48, 80) and v.dtype == torch.bfloat16
+    e_v, e_y = rel_err(v, v_ref), rel_err(y, y_ref)
+    msg = f"varlen err {e_v:.2e}, out err {e_y:.2e}"
+    f = mamba_ssm_scan()
+    if f is not None and not with_init:   # mamba_ssm drops the initial state from varlen_states
+        _, vm = f(**inp, chunk_size=128, cu_seqlens=cu, return_varlen_states=True, **kw)
+        m_v = rel_err(vm, v_ref)
+        msg += f"; mamba_ssm varlen err {m_v:.2e}"
+        log_result(msg)
+        assert e_v <= 1.5 * m_v, msg
+    print(msg)
+    log_result(msg)
+    assert e_v <= 2e-2 and e_y <= 2e-2, msg
+
+
+def test_cuda_graph_capture():
+    inp, kw = make_problem(2, 500, 4, 1, 64, 128, torch.bfloat16, OPTS["all"])
+    eager = mamba_chunk_scan_combined(**inp, chunk_size=128, **kw)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            mamba_chunk_scan_combined(**inp, chunk_size=128, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mamba_chunk_scan_combined(**inp, chunk_size=128, **kw)
+    inp["x"].mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    again = mamba_chunk_scan_combined(**inp, chunk_size=128, **kw)
+    torch.testing.assert_close(captured, again, rtol=0, atol=0)
+    assert not torch.equal(captured, eager)
+
+
+def test_deterministic():
+    inp, kw = make_problem(2, 700, 8, 2, 64, 128, torch.bfloat16, OPTS["all"])
+    a = mamba_chunk_scan_combined(**inp, chunk_size=256, return_final_states=True, **kw)
+    b = mamba_chunk_scan_combined(**inp, chunk_size=256, return_final_states=True, **kw)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_int64_indexing():
+    """x with 3 * 2**30 elements: batch 2 starts past 2**31 and must match a run on its own."""
+    b, l, h, g, p, n = 3, 2**20, 16, 1, 64, 128
+    free, _ = torch.cuda.mem_get_info()
+    if free < 40 * 2**30:
+        pytest.skip("needs 40 GiB of free GPU memory")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(b, l, h, p, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dt = torch.full((b, l, h), 0.02, device="cuda")
+    A = -torch.linspace(1, 8, h, device="cuda")
+    Bm = torch.randn(b, l, g, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    Cm = torch.randn(b, l, g, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    y, hf = mamba_chunk_scan_combined(x, dt, A, Bm, Cm, 256, return_final_states=True)
+    y2, hf2 = mamba_chunk_scan_combined(x[2:], dt[2:], A, Bm[2:], Cm[2:], 256,
+                                        return_final_states=True)
+    # same math, 64- vs 32-bit addressing: a wrapped offset would read another batch entirely
+    assert rel_err(y[2], y2[0].double()) < 1e-3
+    assert rel_err(hf[2], hf2[0].double()) < 1e-3
+
+
+def test_device_mismatch_error():
+    inp, kw = make_problem(1, 64, 2, 1, 16, 16, torch.bfloat16, {})
+    inp["A"] = inp["A"].cpu()
+    with pytest.raises(ValueError, match="A is on cpu"):
+        mamba_chunk_scan_combined(**inp, chunk_size=64)
+
+
+def test_check_env_reads_values(monkeypatch):
+    inp, kw = make_problem(1, 64, 2, 1, 16, 16, torch.bfloat16, {})
+    seq = torch.zeros(1, 64, dtype=torch.int32, device="cuda")
+    seq[0, :10] = 3
+    monkeypatch.setenv("MAMBA2_CUTILE_CHECK", "1")
+    with pytest.raises(ValueError, match="seq_idx must be non-decreasing"):
+        mamba_chunk_scan_combined(**inp, chunk_size=64, seq_idx=seq)
+
+
+TUNING_OPTIONS = [
+    {"scan_lowp": 1}, {"scan_head_major": 1}, {"scan_persistent": 2}, {"scan_persistent": 1},
+    {"state_block_n": 16}, {"state_block_n": 64, "state_block_p": 32}, {"scan_block_q": 64},
+    {"scan_load_latency": 4}, {"state_occupancy": 2}, {"scan_lowp": 1, "scan_head_major": 1},
+    {"scan_warps": 8}, {"state_scale_x": 1}, {"scan_block_q": 64, "scan_occupancy": 2},
+    {"scan_block_n": 32}, {"scan_block_n": 64, "scan_block_q": 64},
+    {"scan_lowp": 0}, {"state_scale_x": 0}, {"state_fresh_acc": 0}, {"scan_occupancy": 2},
+    {"scan_block_p": 32, "scan_occupancy": 2},
+]
+
+
+@pytest.mark.parametrize("overrides", TUNING_OPTIONS, ids=lambda o: ",".join(
+    f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_config_variants(overrides, dtype):
+    """Every config option a tuner may pick gives a correct answer (all options on)."""
+    from dataclasses import replace
+
+    from mamba2_cutile.ssd import forward
+    from mamba2_cutile.ssd.forward import ssd_forward_cuda
+
+    b, l, h, g, p, n, Q = 2, 700, 4, 2, 64, 128, 256
+    inp, kw = make_problem(b, l, h, g, p, n, dtype, OPTS["all"], seed=3)
+    cfg = replace(forward.forward_config(b, h, p, n, Q, dtype), **overrides)
+    y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
+    dt_limit = kw.pop("dt_limit")
+    y, hf, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit, config=cfg, **kw)
+    e_y, e_h = rel_err(y, y_ref), rel_err(hf, h_ref)
+    msg = f"{overrides}: out err {e_y:.2e}, final-state err {e_h:.2e}"
+    log_result(msg)
+    assert e_y <= TOL[dtype] and e_h <= TOL[dtype], msg
+
+
+def test_more_than_65535_batch_heads():
+    """batch * heads above CUDA's 65535 limit of grid axes y and z."""
+    inp, kw = make_problem(600, 3, 128, 1, 4, 16, torch.bfloat16, {"D": "h", "init": True})
+    check(inp, kw, 64, torch.bfloat16, compare_mamba=False)
+
+
+def test_tiny_headdim_and_dstate():
+    inp, kw = make_problem(2, 130, 4, 2, 1, 1, torch.bfloat16, OPTS["all"])
+    check(inp, kw, 64, torch.bfloat16, compare_mamba=False)
+
+
+def test_mixed_dtypes():
+    """bf16 x and z, fp16 B and C, a bf16 dt view, bf16 D/dt_bias/initial_states, fp16 states."""
+    inp, kw = make_problem(2, 300, 4, 2, 64, 64, torch.bfloat16, OPTS["all"])
+    inp["B"], inp["C"] = inp["B"].half(), inp["C"].half()
+    wide = torch.zeros(2, 300, 3 * 4, device="cuda", dtype=torch.bfloat16)
+    wide[..., 4:8] = inp["dt"].bfloat16()
+    inp["dt"] = wide[..., 4:8]                       # strided bf16 view, as from in_proj
+    for k in ("D", "dt_bias", "initial_states"):
+        kw[k] = kw[k].bfloat16()
+    check(inp, kw, 128, torch.bfloat16, compare_mamba=False, state_dtype=torch.float16)
+
+
+def test_empty_batch():
+    inp, kw = make_problem(1, 64, 2, 1, 16, 16, torch.bfloat16, {})
+    inp = {k: (v[:0] if k != "A" else v) for k, v in inp.items()}
+    y, h = mamba_chunk_scan_combined(**inp, chunk_size=64, return_final_states=True)
+    assert y.shape == (0, 64, 2, 16) and h.shape == (0, 2, 16, 16)
+
+
+@pytest.mark.parametrize("cu_list", [[0, 0, 5, 25, 400], [0, 10, 400], [0, 128, 256, 400],
+                                     [0, 100, 400, 400]], ids=str)
+def test_varlen_edges(cu_list):
+    """Leading/trailing empty sequences, a first sequence ending inside chunk 0, sequences
+    ending on chunk boundaries; with initial states."""
+    l = cu_list[-1]
+    inp, kw = make_problem(1, l, 4, 2, 32, 48, torch.bfloat16, {"init": True, "D": "h"})
+    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+    seq = torch.zeros(1, l, dtype=torch.int32, device="cuda")
+    for s, (a, e) in enumerate(zip(cu_list[:-1], cu_list[1:])):
+        seq[0, a:e] = s
+    kw["seq_idx"] = seq
+    _, h_ref, v_ref = reference.ssd_recurrence(**inp, cu_seqlens=cu, **kw)
+    _, h, v = mamba_chunk_scan_combined(**inp, chunk_size=128, cu_seqlens=cu,
+                                        return_final_states=True, return_varlen_states=True,
+                                        state_dtype=torch.float32, **kw)
+    e_v = rel_err(v, v_ref)
+    log_result(f"varlen err {e_v:.2e}")
+    assert e_v <= 2e-2, f"varlen err {e_v:.2e}"
+    assert rel_err(h, h_ref) <= 2e-2
+
+
+def test_expanded_inputs():
+    """B, C shared by the batch and dt shared by the heads as stride-0 expansions: the same
+    answer as the materialized tensors (they are copied before the launch)."""
+    inp, kw = make_problem(2, 300, 4, 2, 64, 64, torch.bfloat16, {"D": "h", "init": True})
+    inp["B"] = inp["B"][:1].expand_as(inp["B"])
+    inp["C"] = inp["C"][:1].expand_as(inp["C"])
+    inp["dt"] = inp["dt"][..., :1].expand_as(inp["dt"])
+    y, h = check(inp, kw, 128, torch.bfloat16)
+    dense = {k: v.contiguous() for k, v in inp.items()}
+    y2, h2 = mamba_chunk_scan_combined(**dense, chunk_size=128, return_final_states=True, **kw)
+    torch.testing.assert_close(y, y2, rtol=0, atol=0)
+    torch.testing.assert_close(h, h2, rtol=0, atol=0)

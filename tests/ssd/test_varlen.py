@@ -1,0 +1,75 @@
+"""CPU: the GPU path's varlen_states glue (`interface.varlen_states_from_chunks`), fed with what
+the forward kernels store (dt', log2 cumsum, chunk entry states), against the recurrence."""
+
+import math
+
+import pytest
+import torch
+
+from mamba2_cutile import reference
+from mamba2_cutile.ssd.varlen import varlen_states_from_chunks
+
+CASES = {
+    "plain": [0, 30, 64, 64, 129, 200],
+    "leading-empty": [0, 0, 5, 25, 200],
+    "first-ends-in-chunk-0": [0, 10, 200],
+    "ends-on-boundaries": [0, 64, 128, 192, 200],
+    "one-long": [0, 200],
+    "trailing-empty": [0, 100, 200, 200],
+    "single-tokens": [0, 1, 2, 3, 200],
+}
+
+
+def kernel_intermediates(inp, kw, Q):
+    """dt_buf, cum_buf (log2) and entry states as the forward kernels write them."""
+    x = inp["x"]
+    b, l, h, p = x.shape
+    n = inp["B"].shape[-1]
+    nc = -(-l // Q)
+    dt = reference.process_dt(inp["dt"], None, False)
+    dt_buf = torch.zeros(b, h, nc * Q, dtype=x.dtype)
+    dt_buf[:, :, :l] = dt.transpose(1, 2)
+    a = (dt_buf * inp["A"][None, :, None]).reshape(b, h, nc, Q)
+    cum_buf = (torch.cumsum(a, dim=-1) / math.log(2)).reshape(b, h, nc * Q)
+    h0 = kw.get("initial_states")
+    states = torch.zeros(b, h, nc, p, n, dtype=x.dtype)
+    for c in range(nc):
+        if c == 0:
+            states[:, :, 0] = 0 if h0 is None else h0
+        else:
+            pre = {k: v[:, :c * Q] for k, v in inp.items() if k not in ("A",)}
+            pre["A"] = inp["A"]
+            kwp = dict(kw)
+            kwp["seq_idx"] = kw["seq_idx"][:, :c * Q]
+            _, hc, _ = reference.ssd_recurrence(**pre, **kwp)
+            states[:, :, c] = hc
+    # the kernels write these in float32 (states in the state dtype: float32 here)
+    return dt_buf.float(), cum_buf.float(), states.float()
+
+
+@pytest.mark.parametrize("with_init", [False, True])
+@pytest.mark.parametrize("name", list(CASES))
+def test_varlen_glue(name, with_init):
+    cu_list = CASES[name]
+    l, h, g, p, n, Q = 200, 4, 2, 3, 5, 64
+    gen = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    inp = dict(x=r(1, l, h, p), dt=r(1, l, h).abs() * 0.2, A=-torch.rand(h, generator=gen,
+               dtype=torch.float64) - 0.5, B=r(1, l, g, n), C=r(1, l, g, n))
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    seq = torch.zeros(1, l, dtype=torch.int32)
+    for s, (a, e) in enumerate(zip(cu_list[:-1], cu_list[1:])):
+        seq[0, a:e] = s
+    kw = dict(seq_idx=seq)
+    if with_init:
+        kw["initial_states"] = r(1, h, p, n)
+    _, _, v_ref = reference.ssd_recurrence(**inp, cu_seqlens=cu, **kw)
+    dt_buf, cum_buf, states = kernel_intermediates(inp, kw, Q)
+    init = kw.get("initial_states")
+    v = varlen_states_from_chunks(inp["x"], inp["B"], dt_buf, cum_buf, states,
+                                  None if init is None else init.float(), cu, Q)
+    torch.testing.assert_close(v.double(), v_ref, rtol=1e-4, atol=1e-4)
+    # and the chunked reference (what CPU tensors run) agrees too
+    _, _, v_chunked = reference.ssd_chunked(**inp, chunk_size=Q, cu_seqlens=cu,
+                                            dtype=torch.float64, **kw)
+    torch.testing.assert_close(v_chunked, v_ref, rtol=1e-9, atol=1e-9)
