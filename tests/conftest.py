@@ -11,19 +11,16 @@ def pytest_configure(config):
 
 
 def _xdist_group(item):
-    """GPU tests that compare with mamba_ssm's backward share a worker per problem shape:
-    mamba_ssm autotunes its ~14 backward kernels (about a minute) once per process and shape,
-    so spreading one shape over many workers repeats that minute on each (use --dist
-    loadgroup)."""
-    if not item.nodeid.startswith("tests/ssd/test_backward_gpu.py::"):
+    """The mamba_ssm comparison tests (test_against_mamba_ssm_*) of the backward share one
+    worker, and those of the forward another: mamba_ssm autotunes its Triton kernels (about a
+    minute per backward kernel shape on an H200) once per process, so spreading them over many
+    workers would repeat that on each (use --dist loadgroup). No other test calls mamba_ssm."""
+    if not item.name.startswith("test_against_mamba_ssm"):
         return None
-    name = item.name
-    if name.startswith("test_options["):
-        return "bwd-options-" + name[len("test_options["):].split("-")[0]   # one per dtype
-    if name.startswith("test_shapes["):
-        return "bwd-shape-" + name[len("test_shapes["):].rsplit("-", 1)[0]
-    if name.startswith("test_short_and_partial["):
-        return "bwd-short"
+    if item.nodeid.startswith("tests/ssd/test_backward_gpu.py::"):
+        return "mamba-bwd"
+    if item.nodeid.startswith("tests/ssd/test_forward_gpu.py::"):
+        return "mamba-fwd"
     return None
 
 

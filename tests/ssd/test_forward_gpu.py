@@ -1,8 +1,13 @@
-"""GPU: the cuTile forward against the float64 recurrence (and mamba_ssm's error, if present).
+"""GPU: the cuTile forward against the float64 recurrence, and against mamba_ssm's error.
 
-Tolerance: max|out - ref| / max|ref| <= 2e-2 for fp16/bf16 inputs, <= 2e-3 for fp32 inputs,
-and never above 1.5x mamba_ssm's own error on the same inputs (when mamba_ssm is importable).
-Final and varlen states use the same scale.
+Tolerance (support.tolerances.forward_tol, by input dtype): max|out - ref| / max|ref| <= 2e-2
+for bf16 inputs, <= 2e-3 for fp16 and fp32 inputs; final and varlen states use the same bound.
+The float64-reference checks never depend on mamba_ssm. The test_against_mamba_ssm_* tests
+assert ours is never above 1.5x mamba_ssm's own error on the same inputs (plus tol / 10); they
+skip, with the reason, when mamba_ssm is not importable, MAMBA2_TEST_COMPARE_MAMBA=0, or
+mamba_ssm refuses an option combination. They share one xdist group ("mamba-fwd", see
+tests/conftest.py) so mamba_ssm's Triton autotune is paid once per process; run the suite as
+described at the top of tests/ssd/test_backward_gpu.py.
 """
 
 
@@ -11,7 +16,8 @@ import torch
 
 from mamba2_cutile import mamba_chunk_scan_combined, reference
 from mamba2_cutile.bench.problems import default_seq_cuts, random_problem
-from support.gpu import SHAPES, TOL, log_result, rel_err, mamba_ssm_scan  # noqa: F401
+from support.gpu import SHAPES, log_result, mamba_refused, rel_err, require_mamba_ssm_scan
+from support.tolerances import MAMBA_FACTOR, SAME_MATH_TOL, comparison_floor, forward_tol
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +32,8 @@ def make_problem(b, l, h, g, p, n, dtype, opts, seed=0):
                           seed=seed)
 
 
-def check(inp, kw, chunk_size, dtype, compare_mamba=True, state_dtype=None):
+def check(inp, kw, chunk_size, dtype, state_dtype=None):
+    """Ours against the float64 recurrence (out and final state, forward_tol(dtype))."""
     y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
     y, h = mamba_chunk_scan_combined(**inp, chunk_size=chunk_size, return_final_states=True,
                                      state_dtype=state_dtype, **kw)
@@ -34,23 +41,37 @@ def check(inp, kw, chunk_size, dtype, compare_mamba=True, state_dtype=None):
     assert h.dtype == torch.float32
     assert torch.isfinite(y).all() and torch.isfinite(h).all()
     e_y, e_h = rel_err(y, y_ref), rel_err(h, h_ref)
-    tol = TOL[dtype]
+    tol = forward_tol(dtype)
     msg = f"out err {e_y:.2e}, final-state err {e_h:.2e}, tol {tol:.0e}"
-    f = mamba_ssm_scan() if compare_mamba else None
-    if f is not None:
-        ym, hm = f(**inp, chunk_size=chunk_size, return_final_states=True, **kw)
-        m_y, m_h = rel_err(ym, y_ref), rel_err(hm, h_ref)
-        msg += f"; mamba_ssm out err {m_y:.2e}, final-state err {m_h:.2e}"
-        print(msg)
-        log_result(msg)
-        assert e_y <= 1.5 * m_y, msg
-        assert e_h <= 1.5 * m_h, msg
-    else:
-        print(msg)
-        log_result(msg)
+    print(msg)
+    log_result(msg)
     assert e_y <= tol, msg
     assert e_h <= tol, msg
     return y, h
+
+
+def compare_with_mamba(inp, kw, chunk_size, dtype):
+    """Ours and mamba_ssm's errors against the float64 recurrence on the same inputs: ours may
+    be at most 1.5x mamba_ssm's, plus tol / 10 (skips when mamba_ssm is absent, switched off
+    or refuses these inputs)."""
+    f = require_mamba_ssm_scan()
+    y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
+    y, h = mamba_chunk_scan_combined(**inp, chunk_size=chunk_size, return_final_states=True,
+                                     **kw)
+    assert torch.isfinite(y).all() and torch.isfinite(h).all()
+    try:
+        ym, hm = f(**inp, chunk_size=chunk_size, return_final_states=True, **kw)
+    except Exception as e:  # noqa: BLE001 - an option combination mamba_ssm does not take
+        mamba_refused(e)
+    e_y, e_h = rel_err(y, y_ref), rel_err(h, h_ref)
+    m_y, m_h = rel_err(ym, y_ref), rel_err(hm, h_ref)
+    floor = comparison_floor(forward_tol(dtype))
+    msg = (f"out err {e_y:.2e}, final-state err {e_h:.2e}; mamba_ssm out err {m_y:.2e}, "
+           f"final-state err {m_h:.2e}; floor {floor:.0e}")
+    print(msg)
+    log_result(msg)
+    assert e_y <= MAMBA_FACTOR * m_y + floor, msg
+    assert e_h <= MAMBA_FACTOR * m_h + floor, msg
 
 
 OPTS = {
@@ -72,6 +93,20 @@ OPTS = {
 def test_options(opt, dtype):
     inp, kw = make_problem(2, 300, 4, 2, 64, 64, dtype, OPTS[opt])
     check(inp, kw, 128, dtype)
+
+
+@pytest.mark.parametrize("opt", list(OPTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_against_mamba_ssm_forward(opt, dtype):
+    """test_options' problems: ours vs mamba_ssm's error (fp32 is where they differ)."""
+    inp, kw = make_problem(2, 300, 4, 2, 64, 64, dtype, OPTS[opt])
+    compare_with_mamba(inp, kw, 128, dtype)
+
+
+def test_against_mamba_ssm_forward_chunk256():
+    """More heads, chunk 256, every option."""
+    inp, kw = make_problem(2, 700, 16, 2, 64, 128, torch.bfloat16, OPTS["all"], seed=4)
+    compare_with_mamba(inp, kw, 256, torch.bfloat16)
 
 
 @pytest.mark.parametrize("chunk_size", [64, 128, 256])
@@ -105,15 +140,16 @@ def test_strided_views_of_one_projection():
     dev = "cuda"
     d_inner = h * p
     width = 2 * d_inner + 2 * g * n + h
-    proj = torch.randn(b, l, width, device=dev, dtype=torch.bfloat16)
+    gen = torch.Generator(device=dev).manual_seed(7)
+    proj = torch.randn(b, l, width, device=dev, generator=gen).to(torch.bfloat16)
     z, x, Bf, Cf, dt = torch.split(proj, [d_inner, d_inner, g * n, g * n, h], dim=-1)
     x, z = x.view(b, l, h, p), z.view(b, l, h, p)
     Bm, Cm = Bf.view(b, l, g, n), Cf.view(b, l, g, n)
     dt = dt.float() * 0.5 - 4.0
-    A = -torch.rand(h, device=dev) * 4 - 1
+    A = -torch.rand(h, device=dev, generator=gen) * 4 - 1
     inp = dict(x=x, dt=dt, A=A, B=Bm, C=Cm)
-    kw = dict(z=z, D=torch.randn(h, device=dev), dt_bias=torch.randn(h, device=dev) * 0.1,
-              dt_softplus=True)
+    kw = dict(z=z, D=torch.randn(h, device=dev, generator=gen),
+              dt_bias=torch.randn(h, device=dev, generator=gen) * 0.1, dt_softplus=True)
     assert not x.is_contiguous()
     y_strided, _ = check(inp, kw, 128, torch.bfloat16)
     contig = {k: v.contiguous() for k, v in inp.items()}
@@ -140,18 +176,34 @@ def test_varlen_states(with_init):
                                         return_final_states=True, return_varlen_states=True,
                                         **kw)
     assert v.shape == (6, 4, 48, 80) and v.dtype == torch.bfloat16
-    e_v, e_y = rel_err(v, v_ref), rel_err(y, y_ref)
-    msg = f"varlen err {e_v:.2e}, out err {e_y:.2e}"
-    f = mamba_ssm_scan()
-    if f is not None and not with_init:   # mamba_ssm drops the initial state from varlen_states
-        _, vm = f(**inp, chunk_size=128, cu_seqlens=cu, return_varlen_states=True, **kw)
-        m_v = rel_err(vm, v_ref)
-        msg += f"; mamba_ssm varlen err {m_v:.2e}"
-        log_result(msg)
-        assert e_v <= 1.5 * m_v, msg
+    assert h.shape == (1, 4, 48, 80) and h.dtype == torch.float32
+    assert torch.isfinite(y).all() and torch.isfinite(h).all() and torch.isfinite(v).all()
+    e_v, e_y, e_h = rel_err(v, v_ref), rel_err(y, y_ref), rel_err(h, h_ref)
+    tol = forward_tol(torch.bfloat16)
+    msg = f"varlen err {e_v:.2e}, out err {e_y:.2e}, final-state err {e_h:.2e}, tol {tol:.0e}"
     print(msg)
     log_result(msg)
-    assert e_v <= 2e-2 and e_y <= 2e-2, msg
+    assert e_v <= tol and e_y <= tol and e_h <= tol, msg
+
+
+def test_against_mamba_ssm_varlen_states():
+    """test_varlen_states' problem without initial states (mamba_ssm drops the initial state
+    from varlen_states): ours vs mamba_ssm's varlen-state error."""
+    f = require_mamba_ssm_scan()
+    inp, kw, cu = _varlen_problem(torch.bfloat16, False)
+    _, _, v_ref = reference.ssd_recurrence(**inp, cu_seqlens=cu, **kw)
+    _, v = mamba_chunk_scan_combined(**inp, chunk_size=128, cu_seqlens=cu,
+                                     return_varlen_states=True, **kw)
+    try:
+        _, vm = f(**inp, chunk_size=128, cu_seqlens=cu, return_varlen_states=True, **kw)
+    except Exception as e:  # noqa: BLE001
+        mamba_refused(e)
+    e_v, m_v = rel_err(v, v_ref), rel_err(vm, v_ref)
+    floor = comparison_floor(forward_tol(torch.bfloat16))
+    msg = f"varlen err {e_v:.2e}; mamba_ssm varlen err {m_v:.2e}; floor {floor:.0e}"
+    print(msg)
+    log_result(msg)
+    assert e_v <= MAMBA_FACTOR * m_v + floor, msg
 
 
 def test_cuda_graph_capture():
@@ -197,8 +249,13 @@ def test_int64_indexing():
     y2, hf2 = mamba_chunk_scan_combined(x[2:], dt[2:], A, Bm[2:], Cm[2:], 256,
                                         return_final_states=True)
     # same math, 64- vs 32-bit addressing: a wrapped offset would read another batch entirely
-    assert rel_err(y[2], y2[0].double()) < 1e-3
-    assert rel_err(hf[2], hf2[0].double()) < 1e-3
+    # (no measured number yet: the errors are logged; SAME_MATH_TOL is tighter than the base)
+    e_y, e_h = rel_err(y[2], y2[0]), rel_err(hf[2], hf2[0])
+    tol = min(SAME_MATH_TOL, forward_tol(torch.bfloat16))
+    msg = f"batch 2 vs alone: out err {e_y:.2e}, final-state err {e_h:.2e}, tol {tol:.0e}"
+    print(msg)
+    log_result(msg)
+    assert e_y <= tol and e_h <= tol, msg
 
 
 def test_device_mismatch_error():
@@ -244,21 +301,23 @@ def test_config_variants(overrides, dtype):
     y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
     dt_limit = kw.pop("dt_limit")
     y, hf, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit, config=cfg, **kw)
+    assert torch.isfinite(y).all() and torch.isfinite(hf).all()
     e_y, e_h = rel_err(y, y_ref), rel_err(hf, h_ref)
-    msg = f"{overrides}: out err {e_y:.2e}, final-state err {e_h:.2e}"
+    tol = forward_tol(dtype)
+    msg = f"{overrides}: out err {e_y:.2e}, final-state err {e_h:.2e}, tol {tol:.0e}"
     log_result(msg)
-    assert e_y <= TOL[dtype] and e_h <= TOL[dtype], msg
+    assert e_y <= tol and e_h <= tol, msg
 
 
 def test_more_than_65535_batch_heads():
     """batch * heads above CUDA's 65535 limit of grid axes y and z."""
     inp, kw = make_problem(600, 3, 128, 1, 4, 16, torch.bfloat16, {"D": "h", "init": True})
-    check(inp, kw, 64, torch.bfloat16, compare_mamba=False)
+    check(inp, kw, 64, torch.bfloat16)
 
 
 def test_tiny_headdim_and_dstate():
     inp, kw = make_problem(2, 130, 4, 2, 1, 1, torch.bfloat16, OPTS["all"])
-    check(inp, kw, 64, torch.bfloat16, compare_mamba=False)
+    check(inp, kw, 64, torch.bfloat16)
 
 
 def test_mixed_dtypes():
@@ -270,7 +329,7 @@ def test_mixed_dtypes():
     inp["dt"] = wide[..., 4:8]                       # strided bf16 view, as from in_proj
     for k in ("D", "dt_bias", "initial_states"):
         kw[k] = kw[k].bfloat16()
-    check(inp, kw, 128, torch.bfloat16, compare_mamba=False, state_dtype=torch.float16)
+    check(inp, kw, 128, torch.bfloat16, state_dtype=torch.float16)
 
 
 def test_empty_batch():
@@ -296,10 +355,14 @@ def test_varlen_edges(cu_list):
     _, h, v = mamba_chunk_scan_combined(**inp, chunk_size=128, cu_seqlens=cu,
                                         return_final_states=True, return_varlen_states=True,
                                         state_dtype=torch.float32, **kw)
-    e_v = rel_err(v, v_ref)
-    log_result(f"varlen err {e_v:.2e}")
-    assert e_v <= 2e-2, f"varlen err {e_v:.2e}"
-    assert rel_err(h, h_ref) <= 2e-2
+    assert torch.isfinite(h).all() and torch.isfinite(v).all()
+    # the final state has no measured number yet: the base tolerance, and its error logged
+    e_v, e_h = rel_err(v, v_ref), rel_err(h, h_ref)
+    tol = forward_tol(torch.bfloat16)
+    msg = f"varlen err {e_v:.2e}, final-state err {e_h:.2e}, tol {tol:.0e}"
+    print(msg)
+    log_result(msg)
+    assert e_v <= tol and e_h <= tol, msg
 
 
 def test_expanded_inputs():

@@ -1,11 +1,11 @@
-"""Helpers shared by the GPU test files: error metric, per-check log, baseline imports."""
+"""Helpers shared by the GPU test files: error metric, per-check log, problem shapes, the
+mamba_ssm baselines (tolerances: support.tolerances)."""
 
 import os
 
-import torch
+import pytest
 
-# max|err| / max|ref| bounds of the correctness tests, by input dtype
-TOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2, torch.float32: 2e-3}
+from mamba2_cutile.bench.accuracy import rel_err  # noqa: F401  (max|a - ref| / max|ref|)
 
 #: (b, l, h, g, p, n) problems of the forward and backward shape tests
 SHAPES = [
@@ -18,25 +18,19 @@ SHAPES = [
 ]
 
 
-def rel_err(a, ref):
-    """max|a - ref| / max|ref| in float64 (0 for empty tensors)."""
-    if ref.numel() == 0:
-        return 0.0
-    return ((a.double() - ref.double()).abs().max()
-            / ref.double().abs().max().clamp_min(1e-30)).item()
-
-
 def log_result(msg):
     """Errors of every check, appended as they happen to $MAMBA2_TEST_LOG (survives a killed
-    test run)."""
+    test run). The line starts with the test's node id (PYTEST_CURRENT_TEST less its
+    " (call)" tail; ids may contain spaces)."""
     path = os.environ.get("MAMBA2_TEST_LOG")
     if path:
         with open(path, "a") as f:
-            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}: {msg}\n")
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+            f.write(f"{test}: {msg}\n")
 
 
 def mamba_ssm_scan():
-    """mamba_ssm's mamba_chunk_scan_combined, or None (a missing baseline skips comparisons)."""
+    """mamba_ssm's mamba_chunk_scan_combined, or None if it is not importable."""
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as f
         return f
@@ -45,9 +39,34 @@ def mamba_ssm_scan():
 
 
 def mamba_ssm_state_update():
-    """mamba_ssm's Triton selective_state_update, or None."""
+    """mamba_ssm's Triton selective_state_update, or None if it is not importable."""
     try:
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update as f
         return f
     except Exception:  # noqa: BLE001
         return None
+
+
+def _require(get, what):
+    if os.environ.get("MAMBA2_TEST_COMPARE_MAMBA", "1") == "0":
+        pytest.skip("MAMBA2_TEST_COMPARE_MAMBA=0: the mamba_ssm comparison is off")
+    f = get()
+    if f is None:
+        pytest.skip(f"mamba_ssm is not importable ({what}): no baseline to compare with")
+    return f
+
+
+def require_mamba_ssm_scan():
+    """mamba_ssm's mamba_chunk_scan_combined for a comparison test, or skip that test (when
+    mamba_ssm is not importable or MAMBA2_TEST_COMPARE_MAMBA=0)."""
+    return _require(mamba_ssm_scan, "mamba_ssm.ops.triton.ssd_combined")
+
+
+def require_mamba_ssm_state_update():
+    """mamba_ssm's selective_state_update for a comparison test, or skip that test."""
+    return _require(mamba_ssm_state_update, "mamba_ssm.ops.triton.selective_state_update")
+
+
+def mamba_refused(e):
+    """Skip the running comparison test: mamba_ssm raised on this option combination."""
+    pytest.skip(f"mamba_ssm refuses these inputs: {type(e).__name__}: {str(e)[:300]}")

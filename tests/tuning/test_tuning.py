@@ -99,26 +99,55 @@ def test_make_key_without_gpu_and_versions():
 
 
 def test_tileiras_version_read_and_fallback(monkeypatch):
-    v = tuning.tileiras_version()
-    assert isinstance(v, str) and v
-    try:
-        import cuda.tile  # noqa: F401
-        from importlib.metadata import version
-        version("nvidia-cuda-tileiras")
-        assert v[0].isdigit()                 # e.g. 13.4.92, read from the installed tileiras
-    except Exception:  # noqa: BLE001
-        pass
-    tuning.tileiras_version.cache_clear()
-    try:
-        monkeypatch.setitem(sys.modules, "cuda.tile._compile", None)   # import fails
-        import importlib.metadata as md
+    """The version comes from `tileiras --version` (through cuda-tile), then from the
+    nvidia-cuda-tileiras package, else "unknown"; a garbage banner never passes as a version."""
+    import re
+    import types
 
-        def no_version(name):
-            raise md.PackageNotFoundError(name)
-        monkeypatch.setattr(md, "version", no_version)
-        assert tuning.tileiras_version() == "unknown"
+    import importlib.metadata as md
+
+    from mamba2_cutile import runtime
+
+    def with_banner(text, package_version):
+        fake = types.ModuleType("cuda.tile._compile")
+        fake._get_compiler_version_string = lambda: text
+        monkeypatch.setitem(sys.modules, "cuda.tile._compile", fake)
+
+        def version(name):
+            if package_version is None:
+                raise md.PackageNotFoundError(name)
+            return package_version
+        monkeypatch.setattr(md, "version", version)
+        runtime.tileiras_version.cache_clear()
+        try:
+            return runtime.tileiras_version()
+        finally:
+            runtime.tileiras_version.cache_clear()
+
+    runtime.tileiras_version.cache_clear()
+    v = runtime.tileiras_version()          # the installed one
+    runtime.tileiras_version.cache_clear()
+    try:
+        md.version("nvidia-cuda-tileiras")
+        assert re.fullmatch(r"\d+\.\d+(\.\d+)?", v), v
+    except md.PackageNotFoundError:
+        assert v == "unknown" or re.fullmatch(r"\d+\.\d+(\.\d+)?", v), v
+    banner = "tileiras: NVIDIA (R) Tile IR compiler\nCuda compilation tools, release 13.4, V13.4.92"
+    assert with_banner(banner, None) == "13.4.92"
+    assert with_banner("Cuda compilation tools, release 13.2", None) == "13.2"
+    assert with_banner("garbage 1.2.3 banner", "13.3.1") == "13.3.1"     # package fallback
+    assert with_banner("garbage", None) == "unknown"
+    monkeypatch.setitem(sys.modules, "cuda.tile._compile", None)          # import fails
+    runtime.tileiras_version.cache_clear()
+    monkeypatch.setattr(md, "version", lambda name: (_ for _ in ()).throw(
+        md.PackageNotFoundError(name)))
+    try:
+        assert runtime.tileiras_version() == "unknown"
     finally:
-        tuning.tileiras_version.cache_clear()
+        runtime.tileiras_version.cache_clear()
+    assert runtime.version_at_least("13.4.92", 13, 4) and runtime.version_at_least("14.0", 13, 4)
+    assert not runtime.version_at_least("13.3.9", 13, 4)
+    assert not runtime.version_at_least("unknown", 13, 4)
 
 
 # --------------------------------------------------------------------------- storage
@@ -457,7 +486,7 @@ def test_tune_control_flow_with_fakes(cache, monkeypatch, broken_timing):
     """tune()'s whole control flow on the CPU, with the GPU pieces faked: exhaustive_search
     sees one sub-space per kernel built from real forward plans (meta tensors); a scan config
     that "wins" is checked against the default's output, timed whole, and stored. A whole
-    forward timed faster than half its kernels (an empty CUDA graph: the H200 run of session 4
+    forward timed faster than half its kernels (an empty CUDA graph: an H200 run of 2026-11-30
     timed 0.0013 ms that way) is reported for that shape, and nothing is stored."""
     pytest.importorskip("cuda.tile")
     import cuda.tile as ct

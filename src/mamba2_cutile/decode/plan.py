@@ -74,8 +74,8 @@ def decode_config(batch, nheads, headdim, dstate, sms=132) -> DecodeConfig:
     """The dispatcher's tile choice, from the shape alone (no search, no sync).
 
     The kernel is memory-bound: what matters is the bytes in flight per SM and how they move.
-    Measured on the H200 (batch 1-256, H=128 P=64 N=128 G=8, bf16 state; session-3 sweeps in
-    results/): 64-channel tiles loaded and stored without TMA (plain vector accesses, no SMEM
+    Measured on the H200 (batch 1-256, H=128 P=64 N=128 G=8, bf16 state;
+    benchmarks/results/2026-11-30-h200-decode-sweep-plain-state-loads.jsonl): 64-channel tiles loaded and stored without TMA (plain vector accesses, no SMEM
     round trip) at 4 programs per SM reach 3.4 TB/s at batch 64 and 3.6 TB/s at batch 256,
     against 2.8 / 3.0 TB/s for the best TMA config (32-channel tiles, 8 per SM); grids of
     under 4 programs per SM (batch 1-4 here) do better with 2 per SM (measured at batch 1

@@ -119,13 +119,15 @@ def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
         bc_block_q=min(chunk_size, 64),
         bc_block_p=min(pp, 64),
         bc_block_n=min(np_, 64),
-        # measured on the H200 at the seed problem (session 3, results/): one whole-chunk
+        # measured on the H200 at the seed problem (benchmarks/results/2026-11-30-h200-
+        # backward-sweep-fused-dbc-da-mode.jsonl): one whole-chunk
         # dB/dC program took bwd_chunk_dbc from 1.02 to 0.54 ms; the per-token da terms
         # (da_mode 1) took bwd_chunk_dx from 0.88 to 0.70 ms; whole backward 2.24 -> 1.57 ms.
         # (da_mode 2 cut bwd_chunk_dx to 0.53 ms but cost bwd_chunk_dbc_fused 0.82 ms more.)
         bc_fused=1,
         da_mode=1,
-        # session 4 sweep (results/): each alone, whole backward 1.55 ms ->
+        # benchmarks/results/2026-11-30-h200-backward-decode-sweep-lowp-hints.jsonl: each
+        # alone, whole backward 1.55 ms ->
         #   lowp=1 (MMA operands in the input dtype, as mamba_ssm): 1.47
         #   + dx_warps=4 (bwd_chunk_dx 0.70 -> 0.57 ms): 1.36
         #   + bc_load_latency=4 (bwd_chunk_dbc_fused 0.49 -> 0.39 ms), measured with lowp: 1.37

@@ -100,8 +100,8 @@ def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
         bn //= 2
     wide = np_ >= 256 or dtype == torch.float32      # larger tiles per query row
     bq = min(chunk_size, 64 if wide else 128)
-    # Measured on the H200 (2026-11-30 sweep, results/): the (C B^T) X MMA in the input dtype
-    # (scan_lowp, as mamba_ssm) cut chunk_scan from 0.280 to 0.210 ms at the seed problem; the
+    # Measured on the H200 (2026-11-30; benchmarks/results/, docs/measurements.md): the
+    # (C B^T) X MMA in the input dtype (scan_lowp, as mamba_ssm) cut chunk_scan from 0.280 to 0.210 ms at the seed problem; the
     # state pass's MMA into a fresh accumulator was as fast or faster at both shapes swept; the
     # decay weights belong on the smaller MMA operand (weighting X instead of a 128-wide B cut
     # the state pass from 0.458 to 0.174 ms at B=2 T=8K H=80 chunk 256).
@@ -118,7 +118,7 @@ def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
         state_fresh_acc=1,
         # a chunk of several query blocks (the K-loop path): two CTAs per SM cut chunk_scan
         # from 0.662 to 0.374 ms at B=2 T=8K H=80 chunk 256, and 0.207 to 0.122 ms at H=24
-        # (H200, 2026-11-30 session-3 sweep)
+        # (H200, benchmarks/results/2026-11-30-h200-forward-sweep-scan-occupancy.jsonl)
         scan_occupancy=2 if bq < chunk_size else 0,
     )
     return cfg
@@ -139,7 +139,7 @@ def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132, s
         # after the tuning table, whose entries are measured without seq_idx: with seq_idx,
         # 64-token query blocks at 2 CTAs/SM (128-token blocks were slower with the
         # run-start mask: 0.335 against 0.306 ms at B=2 T=8K H=24 chunk 256 with z, dt_bias and
-        # seq_idx; docs/results/2026-11-30-h200-forward-options-sweep.jsonl)
+        # seq_idx; benchmarks/results/2026-11-30-h200-forward-sweep-options.jsonl)
         cfg = replace(cfg, scan_block_q=64, scan_occupancy=2)
     return _config.with_env(cfg, _config.ENV_FORWARD)
 
