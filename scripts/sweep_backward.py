@@ -4,8 +4,11 @@ its first backward autotunes for about a minute).
 
     python3 scripts/sweep_backward.py SHAPES CONFIG [CONFIG ...]      (on the GPU machine)
 
+SHAPES: registry names or sets (`mamba2-cutile bench --list`), or "custom=B,T,H,G,P,N,Q;..."
 CONFIG: a MAMBA2_CUTILE_BWD_CONFIG string ("default", "lowp=1,dx_block_q=128"), optionally
-with "state_dtype=bf16" (the dtype of the recomputed entry states and exit gradients).
+with "state_dtype=bf16" (the dtype of the recomputed entry states and exit gradients) and
+"chunk=N": the backward's internal chunk length (the chunked algorithm is exact for any chunk,
+so a chunk-256 call may run its backward at 128; gradients then differ only in rounding).
 One JSON line per (shape, config): kernels (ms each, CUDA graph), total_ms, max rel. diffs.
 """
 import json
@@ -54,14 +57,17 @@ def sweep_shape(shape, specs):
     for spec in specs:
         parts = [s for s in spec.split(",") if s and s != "default"]
         sdt = None
+        chunk = shape.chunk
         for s in list(parts):
             if s.startswith("state_dtype="):
                 sdt = problems.parse_dtype(s.split("=")[1])
                 parts.remove(s)
+            elif s.startswith("chunk="):
+                chunk = int(s.split("=")[1])
+                parts.remove(s)
         os.environ["MAMBA2_CUTILE_BWD_CONFIG"] = ",".join(parts)
         try:
-            cfg = backward.backward_config(b, h, g, p, n, shape.chunk, shape.dtype,
-                                                   num_sms(0))
+            cfg = backward.backward_config(b, h, g, p, n, chunk, shape.dtype, num_sms(0))
             got = grads(shape, inp, dout, dfinal, cfg, sdt)
             row = {"shape": shape.name, "config": spec}
             if first is None:
@@ -90,6 +96,10 @@ def sweep_shape(shape, specs):
                               "error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
 
 
-for shape in problems.select(sys.argv[1]):
+if sys.argv[1].startswith("custom="):
+    shapes = [problems.parse_custom(s) for s in sys.argv[1][len("custom="):].split(";")]
+else:
+    shapes = problems.select(sys.argv[1])
+for shape in shapes:
     sweep_shape(shape, sys.argv[2:])
     torch.cuda.empty_cache()

@@ -78,6 +78,9 @@ def backward_variants():
         da_mode=2, bstate_load_latency=4, dx_load_latency=4, bc_load_latency=4))))
     items.append(("bf16-fp16-dt-bf16-states", dict(dtype=bf, dt_dtype=torch.float16,
                                                    state_dtype=torch.bfloat16)))
+    # the dispatcher computes a chunk-256 backward at chunk 128; 256 stays selectable
+    items.append(("bf16-Q256-internal-256", dict(dtype=bf, chunk_size=256,
+                                                 overrides=dict(chunk_size=256))))
     return items
 
 

@@ -40,7 +40,12 @@ NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    """Tile sizes and hints of the backward launches (all tile sizes powers of two)."""
+    """Tile sizes and hints of the backward launches (all tile sizes powers of two).
+
+    `chunk_size` is the chunk length the backward computes with. It may be shorter than the
+    caller's: the chunked algorithm is an exact rewrite of the recurrence for any chunk length,
+    and the backward recomputes everything it needs from the inputs, so its gradients differ
+    from a backward at the caller's chunk only in rounding."""
     chunk_size: int
     cumsum_block_h: int          # decay_cumsum and bwd_dt: heads per program
     state_block_p: int           # chunk_state_pass (recompute of h_c)
@@ -71,7 +76,8 @@ class BackwardConfig:
     bc_fused: int = 0            # 1: one program per whole chunk forms M once for dB and dC
                                  # (bc_block_q is then unused)
 
-    FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
+    # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
+    FIXED = ("dstate_pad",)
 
     def __post_init__(self):
         c = _config
@@ -99,7 +105,15 @@ def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
                     sms=132) -> BackwardConfig:
     """The dispatcher: a config from the shape alone (no search, no sync), then
     MAMBA2_CUTILE_BWD_CONFIG overrides ("dx_block_q=32,lowp=1"). The recompute's tiles come
-    from the forward's shape rule, never from MAMBA2_CUTILE_CONFIG or the tuning table."""
+    from the forward's shape rule, never from MAMBA2_CUTILE_CONFIG or the tuning table.
+
+    A chunk-256 call computes its backward at chunk 128. The whole-chunk dB/dC program
+    (`bwd_chunk_dbc_fused`) holds a (Q, Q) decay matrix per chunk, which at Q = 256 is 9.1 ms
+    against 0.46 ms at Q = 128 for B=2 T=4096 H=80 (whole backward 10.44 -> 1.64 ms; 2.34 ->
+    0.23 ms at B=1 T=1000 H=24, 25.5 -> 4.70 ms at B=8 T=2048 H=128 G=8); chunk 64 was no
+    better at the larger shapes (H200, 2026-12-01,
+    benchmarks/results/2026-12-01-h200-backward-sweep-internal-chunk.jsonl)."""
+    chunk_size = min(chunk_size, 128)
     fwd = forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms)
     np_ = max(16, next_pow2(dstate))
     pp = max(16, next_pow2(headdim))
