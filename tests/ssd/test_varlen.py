@@ -1,4 +1,4 @@
-"""CPU: the GPU path's varlen_states glue (`interface.varlen_states_from_chunks`), fed with what
+"""CPU: the GPU path's varlen_states glue (`ssd.varlen.varlen_states_from_chunks`), fed with what
 the forward kernels store (dt', log2 cumsum, chunk entry states), against the recurrence."""
 
 import math

@@ -1,0 +1,91 @@
+"""CPU: the config contract (mamba2_cutile.config): each family's config validates itself from
+every source, each environment variable reaches its own family only, and errors name the
+variable and the field."""
+
+import pytest
+import torch
+
+from mamba2_cutile import config
+from mamba2_cutile.bench import plans
+from mamba2_cutile.decode import DecodeConfig, decode_config
+from mamba2_cutile.ssd.backward import BackwardConfig, backward_config
+from mamba2_cutile.ssd.forward import ForwardConfig, forward_config, forward_shape_config
+
+BF = torch.bfloat16
+
+
+def fwd():
+    return forward_shape_config(4, 8, 64, 128, 128, BF)
+
+
+def bwd():
+    return backward_config(4, 8, 1, 64, 128, 128, BF)
+
+
+@pytest.mark.parametrize("make, bad", [
+    (fwd, dict(state_block_n=48)), (fwd, dict(scan_block_q=256)), (fwd, dict(scan_warps=2)),
+    (fwd, dict(state_load_latency=11)), (fwd, dict(scan_lowp=2)),
+    (bwd, dict(dx_block_q=48)), (bwd, dict(da_mode=2, bc_fused=0)), (bwd, dict(dx_warps=2)),
+    (bwd, dict(bc_load_latency=-1)), (bwd, dict(dx_block_q=256)),
+    (lambda: decode_config(4, 8, 64, 128), dict(block_p=48)),
+    (lambda: decode_config(4, 8, 64, 128), dict(warps=2)),
+])
+def test_every_config_validates_itself(make, bad):
+    """A bad value raises ValueError naming the field, however the config is built."""
+    from dataclasses import replace
+    cfg = make()
+    field = next(iter(bad))
+    with pytest.raises(ValueError, match=field):
+        replace(cfg, **bad)
+
+
+@pytest.mark.parametrize("env, family, make", [
+    (config.ENV_FORWARD, ForwardConfig, lambda: forward_config(4, 8, 64, 128, 128, BF)),
+    (config.ENV_BACKWARD, BackwardConfig, bwd),
+    (config.ENV_DECODE, DecodeConfig, lambda: decode_config(4, 8, 64, 128)),
+])
+def test_env_errors_name_the_variable(env, family, make, monkeypatch):
+    monkeypatch.setenv(env, "nope=1")
+    with pytest.raises(ValueError, match=f"{env}: unknown field 'nope'"):
+        make()
+    monkeypatch.setenv(env, f"{family.FIXED[-1]}=64")       # set by the problem
+    with pytest.raises(ValueError, match=env):
+        make()
+    monkeypatch.setenv(env, "x")                            # no '='
+    with pytest.raises(ValueError, match=env):
+        make()
+
+
+def test_each_variable_reaches_its_own_family_only(monkeypatch):
+    """MAMBA2_CUTILE_CONFIG changes the forward, never the backward's recompute of the forward's
+    kernels; MAMBA2_CUTILE_BWD_CONFIG changes the backward, never the forward."""
+    base_fwd = forward_config(4, 8, 64, 128, 128, BF)
+    base_plan = plans.backward_problem_plan()
+    monkeypatch.setenv(config.ENV_FORWARD, "state_block_n=16,state_load_latency=2")
+    over = forward_config(4, 8, 64, 128, 128, BF)
+    assert (over.state_block_n, over.state_load_latency) == (16, 2)
+    assert bwd() == backward_config(4, 8, 1, 64, 128, 128, BF)
+    plan = plans.backward_problem_plan()
+    for a, b in zip(base_plan, plan):
+        assert a.grid == b.grid and a.kernel is b.kernel
+        assert [x for x in a.args if not isinstance(x, torch.Tensor)] == \
+            [x for x in b.args if not isinstance(x, torch.Tensor)]
+    monkeypatch.delenv(config.ENV_FORWARD)
+    monkeypatch.setenv(config.ENV_BACKWARD, "dx_block_q=32,lowp=0")
+    assert (bwd().dx_block_q, bwd().lowp) == (32, 0)
+    assert forward_config(4, 8, 64, 128, 128, BF) == base_fwd
+
+
+def test_backward_chunk_rule_and_override(monkeypatch):
+    """A chunk-256 call computes its backward at chunk 128; the variable can ask for 256."""
+    assert backward_config(2, 80, 1, 64, 128, 256, BF).chunk_size == 128
+    assert backward_config(2, 80, 1, 64, 128, 64, BF).chunk_size == 64
+    monkeypatch.setenv(config.ENV_BACKWARD, "chunk_size=256")
+    assert backward_config(2, 80, 1, 64, 128, 256, BF).chunk_size == 256
+
+
+def test_parse_overrides():
+    assert config.parse_overrides(ForwardConfig, "state_block_n=32, scan_lowp=1", "src") == \
+        {"state_block_n": 32, "scan_lowp": 1}
+    with pytest.raises(ValueError, match="src: scan_lowp='a' is not an integer"):
+        config.parse_overrides(ForwardConfig, "scan_lowp=a", "src")
