@@ -1,6 +1,6 @@
 """Forward config sweep in one process (one compile cache, no per-config start-up).
 
-    python3 scripts/sweep.py SHAPES CONFIG [CONFIG ...]      (on the GPU machine)
+    python3 scripts/sweep.py SHAPES CONFIG [CONFIG ...]      (on a CUDA machine)
 
 SHAPES: bench registry keys (comma list). CONFIG: MAMBA2_CUTILE_CONFIG strings ("default",
 "scan_block_n=32,scan_lowp=1", ...). Each config is checked against mamba_ssm's output, then

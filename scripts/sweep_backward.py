@@ -2,7 +2,7 @@
 each config, gradients checked against the first config's (and mamba_ssm's with SWEEP_VS_MAMBA=1:
 its first backward autotunes for about a minute).
 
-    python3 scripts/sweep_backward.py SHAPES CONFIG [CONFIG ...]      (on the GPU machine)
+    python3 scripts/sweep_backward.py SHAPES CONFIG [CONFIG ...]      (on a CUDA machine)
 
 SHAPES: registry names or sets (`mamba2-cutile bench --list`), or "custom=B,T,H,G,P,N,Q;..."
 CONFIG: a MAMBA2_CUTILE_BWD_CONFIG string ("default", "lowp=1,dx_block_q=128"), optionally
@@ -15,20 +15,16 @@ import json
 import os
 import sys
 
-import cuda.tile as ct
 import torch
 
-from mamba2_cutile.runtime import num_sms
+from mamba2_cutile.runtime import launch_calls, num_sms
 from mamba2_cutile.ssd import backward
 from mamba2_cutile.bench import problems, runner, timing
 
 
 def grads(shape, inp, dout, dfinal, cfg, state_dtype):
-    stream = torch.cuda.current_stream()
-
-    def launch_fn(cs):
-        for c in cs:
-            ct.launch(stream, c.grid, c.kernel, c.args)
+    def launch_fn(calls):
+        launch_calls(calls, inp["x"].device)
     return backward.run_backward(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
                                  shape.chunk, dout, dfinal, D=inp["D"],
                                  initial_states=inp["initial_states"], state_dtype=state_dtype,

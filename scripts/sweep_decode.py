@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import torch
 
-from mamba2_cutile import decode
 from mamba2_cutile.decode import decode_config
 from mamba2_cutile.bench import decode as bd
 from mamba2_cutile.bench.timing import time_graph

@@ -14,7 +14,8 @@ def _xdist_group(item):
     """The mamba_ssm comparison tests (test_against_mamba_ssm_*) of the backward share one
     worker, and those of the forward another: mamba_ssm autotunes its Triton kernels (about a
     minute per backward kernel shape on an H200) once per process, so spreading them over many
-    workers would repeat that on each (use --dist loadgroup). No other test calls mamba_ssm."""
+    workers would repeat that on each (use --dist loadgroup). The decode comparisons need no autotune
+    and stay ungrouped."""
     if not item.name.startswith("test_against_mamba_ssm"):
         return None
     if item.nodeid.startswith("tests/ssd/test_backward_gpu.py::"):

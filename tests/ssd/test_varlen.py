@@ -73,3 +73,19 @@ def test_varlen_glue(name, with_init):
     _, _, v_chunked = reference.ssd_chunked(**inp, chunk_size=Q, cu_seqlens=cu,
                                             dtype=torch.float64, **kw)
     torch.testing.assert_close(v_chunked, v_ref, rtol=1e-9, atol=1e-9)
+
+
+def test_empty_sequence_varlen_states_on_cpu():
+    """l = 0 on the CPU path: every sequence is empty and starts at token 0, so each varlen
+    state is the initial state (zeros without one)."""
+    from mamba2_cutile import mamba_chunk_scan_combined
+    x, dt, A = torch.randn(1, 0, 2, 4), torch.rand(1, 0, 2), -torch.rand(2)
+    B = torch.randn(1, 0, 1, 3)
+    init = torch.randn(1, 2, 4, 3)
+    cu = torch.tensor([0, 0, 0])
+    y, v = mamba_chunk_scan_combined(x, dt, A, B, B, 64, cu_seqlens=cu, return_varlen_states=True,
+                                     initial_states=init, state_dtype=torch.float32)
+    assert y.shape == (1, 0, 2, 4) and v.shape == (2, 2, 4, 3)
+    assert torch.equal(v, init[0].expand(2, 2, 4, 3))
+    _, v0 = mamba_chunk_scan_combined(x, dt, A, B, B, 64, cu_seqlens=cu, return_varlen_states=True)
+    assert torch.equal(v0, torch.zeros(2, 2, 4, 3))

@@ -86,6 +86,11 @@ PREFILL_DECODE_TOL = {"y": 2e-2, "state": 2e-2}
 FLOAT64_SELF_TOL = 1e-12
 
 #: the same computation through 64- and 32-bit offsets (the int64_indexing tests; a wrapped
-#: offset reads another batch entirely, an O(1) error): no measured number yet, so the errors
-#: are logged; kept at the earlier bound, which is tighter than the base tolerances
-SAME_MATH_TOL = 1e-3
+#: offset reads another batch entirely, an O(1) error): the same arithmetic in the same order,
+#: so equal bits (measured 0.0 in the forward, backward and decode tests on 2026-12-01,
+#: benchmarks/results/2026-12-01-h200-gpu-test-errors.txt)
+SAME_MATH_TOL = 0.0
+
+#: varlen_states and the final state at sequence edges (test_varlen_edges, bf16): at most
+#: 1.1e-3 and 1.5e-3 measured on 2026-12-01
+VARLEN_EDGES_TOL = 5e-3

@@ -308,7 +308,7 @@ def versions():
             try:
                 found = version(key)
             except PackageNotFoundError:
-                # e.g. a vendored source copy (the GPU kit's baselines): say where it came from
+                # e.g. a vendored source copy without package metadata: say where it came from
                 found = f"unversioned copy at {getattr(module, '__path__', ['?'])[0]}"
         v[key] = found
     if torch.cuda.is_available():

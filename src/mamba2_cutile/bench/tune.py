@@ -97,6 +97,7 @@ def tune(shapes, space=None, reps=30, min_gain=0.01, store_results=True, progres
     from ..runtime import launch_calls, num_sms
     from ..ssd.forward import forward_plan, forward_shape_config
     from . import problems, timing
+    from .accuracy import rel_err
 
     if not torch.cuda.is_available():
         raise RuntimeError("tuning needs a CUDA GPU")
@@ -177,7 +178,7 @@ def tune(shapes, space=None, reps=30, min_gain=0.01, store_results=True, progres
         best_ms = default_ms
         if chosen:
             run(chosen)
-            err = ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+            err = rel_err(out, ref)
             if not err <= check_tol:
                 results.append((f"combined {chosen}", f"rejected: output differs {err:.1e}"))
                 chosen = {}

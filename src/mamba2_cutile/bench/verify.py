@@ -3,7 +3,8 @@
 Each case runs `mamba_chunk_scan_combined` on the GPU (or, with `--cpu`, the PyTorch path)
 and `reference.ssd_recurrence` in float64 on the same device, and compares the output, the
 final state and (varlen cases) the varlen states: max|err| / max|ref| must be at most
-2e-2 for fp16/bf16 inputs and 2e-3 for fp32 inputs. Exit code 1 if any case fails.
+`bench.accuracy.FORWARD_TOL` of the input dtype (2e-2 for bf16, 2e-3 for fp16 and fp32).
+Exit code 1 if any case fails.
 
 Cases (`CASES`): every option alone and all together, each input dtype, partial last chunks
 (T not a multiple of the chunk, T = 1), headdim/dstate not powers of two at every chunk size,

@@ -13,12 +13,10 @@ import functools
 import os
 from dataclasses import dataclass
 
-import torch
-
 from .. import config as _config
 from ..kernels.state_update import state_update, state_update_i64
-from ..runtime import (KernelCall, needs_int64, next_pow2, num_sms, tileiras_version,
-                       version_at_least, with_hints)
+from ..runtime import (DEFAULT_SMS, KernelCall, needs_int64, next_pow2, num_sms,
+                       tileiras_version, version_at_least, with_hints)
 
 MAX_DSTATE = 256           # the whole (padded) dstate is one tile
 TILE_ELEMS = 8192          # state elements per program at most (BLOCK_P * NP)
@@ -48,29 +46,23 @@ class DecodeConfig:
     FIXED = ("dstate_pad",)     # set by the problem, never overridden
 
     def __post_init__(self):
-        for name in ("block_p", "dstate_pad") + (("block_n",) if self.block_n else ()):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"decode config: {name}={v} is not a power of two")
-        if self.occupancy < 0 or self.persistent < 0:
-            raise ValueError(f"decode config: occupancy={self.occupancy} and "
-                             f"persistent={self.persistent} must be >= 0")
-        if self.flat not in (0, 1) or (self.flat and self.persistent):
-            raise ValueError(f"decode config: flat={self.flat} must be 0 or 1, and 0 with "
-                             "persistent")
-        if self.warps not in (0, 4, 8):
-            raise ValueError(f"decode config: warps={self.warps} is not 0 (the compiler's "
-                             "choice), 4 or 8 (what tileiras 13.4 accepts)")
-        if not 0 <= self.latency <= 10:
-            raise ValueError(f"decode config: latency={self.latency} is not in 0..10")
-        if self.unchecked not in (0, 1):
-            raise ValueError(f"decode config: unchecked={self.unchecked} must be 0 or 1")
-        if self.tma not in (0, 1, 2) or self.tma_vec not in (0, 1):
-            raise ValueError(f"decode config: tma={self.tma} must be 0, 1 or 2 and "
-                             f"tma_vec={self.tma_vec} 0 or 1")
+        c = _config
+        c.check_pow2(self, "block_p", "dstate_pad")
+        c.check_pow2(self, "block_n", allow_zero=True)
+        c.check_range(self, "occupancy", 0, 32)
+        c.check_range(self, "persistent", 0, 64)
+        c.check_choice(self, "flat", (0, 1))
+        if self.flat and self.persistent:
+            raise ValueError(f"DecodeConfig: flat={self.flat} needs persistent=0, got "
+                             f"persistent={self.persistent}")
+        c.check_choice(self, "warps", (0, 4, 8))     # what tileiras 13.4 accepts (0: its choice)
+        c.check_range(self, "latency", 0, 10)
+        c.check_choice(self, "unchecked", (0, 1))
+        c.check_choice(self, "tma", (0, 1, 2))
+        c.check_choice(self, "tma_vec", (0, 1))
 
 
-def decode_config(batch, nheads, headdim, dstate, sms=132) -> DecodeConfig:
+def decode_config(batch, nheads, headdim, dstate, sms=DEFAULT_SMS) -> DecodeConfig:
     """The dispatcher's tile choice, from the shape alone (no search, no sync).
 
     The kernel is memory-bound: what matters is the bytes in flight per SM and how they move.

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import d_term, expand_groups, process_dt
+from .recurrence import varlen_from_per_token
 
 
 def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
@@ -33,7 +34,7 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initia
         h = torch.zeros(b, nh, p, n, dtype=dtype, device=x.device) if h0 is None else h0.clone()
         varlen = None
         if cu_seqlens is not None:
-            varlen = _varlen_from_per_token([], cu_seqlens, h0, (nh, p, n), dtype, x.device)
+            varlen = varlen_from_per_token([], cu_seqlens, h0, (nh, p, n), dtype, x.device)
         return x.new_zeros(x.shape), h, varlen
     nc = math.ceil(l / Q)
     pad = nc * Q - l

@@ -48,11 +48,12 @@ def ssd_recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=
         y = y * F.silu(z)
     varlen = None
     if cu_seqlens is not None:
-        varlen = _varlen_from_per_token(states_after, cu_seqlens, h0, (nh, p, n), dtype, x.device)
+        varlen = varlen_from_per_token(states_after, cu_seqlens, h0, (nh, p, n), dtype, x.device)
     return y, h, varlen
 
 
-def _varlen_from_per_token(states_after, cu_seqlens, h0, shape, dtype, device):
+def varlen_from_per_token(states_after, cu_seqlens, h0, shape, dtype, device):
+    """varlen_states from the state after every token (an empty sequence at token 0 keeps h0)."""
     out = []
     bounds = [int(v) for v in cu_seqlens.tolist()]
     for s in range(len(bounds) - 1):

@@ -15,7 +15,7 @@ casts. Nothing uses atomics: every cross-program reduction goes through a partia
 a later kernel or a torch sum reduces in a fixed order, so two runs give equal bits.
 
 Plans are built from tensors (real CUDA tensors, or `meta` tensors for the CPU compile check,
-or CPU float64 tensors for the tile-program emulation in tests/test_backward_emulation.py).
+or CPU float64 tensors for the tile-program emulation in tests/ssd/test_backward_emulation.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from ..kernels.bwd_chunk_dbc import (bwd_chunk_dbc, bwd_chunk_dbc_fused, bwd_chu
 from ..kernels.bwd_chunk_dx import bwd_chunk_dx, bwd_chunk_dx_i64
 from ..kernels.bwd_dt import bwd_dt, bwd_dt_i64
 from ..kernels.bwd_state_pass import bwd_state_pass, bwd_state_pass_i64
-from ..runtime import (KernelCall, as_kernel_input, dt_clamp_bounds, launch_calls, needs_int64,
-                       next_pow2, num_sms, with_hints)
+from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, dt_clamp_bounds,
+                       launch_calls, needs_int64, next_pow2, num_sms, with_hints)
 from .forward import ForwardConfig, forward_plan, forward_shape_config
 
 INF = float("inf")
@@ -102,7 +102,7 @@ class BackwardConfig:
 
 
 def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
-                    sms=132) -> BackwardConfig:
+                    sms=DEFAULT_SMS) -> BackwardConfig:
     """The dispatcher: a config from the shape alone (no search, no sync), then
     MAMBA2_CUTILE_BWD_CONFIG overrides ("dx_block_q=32,lowp=1"). The recompute's tiles come
     from the forward's shape rule, never from MAMBA2_CUTILE_CONFIG or the tuning table.
@@ -315,16 +315,15 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
 def run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z=None,
                  dt_bias=None, initial_states=None, seq_idx=None, dt_softplus=False,
                  dt_limit=(0.0, INF), state_dtype=None, config=None, *, launch_fn,
-                 buf_dtype=torch.float32, sms=132, return_buffers=False, on_buffers=None):
+                 buf_dtype=torch.float32, sms=DEFAULT_SMS, on_buffers=None):
     """The backward on any device, launching the plan through `launch_fn(calls)`.
     `buf_dtype` is the dtype of the fp32 scratch and fp32 kernel inputs (float64 for the CPU
     emulation; `on_buffers(bufs)` runs before the launches, e.g. to poison them with NaN).
-    Returns the gradient dict (and the buffers with return_buffers)."""
+    Returns the gradient dict."""
     inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                   initial_states=initial_states)
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
-    Q = chunk_size
     f32 = buf_dtype
     mm = x.dtype
     out_dtypes = {k: t.dtype for k, t in inputs.items() if t is not None}
@@ -333,7 +332,7 @@ def run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z
         grads = {k: None if t is None else torch.zeros_like(t) for k, t in inputs.items()}
         if initial_states is not None and dfinal_states is not None:
             grads["initial_states"] = dfinal_states.to(initial_states.dtype).clone()
-        return (grads, None) if return_buffers else grads
+        return grads
 
     xk = as_kernel_input(x)
     Bk, Ck, zk = (as_kernel_input(t, mm) for t in (B, C, z))
@@ -346,7 +345,7 @@ def run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z
     dout = torch.zeros_like(xk) if dout is None else as_kernel_input(dout, mm)
     seq = None if seq_idx is None else as_kernel_input(seq_idx, torch.int32)
 
-    cfg = config or backward_config(b, h, g, p, n, Q, mm, sms)
+    cfg = config or backward_config(b, h, g, p, n, chunk_size, mm, sms)
     check_config(cfg, p, n)
     lo, hi = dt_clamp_bounds(dt_limit)
     bufs = allocate_buffers(xk, dtk, Bk, Ck, zk, Dk, biask, cfg, state_dtype, f32, out_dtypes)
@@ -365,7 +364,7 @@ def run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z
         grads["D"] = None
     grads["initial_states"] = None if initial_states is None else bufs.hbuf
     grads = {k: None if inputs[k] is None else grads[k].to(inputs[k].dtype) for k in NAMES}
-    return (grads, bufs) if return_buffers else grads
+    return grads
 
 
 def ssd_backward_cuda(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z=None,

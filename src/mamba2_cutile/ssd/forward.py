@@ -22,8 +22,8 @@ from .. import config as _config
 from ..kernels.chunk_scan import chunk_scan, chunk_scan_i64
 from ..kernels.chunk_state_pass import chunk_state_pass, chunk_state_pass_i64
 from ..kernels.decay_cumsum import decay_cumsum, decay_cumsum_i64
-from ..runtime import (KernelCall, as_kernel_input, dt_clamp_bounds, launch_calls, needs_int64,
-                       next_pow2, num_sms, with_hints)
+from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, dt_clamp_bounds,
+                       launch_calls, needs_int64, next_pow2, num_sms, with_hints)
 from .varlen import empty_varlen_states, varlen_states_from_chunks
 
 SUPPORTED_CHUNK_SIZES = (64, 128, 256)
@@ -87,7 +87,7 @@ def scale_x(cfg: ForwardConfig) -> bool:
 
 
 def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
-                         sms=132) -> ForwardConfig:
+                         sms=DEFAULT_SMS) -> ForwardConfig:
     """The dispatcher's rule: a good config from the shape alone (no search, no sync)."""
     np_ = max(16, next_pow2(dstate))
     bp = min(64, max(16, next_pow2(headdim)))
@@ -124,7 +124,7 @@ def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
     return cfg
 
 
-def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=132, seqlen=None,
+def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=DEFAULT_SMS, seqlen=None,
                    device_index=None, has_seq=False) -> ForwardConfig:
     """The config a forward launch uses, in the precedence of `mamba2_cutile.config`: the shape
     rule, then the tuning table's overrides for the shape's bucket on this GPU when `seqlen`

@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..runtime import cuda_tile_version, device_info, dtype_tag, next_pow2, tileiras_version
@@ -286,12 +286,11 @@ def _write_merged(path: Path, new: dict) -> dict:
 def valid_overrides(cfg, overrides: dict) -> dict | None:
     """`overrides` checked against config `cfg`: int fields of its class, none of its `FIXED`
     ones, and a result that passes the config's own validation. None when anything is off."""
-    names = {f.name for f in fields(cfg)}
-    for k, v in overrides.items():
-        if k not in names or k in type(cfg).FIXED or not isinstance(v, int) or isinstance(v, bool):
-            return None
+    from ..config import apply_overrides
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in overrides.values()):
+        return None
     try:
-        replace(cfg, **overrides)
+        apply_overrides(cfg, overrides, "tuning cache")
     except ValueError:
         return None
     return dict(overrides)
