@@ -88,7 +88,8 @@ def _select_shapes(args):
 
     dtype = problems.parse_dtype(args.dtype) if args.dtype else None
     return problems.select(args.shapes, custom=args.custom or (), seqlens=args.seqlen,
-                           dstates=args.dstate, match=args.match, dtype=dtype)
+                           dstates=args.dstate, match=args.match, dtype=dtype,
+                           chunk=args.chunk)
 
 
 def _list_shapes(args):
@@ -263,6 +264,8 @@ def _add_shape_args(p, default):
     p.add_argument("--dstate", help="keep only these dstates, e.g. 64,128")
     p.add_argument("--match", help="keep only shapes whose name matches this regex")
     p.add_argument("--dtype", help="run every shape in this dtype (bf16, fp16, fp32)")
+    p.add_argument("--chunk", type=int, choices=(64, 128, 256),
+                   help="run every shape at this chunk size")
 
 
 def resources_cmd(args):

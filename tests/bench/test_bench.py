@@ -91,9 +91,18 @@ def test_registry_contents():
     assert all((s.batch, s.nheads, s.headdim, s.ngroups, s.chunk, s.dtype)
                == (4, 8, 64, 1, 128, torch.bfloat16) for s in sweep)
     models = R["models"]
-    assert [s.nheads for s in models] == [24, 32, 48, 64, 80, 128]
-    assert all((s.headdim, s.dstate, s.chunk) == (64, 128, 256) for s in models)
-    assert [s.ngroups for s in models] == [1, 1, 1, 1, 1, 8]
+    layers = models[:6]                     # every model at B=2 T=8K
+    assert [s.nheads for s in layers] == [24, 32, 48, 64, 80, 128]
+    assert all((s.headdim, s.dstate, s.chunk) == (64, 128, 256) for s in layers)
+    assert [s.ngroups for s in layers] == [1, 1, 1, 1, 1, 8]
+    assert 10 <= len(models) <= 16
+    tokens = [s.batch * s.seqlen for s in models]
+    assert len({(s.batch, s.seqlen) for s in models if 8192 <= s.batch * s.seqlen <= 65536}) >= 3
+    assert any(s.nheads == 128 and s.ngroups == 8 and s.chunk == 128 for s in models)
+    assert any(s.dstate == 256 for s in models) and any(s.headdim == 128 for s in models)
+    assert any(t <= 2048 for t in tokens) and any(t <= 512 for t in tokens)
+    assert any(s.batch == 1 and s.seqlen >= 65536 for s in models)
+    assert sum(s.chunk == 256 for s in models) >= len(models) - 1
     opts = R["options"]
     assert {o for s in opts for o in s.options} == {"z", "dt_bias", "seq_idx"}
     assert any(s.seqlen % s.chunk for s in opts)                    # a partial last chunk
@@ -109,7 +118,13 @@ def test_select_filters():
         [1024, 4096, 16384, 65536, 262144]
     assert {s.dstate for s in problems.select("sweep", seqlens="4K,16384")} == {64, 128, 256}
     assert len(problems.select("sweep", seqlens="4K", dstates="64,256")) == 2
-    assert [s.name for s in problems.select("models", match="2.7b")] == ["mamba2-2.7b-T8K"]
+    assert [s.name for s in problems.select("models", match="2.7b")] == [
+        "mamba2-2.7b-T8K", "mamba2-2.7b-B8-T4K"]
+    q = problems.select("models", match="^7b", chunk=128)
+    assert [(s.name, s.chunk) for s in q] == [("7b-class-T8K-Q128", 128),
+                                             ("7b-class-Q128-T8K", 128)]
+    with pytest.raises(ValueError, match="--chunk"):
+        problems.select("seed", chunk=32)
     assert problems.select("seed,seed") == [problems.SEED]
     assert problems.select("seed-T64K-N128")[0].seqlen == 65536
     c = problems.select("", custom=["2,1000,4,2,80,96,64,fp16"])[0]
@@ -498,7 +513,12 @@ def test_cli_parsing():
 def test_cli_list_and_errors(capsys):
     assert cli.main(["bench", "--list", "--shapes", "models", "--match", "^7b"]) == 0
     out = capsys.readouterr().out
-    assert "selected (1):" in out and "7b-class-T8K" in out and "G=8" in out
+    assert "selected (2):" in out and "7b-class-T8K" in out and "G=8" in out
+    assert cli.main(["bench", "--list", "--shapes", "models", "--match", "^7b-class-T8K",
+                     "--chunk", "64"]) == 0
+    assert "7b-class-T8K-Q64" in capsys.readouterr().out
+    assert cli.main(["tune", "--list", "--shapes", "seed"]) == 0
+    assert "selected (1):" in capsys.readouterr().out
     assert cli.main(["bench", "--shapes", "nope"]) == 2
     assert "unknown shape set" in capsys.readouterr().err
     assert cli.main(["bench", "--shapes", "seed", "--seqlen", "3"]) == 2

@@ -4,8 +4,10 @@ Registry keys (`REGISTRY`, selected with `mamba2-cutile bench --shapes KEY[,KEY.
 
 - `seed`     the seed problem: B=4 T=16K H=8 G=1 P=64 N=128, chunk 128, bf16
 - `sweep`    the seed problem over T in 1K..256K and N in 64/128/256
-- `models`   Mamba-2 130M..2.7B (24..80 heads, P=64 N=128 G=1, chunk 256) and a 7B-class
-             model (128 heads, G=8), B=2 T=8K
+- `models`   what people train: the Mamba-2 130M..2.7B layers (24..80 heads, P=64 N=128 G=1,
+             chunk 256) at 8K-64K tokens per step in several batch/length splits, 7B-class
+             layers (128 heads, 8 groups) at chunk 256 and 128, dstate 256, headdim 128, short
+             sequences (512-2K tokens) and one long sequence (64K tokens at batch 1)
 - `options`  option-heavy problems (z, dt_bias + softplus, seq_idx, and all together) and a
              partial last chunk: mamba2-cutile against mamba_ssm only
 - `default`  a few of the above, chosen to finish in under two minutes on an H200
@@ -95,8 +97,26 @@ MODEL_CONFIGS = (("mamba2-130m", 24, 1), ("mamba2-370m", 32, 1), ("mamba2-780m",
 
 
 def model_shapes(seqlen=8192, batch=2):
+    """Each model's layer at one batch and length (B=2 T=8K by default), chunk 256."""
     return [Shape(f"{name}-T{_k(seqlen)}", batch, seqlen, h, g, 64, 128, 256)
             for name, h, g in MODEL_CONFIGS]
+
+
+def training_shapes():
+    """The `models` set: every model at B=2 T=8K, then other batch/length splits, the
+    7B-class layer at chunk 128, dstate 256, headdim 128, short and long sequences."""
+    out = model_shapes()
+    out += [
+        Shape("mamba2-2.7b-B8-T4K", 8, 4096, 80, 1, 64, 128, 256),
+        Shape("mamba2-780m-B4-T16K", 4, 16384, 48, 1, 64, 128, 256),
+        Shape("7b-class-Q128-T8K", 2, 8192, 128, 8, 64, 128, 128),
+        Shape("dstate256-T8K", 2, 8192, 32, 1, 64, 256, 256),
+        Shape("headdim128-T8K", 2, 8192, 48, 1, 128, 128, 256),
+        Shape("mamba2-130m-T512", 1, 512, 24, 1, 64, 128, 256),
+        Shape("mamba2-1.3b-T2K", 1, 2048, 64, 1, 64, 128, 256),
+        Shape("mamba2-1.3b-B1-T64K", 1, 65536, 64, 1, 64, 128, 256),
+    ]
+    return out
 
 
 def option_shapes():
@@ -113,7 +133,7 @@ def option_shapes():
 
 
 def _registry():
-    sweep, models = seed_sweep(), model_shapes()
+    sweep, models = seed_sweep(), training_shapes()
     by_name = {s.name: s for s in [SEED] + sweep + models}
     default = [SEED, by_name["seed-T4K-N128"], by_name["seed-T64K-N128"],
                by_name["mamba2-130m-T8K"], by_name["mamba2-2.7b-T8K"], by_name["7b-class-T8K"]]
@@ -160,9 +180,11 @@ def parse_sizes(spec: str | None):
     return {_parse_size(v) for v in spec.split(",") if v.strip()}
 
 
-def select(keys="default", custom=(), seqlens=None, dstates=None, match=None, dtype=None):
+def select(keys="default", custom=(), seqlens=None, dstates=None, match=None, dtype=None,
+           chunk=None):
     """Shapes from registry keys or shape names (comma-separated), plus custom specs, then
-    filtered by sequence length, dstate and a name regex; `dtype` replaces every dtype."""
+    filtered by sequence length, dstate and a name regex; `dtype` replaces every dtype and
+    `chunk` every chunk size (renamed with a -Q suffix where it changes)."""
     import re
     from dataclasses import replace
 
@@ -192,6 +214,11 @@ def select(keys="default", custom=(), seqlens=None, dstates=None, match=None, dt
     if dtype is not None:
         out = [replace(s, dtype=dtype, name=f"{s.name}-{dtype_name(dtype)}")
                if s.dtype != dtype else s for s in out]
+    if chunk is not None:
+        if chunk not in (64, 128, 256):
+            raise ValueError(f"--chunk must be 64, 128 or 256, got {chunk}")
+        out = [replace(s, chunk=chunk, name=f"{s.name}-Q{chunk}") if s.chunk != chunk else s
+               for s in out]
     return out
 
 
