@@ -25,6 +25,7 @@ pytest.importorskip("cuda.tile")
 
 from mamba2_cutile.reference import ssd_chunked_backward  # noqa: E402
 from mamba2_cutile.ssd import backward  # noqa: E402
+from support.grads import assert_grads_close  # noqa: E402
 from support.emulator import (CT, F64, OPTIONS, _Padding, _tile, emulate_launch,  # noqa: E402
                               make_problem, poison)
 
@@ -55,17 +56,7 @@ def reference_grads(args, kw, Q, dout, dfinal):
 
 
 def assert_close(got, ref, tol=1e-10):
-    for k in NAMES:
-        if ref[k] is None:
-            assert got[k] is None, f"d{k} should be None"
-            continue
-        assert got[k] is not None, f"d{k} missing"
-        assert got[k].shape == ref[k].shape, f"d{k}: shape {got[k].shape} != {ref[k].shape}"
-        assert got[k].dtype == ref[k].dtype, f"d{k}: dtype {got[k].dtype} != {ref[k].dtype}"
-        assert torch.isfinite(got[k]).all(), f"d{k} has non-finite entries"
-        scale = ref[k].abs().max().item()
-        err = (got[k] - ref[k]).abs().max().item()
-        assert err <= tol * max(scale, 1e-12), f"d{k}: error {err:.3e}, scale {scale:.3e}"
+    assert_grads_close(got, ref, tol)
 
 
 @pytest.mark.parametrize("opt", list(OPTIONS))

@@ -36,6 +36,7 @@ import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..config import apply_overrides
 from ..runtime import cuda_tile_version, device_info, dtype_tag, next_pow2, tileiras_version
 
 try:
@@ -286,7 +287,6 @@ def _write_merged(path: Path, new: dict) -> dict:
 def valid_overrides(cfg, overrides: dict) -> dict | None:
     """`overrides` checked against config `cfg`: int fields of its class, none of its `FIXED`
     ones, and a result that passes the config's own validation. None when anything is off."""
-    from ..config import apply_overrides
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in overrides.values()):
         return None
     try:
