@@ -158,17 +158,20 @@ def bench(args):
                 if args.jsonl:
                     for r in new:
                         print(json.dumps(report._jsonable(r)), flush=True)
+    breakdowns = {"fwd": [], "bwd": []}
+    if args.breakdown:        # each of our kernels alone, at every selected shape
+        for shape in shapes:
+            breakdowns["fwd"].append(runner.breakdown(shape))
+            if any(m in ("bwd", "fwdbwd") for m in modes):
+                breakdowns["bwd"].append(runner.backward_breakdown(shape))
+            if args.jsonl:
+                for kind in breakdowns.values():
+                    if kind:
+                        print(json.dumps(kind[-1]), flush=True)
     bad = []
     for mode in modes:
         meta = runner.meta(mode, args.reps, names, sys.argv)
-        breakdown = []
-        if args.breakdown:
-            breakdown.append(runner.breakdown(shapes[0]))
-            if mode in ("bwd", "fwdbwd"):
-                breakdown.append(runner.backward_breakdown(shapes[0]))
-            if args.jsonl:
-                for row in breakdown:
-                    print(json.dumps(row), flush=True)
+        breakdown = breakdowns["fwd"] + (breakdowns["bwd"] if mode != "fwd" else [])
         report.render_table(rows[mode], meta, console, title=f"mamba2-cutile benchmark ({mode})")
         report.render_breakdown(breakdown, console)
         if args.out:
@@ -314,7 +317,7 @@ def build_parser():
     pb.add_argument("--json", metavar="FILE", help="also write the JSON to this file")
     pb.add_argument("--jsonl", action="store_true", help="print each row as a JSON line")
     pb.add_argument("--breakdown", action="store_true",
-                    help="also time each of our kernels alone at the first shape")
+                    help="also time each of our kernels alone at every selected shape")
     pb.add_argument("--list", action="store_true", help="list the shapes and exit")
     pb.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -21,10 +21,35 @@ DEFAULT_SMS = 132
 
 @dataclass
 class KernelCall:
-    """One planned launch: a cuTile kernel, its grid and its argument tuple."""
+    """One planned launch: a cuTile kernel, its grid and its argument tuple.
+
+    `int64=True` marks a launch of a 64-bit-indexed kernel variant: its tensor arguments are
+    passed through `narrow_unit_strides`, so a size-1 dimension never carries a stride beyond
+    int32 (cuTile refuses those, and a batch-1 tensor of 2**31 elements has one)."""
     kernel: object
     grid: tuple
     args: tuple
+    int64: bool = False
+
+    def __post_init__(self):
+        if self.int64:
+            self.args = tuple(narrow_unit_strides(a) for a in self.args)
+
+
+def narrow_unit_strides(t):
+    """`t` (a view, never a copy) with the stride of every size-1 dimension that exceeds int32
+    replaced by the largest stride of `t` that fits (or 1): the index along a size-1 dimension
+    is always 0, so its stride is never used, and the replacement keeps the TMA alignment of the
+    stride it copies. Anything that is not such a tensor comes back unchanged."""
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return t
+    shape, stride = t.shape, t.stride()
+    if all(n != 1 or abs(s) <= INT32_LIMIT for n, s in zip(shape, stride)):
+        return t
+    fits = [abs(s) for s in stride if abs(s) <= INT32_LIMIT]
+    fill = max(fits) if fits else 1
+    new = tuple(fill if n == 1 and abs(s) > INT32_LIMIT else s for n, s in zip(shape, stride))
+    return t.as_strided(shape, new, t.storage_offset())
 
 
 def launch_calls(calls, device) -> None:

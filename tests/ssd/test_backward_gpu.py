@@ -275,6 +275,21 @@ def test_shapes(shape, chunk_size):
     check(inp, kw, chunk_size, dout, dfinal, torch.bfloat16)
 
 
+#: training-like head counts: (b, l, h, g, p, n), 64+ heads, 1 and 8 groups, lengths that are not
+#: chunk multiples
+MANY_HEADS = [(1, 1000, 80, 1, 64, 128), (2, 600, 128, 8, 64, 128), (1, 777, 64, 8, 64, 128)]
+
+
+@pytest.mark.parametrize("chunk_size", [128, 256])
+@pytest.mark.parametrize("shape", MANY_HEADS, ids=lambda s: "x".join(map(str, s)))
+def test_many_heads(shape, chunk_size):
+    """Chunk 256 (computed at an internal chunk of 128, backward.BackwardConfig) and 128 at the
+    head and group counts of real models, all options on."""
+    inp, kw, dout, dfinal = make_problem(*shape, torch.bfloat16, OPTS["all"], seed=3,
+                                         Q=chunk_size)
+    check(inp, kw, chunk_size, dout, dfinal, torch.bfloat16)
+
+
 @pytest.mark.parametrize("chunk_size", [64, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_dtypes_and_chunks_all_options(dtype, chunk_size):

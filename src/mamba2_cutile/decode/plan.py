@@ -149,7 +149,7 @@ def decode_plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_i
         if len(_PLAN_CACHE) > 256:
             _PLAN_CACHE.clear()
         _PLAN_CACHE[key] = static
-    kernel, grid, dt_head, a_head, d_mode, bias_mode, flags = static
+    kernel, grid, dt_head, a_head, d_mode, bias_mode, flags, int64 = static
     dt_arg = dt4[..., 0] if dt_head else dt4
     a_arg = A[:, 0, 0] if a_head else A
     d_arg = None if D is None else (D[:, 0] if d_mode == 1 and D.dim() == 2 else D)
@@ -163,7 +163,7 @@ def decode_plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_i
             state_batch_indices if state_batch_indices is not None else a_arg,
             out5 if out5 is not None else x4,
             y4) + flags
-    return [KernelCall(kernel, grid, args)]
+    return [KernelCall(kernel, grid, args, int64=int64)]
 
 
 _PLAN_CACHE: dict = {}
@@ -197,4 +197,4 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
     # flat: the persistent loop with one program per tile, in memory order
     grid = ((min(tiles, cfg.persistent * num_sms(x)), 1, 1) if cfg.persistent
             else (tiles, 1, 1) if cfg.flat else (b, h, -(-p // cfg.block_p)))
-    return kernel, grid, dt_head, a_head, d_mode, bias_mode, flags
+    return kernel, grid, dt_head, a_head, d_mode, bias_mode, flags, int64
