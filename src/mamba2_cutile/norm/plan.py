@@ -1,0 +1,193 @@
+"""Gated RMSNorm on CUDA tensors: its config, the plans of its forward launch and its backward
+launch, and the launchers.
+
+| pass | kernel | grid |
+| --- | --- | --- |
+| forward | `rmsnorm_gated_fwd` | (cdiv(M, block_m), G): one tile of block_m rows x one group |
+| backward | `rmsnorm_gated_bwd` | (P, G): P programs per group walk the row blocks, partial dw/db |
+
+The backward's (P, G, S) partial sums of dweight and dbias are then summed over P by
+`torch.sum` (a fixed order: the result does not depend on scheduling).
+
+Rows are (M, hidden) views with a unit channel stride (any row stride: slices of a wider
+projection are read in place), seen by the kernels as (M, G, S) with S = group_size. Plans are
+built from tensors (real CUDA tensors at run time, `meta` tensors for the CPU compile check)
+and read no tensor values, so they are safe under CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import config as _config
+from ..kernels.rmsnorm_gated_bwd import rmsnorm_gated_bwd, rmsnorm_gated_bwd_i64
+from ..kernels.rmsnorm_gated_fwd import rmsnorm_gated_fwd, rmsnorm_gated_fwd_i64
+from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, launch_calls, needs_int64,
+                       next_pow2, num_sms, with_hints)
+
+#: the largest group the kernels take: a group is one register tile, and past this size the
+#: backward's tiles no longer fit in registers
+MAX_GROUP_SIZE = 16384
+#: the grid's second dimension (one program column per group) is limited to 65535 by CUDA
+MAX_GROUPS = 65535
+ENV_NORM = "MAMBA2_CUTILE_NORM_CONFIG"
+
+
+@dataclass(frozen=True)
+class NormConfig:
+    """Tile sizes and hints of the two gated-RMSNorm kernels.
+
+    block_g: the channel tile, the power of two >= group_size (set by the problem).
+    block_m / bwd_block_m: rows per tile of the forward / backward kernel.
+    bwd_ctas_per_sm: the backward's grid holds about this many programs per SM over all groups
+    (each walks its share of the row blocks and writes one row of partial sums).
+    occupancy, warps (forward) and bwd_occupancy, bwd_warps: kernel hints, 0 = the compiler's.
+    """
+    block_g: int
+    block_m: int
+    bwd_block_m: int
+    bwd_ctas_per_sm: int = 4
+    occupancy: int = 0
+    warps: int = 0
+    bwd_occupancy: int = 0
+    bwd_warps: int = 0
+
+    FIXED = ("block_g",)
+
+    def __post_init__(self):
+        c = _config
+        v = self.block_g
+        if not isinstance(v, int) or v < 1 or v & (v - 1) or v > MAX_GROUP_SIZE:
+            raise ValueError(f"NormConfig: block_g={v!r} is not a power of two in "
+                             f"1..{MAX_GROUP_SIZE}")
+        c.check_pow2(self, "block_m", "bwd_block_m")
+        c.check_range(self, "bwd_ctas_per_sm", 1, 32)
+        c.check_range(self, "occupancy", 0, 32)
+        c.check_range(self, "bwd_occupancy", 0, 32)
+        c.check_choice(self, "warps", (0, 4, 8))
+        c.check_choice(self, "bwd_warps", (0, 4, 8))
+
+
+def norm_shape_config(group_size: int) -> NormConfig:
+    """The dispatcher's rule, from the group size alone (no search, no synchronization).
+
+    A forward tile holds about 4096 channels (block_m rows of the padded group), a backward
+    tile about 2048 (it keeps some six tiles live: x, dout, z, its gate and derivative, xhat);
+    8 warps where a tile is 8192 channels or more, so each thread's share stays in registers.
+    Not yet measured on a GPU: `MAMBA2_CUTILE_NORM_CONFIG` overrides any field
+    (`bench.norm.sweep_norm` times a few).
+    """
+    bg = next_pow2(group_size)
+    bm = max(1, min(64, 4096 // bg))
+    bbm = max(1, min(32, 2048 // bg))
+    return NormConfig(block_g=bg, block_m=bm, bwd_block_m=bbm,
+                      warps=8 if bg * bm >= 8192 else 0,
+                      bwd_warps=8 if bg * bbm >= 4096 else 0)
+
+
+def norm_config(group_size: int) -> NormConfig:
+    """The config a launch uses: the shape rule, then `MAMBA2_CUTILE_NORM_CONFIG`
+    ("field=value,..."), in the precedence of `mamba2_cutile.config`."""
+    return _config.with_env(norm_shape_config(group_size), ENV_NORM)
+
+
+def bwd_programs(rows: int, ngroups: int, cfg: NormConfig, sms: int = DEFAULT_SMS) -> int:
+    """P, the backward's programs per group: about cfg.bwd_ctas_per_sm per SM over all groups,
+    never more than there are row blocks (at least 1)."""
+    row_blocks = -(-rows // cfg.bwd_block_m)
+    want = -(-cfg.bwd_ctas_per_sm * sms // ngroups)
+    return max(1, min(row_blocks, want))
+
+
+def rows_view(t, group_size):
+    """(M, hidden) rows with a unit channel stride -> the kernels' (M, G, S) view (no copy)."""
+    m, hidden = t.shape
+    return t.view(m, hidden // group_size, group_size)
+
+
+def forward_plan(x3, z3, w2, b2, out3, rstd, eps, norm_before_gate, cfg: NormConfig):
+    """The forward launch. x3, z3, out3 (M, G, S); w2, b2 (G, S); rstd (G, M) float32; absent
+    z3 / b2 are None."""
+    m, g, _ = x3.shape
+    int64 = needs_int64(x3, z3, out3, rstd)
+    kernel = with_hints(rmsnorm_gated_fwd_i64 if int64 else rmsnorm_gated_fwd,
+                        cfg.occupancy, cfg.warps)
+    return [KernelCall(
+        kernel, (-(-m // cfg.block_m), g, 1),
+        (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, out3, rstd,
+         float(eps), cfg.block_m, cfg.block_g, z3 is not None, b2 is not None,
+         bool(norm_before_gate)))]
+
+
+def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_before_gate,
+                  cfg: NormConfig):
+    """The backward launch; dw_part (and db_part with a bias) (P, G, S) float32, P their first
+    size. Absent z3 / dz3 / b2 / db_part are None."""
+    g = x3.shape[1]
+    int64 = needs_int64(x3, z3, dout3, dx3, dz3, rstd)
+    kernel = with_hints(rmsnorm_gated_bwd_i64 if int64 else rmsnorm_gated_bwd,
+                        cfg.bwd_occupancy, cfg.bwd_warps)
+    return [KernelCall(
+        kernel, (dw_part.shape[0], g, 1),
+        (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, rstd, dout3, dx3,
+         dz3 if dz3 is not None else dx3, dw_part, db_part if db_part is not None else dw_part,
+         cfg.bwd_block_m, cfg.block_g, z3 is not None, b2 is not None,
+         bool(norm_before_gate)))]
+
+
+def _params(weight, bias, ngroups, group_size):
+    w2 = as_kernel_input(weight).view(ngroups, group_size)
+    b2 = None if bias is None else as_kernel_input(bias).view(ngroups, group_size)
+    return w2, b2
+
+
+def rmsnorm_forward_cuda(x, weight, bias, z, eps, group_size, norm_before_gate, config=None):
+    """out (M, hidden) in x's dtype, rstd (G, M) float32 for rows x, z (M, hidden) on a GPU."""
+    m, hidden = x.shape
+    g = hidden // group_size
+    cfg = config if config is not None else norm_config(group_size)
+    x = as_kernel_input(x)
+    z = as_kernel_input(z)
+    out = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
+    rstd = torch.empty((g, m), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return out, rstd
+    w2, b2 = _params(weight, bias, g, group_size)
+    calls = forward_plan(rows_view(x, group_size),
+                         None if z is None else rows_view(z, group_size), w2, b2,
+                         rows_view(out, group_size), rstd, eps, norm_before_gate, cfg)
+    launch_calls(calls, x.device)
+    return out, rstd
+
+
+def rmsnorm_backward_cuda(dout, x, weight, bias, z, rstd, group_size, norm_before_gate,
+                          config=None):
+    """(dx, dweight, dbias or None, dz or None) on a GPU; dx in x's dtype, dz in z's, dweight
+    and dbias in the parameters' dtypes."""
+    m, hidden = x.shape
+    g = hidden // group_size
+    cfg = config if config is not None else norm_config(group_size)
+    x, z, dout = as_kernel_input(x), as_kernel_input(z), as_kernel_input(dout)
+    dx = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
+    dz = None if z is None else torch.empty((m, hidden), dtype=z.dtype, device=x.device)
+    if m == 0:
+        dw = torch.zeros_like(weight)
+        db = None if bias is None else torch.zeros_like(bias)
+        return dx, dw, db, dz
+    p = bwd_programs(m, g, cfg, num_sms(x))
+    f32 = torch.float32
+    dw_part = torch.empty((p, g, group_size), dtype=f32, device=x.device)
+    db_part = None if bias is None else torch.empty((p, g, group_size), dtype=f32,
+                                                    device=x.device)
+    w2, b2 = _params(weight, bias, g, group_size)
+    calls = backward_plan(
+        rows_view(x, group_size), None if z is None else rows_view(z, group_size), w2, b2,
+        rstd, rows_view(dout, group_size), rows_view(dx, group_size),
+        None if dz is None else rows_view(dz, group_size), dw_part, db_part,
+        norm_before_gate, cfg)
+    launch_calls(calls, x.device)
+    dw = dw_part.sum(0).reshape(hidden).to(weight.dtype)
+    db = None if db_part is None else db_part.sum(0).reshape(hidden).to(bias.dtype)
+    return dx, dw, db, dz
