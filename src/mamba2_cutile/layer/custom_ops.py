@@ -26,6 +26,7 @@ from torch import Tensor
 from ..reference import chunked_backward
 from ..reference.layer import split_sizes
 from ..ssd import custom_ops as ssd_ops
+from ..norm import custom_ops as _norm_ops  # noqa: F401 - registers the norm's ops
 from . import parts
 
 #: inputs of split_conv1d_scan that get a gradient, in the order the backward op returns them
@@ -43,14 +44,6 @@ def _cutile_conv():
     except ImportError:
         return None
     return causal_conv1d_fn
-
-
-def _cutile_norm():
-    try:
-        from ..norm import rmsnorm_fn
-    except ImportError:
-        return None
-    return rmsnorm_fn
 
 
 class Sizes:
@@ -91,15 +84,12 @@ def conv_act(xBC, weight, bias, seq_idx, silu):
 
 
 def gated_norm(y, weight, z, eps, group_size, norm_before_gate):
-    """The gated RMSNorm in y's dtype: the cuTile norm on CUDA when available."""
-    fn = _cutile_norm() if y.is_cuda else None
-    if fn is not None:
-        return fn(y, weight, None, z=z, eps=eps, group_size=group_size,
-                  norm_before_gate=norm_before_gate)
-    cd = _compute_dtype(y)
-    out, _ = parts.rmsnorm_forward(y.to(cd), weight.to(cd), z.to(cd), eps, group_size,
-                                   norm_before_gate)
-    return out.to(y.dtype)
+    """The gated RMSNorm of y (b, l, dim) with z: (out in y's dtype, rstd), through the norm's
+    own op (the cuTile kernel on CUDA, PyTorch on the CPU)."""
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731 - views of zxbcdt's slices
+    out, rstd = torch.ops.mamba2_cutile.rmsnorm_gated_fwd(rows(y), weight, None, rows(z),
+                                                          eps, group_size, norm_before_gate)
+    return out.view(y.shape), rstd
 
 
 def _scan(sz, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_lo,
@@ -136,7 +126,8 @@ def split_conv1d_scan(zxbcdt: Tensor, conv1d_weight: Tensor, conv1d_bias: Option
     y, final = _scan(sz, x, dt, A, B, C, chunk_size, D, None if has_norm else z, dt_bias,
                      initial_states, seq_idx, dt_lo, dt_hi)
     if has_norm:
-        y = gated_norm(y, rmsnorm_weight, z, rmsnorm_eps, sz.dim // ngroups, norm_before_gate)
+        y, _ = gated_norm(y.to(zxbcdt.dtype), rmsnorm_weight, z, rmsnorm_eps,
+                          sz.dim // ngroups, norm_before_gate)
     y = _linear_input(sz, zx0, y.to(zxbcdt.dtype))
     if outproj_weight is not None:
         y = F.linear(y, outproj_weight.to(y.dtype),
@@ -199,12 +190,13 @@ def split_conv1d_scan_backward(
         width = outproj_weight.shape[0] if has_proj else sz.d_mlp + sz.dim
         dout = zxbcdt.new_zeros((sz.batch, sz.seqlen, width))
 
+    group_size = sz.dim // ngroups
+    y, rstd = y_scan, None
+    if has_norm:
+        y, rstd = gated_norm(y_scan, rmsnorm_weight, z, rmsnorm_eps, group_size,
+                             norm_before_gate)
     d_proj_w = d_proj_b = None
     if has_proj:
-        y = y_scan
-        if has_norm:
-            y = gated_norm(y_scan, rmsnorm_weight, z, rmsnorm_eps, sz.dim // ngroups,
-                           norm_before_gate).to(dtype)
         y_in = _linear_input(sz, zx0, y)
         dout2 = dout.reshape(-1, dout.shape[-1]).to(dtype)
         d_proj_w = (dout2.t() @ y_in.reshape(-1, y_in.shape[-1])).to(outproj_weight.dtype)
@@ -212,19 +204,17 @@ def split_conv1d_scan_backward(
             d_proj_b = dout2.to(cd).sum(dim=0).to(outproj_bias.dtype)
         dy = (dout2 @ outproj_weight.to(dtype)).reshape(sz.batch, sz.seqlen, -1)
     else:
-        dy = dout
-    dy = dy.to(cd)
+        dy = dout.to(dtype)
     dy_mlp, dy = dy.split([sz.d_mlp, sz.dim], dim=-1)
-    dzx0 = parts.swiglu_backward(dy_mlp, zx0.to(cd)) if sz.d_mlp else zx0.new_empty(
+    dzx0 = parts.swiglu_backward(dy_mlp.to(cd), zx0.to(cd)) if sz.d_mlp else zx0.new_empty(
         (sz.batch, sz.seqlen, 0), dtype=cd)
-
-    d_norm_w = None
-    dz = None
+    d_norm_w = dz = None
     if has_norm:
-        dy, d_norm_w, dz = parts.rmsnorm_backward(dy, y_scan.to(cd), rmsnorm_weight.to(cd),
-                                                  z.to(cd), rmsnorm_eps, sz.dim // ngroups,
-                                                  norm_before_gate)
-        d_norm_w = d_norm_w.to(rmsnorm_weight.dtype)
+        rows = lambda t: t.reshape(-1, sz.dim)  # noqa: E731
+        dy, d_norm_w, _, dz = torch.ops.mamba2_cutile.rmsnorm_gated_bwd(
+            rows(dy), rows(y_scan), rmsnorm_weight, None, rows(z), rstd, group_size,
+            norm_before_gate)
+        dy, dz = dy.view(sz.batch, sz.seqlen, sz.dim), dz.view(sz.batch, sz.seqlen, sz.dim)
     g = _scan_backward(x, dt, A, B, C, chunk_size, sz.heads(dy.to(x.dtype)), dfinal, D,
                        None if scan_z is None else sz.heads(scan_z), dt_bias, initial_states,
                        seq_idx, dt_lo, dt_hi)

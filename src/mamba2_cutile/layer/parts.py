@@ -1,5 +1,5 @@
 """The layer's pointwise and small parts in PyTorch, forward and explicit backward: the causal
-depthwise convolution, the gated RMSNorm, the SwiGLU branch. The fused function's CPU path
+depthwise convolution and the SwiGLU branch. The fused function's CPU path
 runs their forwards; its backward (every device) runs their backwards on what it recomputes.
 
 Tensors are channel-last, (batch, seqlen, channels); each function computes in the dtype of
@@ -76,47 +76,6 @@ def conv_backward(dpre, x, weight, seq_idx=None, with_bias=True):
         dweight.append((g * _shift_back(x, shift)).sum(dim=(0, 1)))
     dbias = dpre.sum(dim=(0, 1)) if with_bias else None
     return dx, torch.stack(dweight, dim=1), dbias
-
-
-def _groups(t, group_size):
-    return t.reshape(*t.shape[:-1], t.shape[-1] // group_size, group_size)
-
-
-def rmsnorm_forward(x, weight, z, eps, group_size, norm_before_gate):
-    """Gated RMSNorm per group of group_size channels (see reference.layer.gated_rmsnorm_ref):
-    u = x or x silu(z); out = u rstd(u) weight [* silu(z)]. Returns (out, rstd (..., groups))."""
-    u = x * F.silu(z) if (z is not None and not norm_before_gate) else x
-    ug = _groups(u, group_size)
-    rstd = torch.rsqrt(ug.square().mean(dim=-1) + eps)
-    out = (ug * rstd[..., None]).reshape(x.shape) * weight
-    if z is not None and norm_before_gate:
-        out = out * F.silu(z)
-    return out, rstd
-
-
-def rmsnorm_backward(dout, x, weight, z, eps, group_size, norm_before_gate):
-    """Gradients of `rmsnorm_forward` for dout. With n = u rstd (normalized, per group):
-
-        du = rstd (g - n mean_group(g n)),   g = d(n) = dout weight [silu(z)]
-        dweight = sum_tokens dout n [silu(z)]
-        before the gate: dz = dout n weight silu'(z);  after: dx = du silu(z), dz = du x silu'(z)
-
-    Returns (dx, dweight, dz or None)."""
-    gate = F.silu(z) if z is not None else None
-    u = x * gate if (gate is not None and not norm_before_gate) else x
-    ug = _groups(u, group_size)
-    rstd = torch.rsqrt(ug.square().mean(dim=-1, keepdim=True) + eps)
-    n = (ug * rstd).reshape(x.shape)
-    dn = dout * gate if (gate is not None and norm_before_gate) else dout
-    dweight = (dn * n).reshape(-1, x.shape[-1]).sum(dim=0)
-    g = _groups(dn * weight, group_size)
-    ng = _groups(n, group_size)
-    du = (rstd * (g - ng * (g * ng).mean(dim=-1, keepdim=True))).reshape(x.shape)
-    if gate is None:
-        return du, dweight, None
-    if norm_before_gate:
-        return du, dweight, dout * n * weight * silu_grad(z)
-    return du * gate, dweight, du * x * silu_grad(z)
 
 
 def swiglu_forward(zx0):
