@@ -1,0 +1,266 @@
+"""The causal conv1d launches: the config, the dispatcher's rule, the plans (lists of
+`runtime.KernelCall`, built on any device, `meta` included) and the CUDA launchers.
+
+Layouts. x (batch, dim, seqlen) is read in its physical order, without a copy: with
+x.stride(2) == 1 as (batch, dim, seqlen) ("contiguous"), else with x.stride(1) == 1 as the
+(batch, seqlen, dim) view x.transpose(1, 2) ("channel-last", e.g. a channel slice of one
+in_proj output); any other strides are copied to contiguous first. Outputs (out, dx) are
+allocated in x's layout family: channel-last x gives out = empty(batch, seqlen, dim)
+.transpose(1, 2). Nothing here reads tensor values (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import config as _config
+from ..kernels.causal_conv1d_bwd import causal_conv1d_bwd, causal_conv1d_bwd_i64
+from ..kernels.causal_conv1d_fwd import causal_conv1d_fwd, causal_conv1d_fwd_i64
+from ..kernels.causal_conv1d_update import (causal_conv1d_state_copy,
+                                            causal_conv1d_state_copy_i64,
+                                            causal_conv1d_update, causal_conv1d_update_i64)
+from ..runtime import DEFAULT_SMS, KernelCall, launch_calls, needs_int64, next_pow2, num_sms, \
+    with_hints
+
+ENV_CONV1D = "MAMBA2_CUTILE_CONV1D_CONFIG"
+MAX_WIDTH = 8
+
+
+@dataclass(frozen=True)
+class Conv1dConfig:
+    """Tile sizes (powers of two) of the conv1d kernels.
+
+    block_l x block_d: the (tokens, channels) tile of the forward; tiles: token blocks per
+    forward program. bwd_*: the same for the backward (its programs also sum dweight/dbias
+    partials over their bwd_tiles blocks). shift_tma: 1 lets the token-shifted loads use TMA
+    (0: plain loads, which hit L1 for the overlapping taps). occupancy: hint for both (0: the
+    compiler's choice)."""
+    block_l: int = 32
+    block_d: int = 128
+    tiles: int = 1
+    bwd_block_l: int = 32
+    bwd_block_d: int = 64
+    bwd_tiles: int = 8
+    shift_tma: int = 0
+    occupancy: int = 0
+
+    FIXED = ()
+
+    def __post_init__(self):
+        c = _config
+        c.check_pow2(self, "block_l", "block_d", "bwd_block_l", "bwd_block_d")
+        for name in ("block_l", "bwd_block_l"):
+            if getattr(self, name) < 8:
+                raise ValueError(f"Conv1dConfig: {name}={getattr(self, name)} must be at "
+                                 "least 8 (the width-1 halo of a block lies in the previous one)")
+        c.check_range(self, "tiles", 1, 64)
+        c.check_range(self, "bwd_tiles", 1, 64)
+        c.check_choice(self, "shift_tma", (0, 1))
+        c.check_range(self, "occupancy", 0, 32)
+
+
+def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS) -> Conv1dConfig:
+    """The dispatcher's tiles, from the shape alone (no search, no sync).
+
+    Channel-last tiles are wide along the channels (contiguous: 128 bf16 channels are 256-byte
+    rows), contiguous-layout tiles long along the tokens. The backward keeps about 3x the live
+    tiles of the forward, so its tiles are half as large; its programs walk up to 8 blocks (so
+    that the dweight partials stay ~1% of the traffic) but keep at least 4 programs per SM.
+    Untuned: `MAMBA2_CUTILE_CONV1D_CONFIG="field=value,..."` overrides any field.
+    """
+    if channel_last:
+        cfg = dict(block_l=32, block_d=128, bwd_block_l=32, bwd_block_d=64)
+    else:
+        cfg = dict(block_l=64, block_d=64, bwd_block_l=64, bwd_block_d=32)
+    blocks = -(-seqlen // cfg["bwd_block_l"]) * -(-dim // cfg["bwd_block_d"]) * batch
+    tiles = 8
+    while tiles > 1 and blocks // tiles < 4 * sms:
+        tiles //= 2
+    return _config.with_env(Conv1dConfig(**cfg, bwd_tiles=tiles), ENV_CONV1D)
+
+
+# ---------------------------------------------------------------------------------- layouts
+
+def is_channel_last(x) -> bool:
+    """Whether x (batch, dim, seqlen) is read as the (batch, seqlen, dim) view (unit channel
+    stride) rather than as itself (unit token stride)."""
+    return x.stride(2) != 1 and x.stride(1) == 1
+
+
+def kernel_layout(x):
+    """(x readable by the kernels, channel_last): x itself when one of its two inner strides
+    is 1 (and no stride-0 expansion), else a contiguous copy."""
+    if x.stride(2) != 1 and x.stride(1) != 1 or any(
+            st == 0 and sz > 1 for st, sz in zip(x.stride(), x.shape)):
+        x = x.contiguous()
+    return x, is_channel_last(x)
+
+
+def physical(t, channel_last):
+    """The view the kernels index: (batch, seqlen, dim) for channel-last, else t itself."""
+    return t.transpose(1, 2) if channel_last else t
+
+
+def empty_like_layout(x, channel_last, dtype=None):
+    """A new (batch, dim, seqlen) tensor in x's layout family (contiguous physical view)."""
+    b, d, l = x.shape
+    dtype = dtype or x.dtype
+    if channel_last:
+        return torch.empty(b, l, d, dtype=dtype, device=x.device).transpose(1, 2)
+    return torch.empty(b, d, l, dtype=dtype, device=x.device)
+
+
+def in_layout(t, channel_last):
+    """t (batch, dim, seqlen) in the given layout family, copied only when it is not."""
+    p = physical(t, channel_last)
+    if p.stride(-1) != 1 or any(st == 0 and sz > 1 for st, sz in zip(p.stride(), p.shape)):
+        p = p.contiguous()
+    return physical(p, channel_last)
+
+
+# ---------------------------------------------------------------------------------- plans
+
+def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
+                 cfg: Conv1dConfig | None = None):
+    """The forward launch. x and out in one layout family (see `kernel_layout`), weight_t
+    (width, dim) contiguous, seq_idx int32 (batch, seqlen), final (batch, dim, width-1) or None."""
+    b, d, l = x.shape
+    w = weight_t.shape[0]
+    cl = is_channel_last(x)
+    if cfg is None:
+        cfg = conv1d_config(b, d, l, cl, num_sms(x))
+    xp, op = physical(x, cl), physical(out, cl)
+    kernel = causal_conv1d_fwd_i64 if needs_int64(xp, op) else causal_conv1d_fwd
+    kernel = with_hints(kernel, cfg.occupancy)
+    stand_in = weight_t
+    grid = (-(-d // cfg.block_d), -(-(-(-l // cfg.block_l)) // cfg.tiles), b)
+    args = (xp, weight_t, bias if bias is not None else stand_in,
+            initial_states if initial_states is not None else xp,
+            seq_idx if seq_idx is not None else stand_in, op,
+            final if final is not None else xp,
+            w, next_pow2(max(w - 1, 1)), cfg.block_l, cfg.block_d, cfg.tiles, cl,
+            bias is not None, initial_states is not None, seq_idx is not None, bool(silu),
+            final is not None, bool(cfg.shift_tma))
+    return [KernelCall(kernel, grid, args)]
+
+
+def backward_grid(x, cfg):
+    b, d, l = x.shape
+    return (-(-d // cfg.bwd_block_d), -(-(-(-l // cfg.bwd_block_l)) // cfg.bwd_tiles), b)
+
+
+def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, dw_part,
+                  db_part, dinit, silu, cfg: Conv1dConfig | None = None):
+    """The backward launch. x, dout and dx in one layout family; dw_part (P, width, dim) and
+    db_part (P, dim) float32 with P = batch * backward_grid(x, cfg)[1]; dinit (batch, dim,
+    width-1) or None (with initial_states None too)."""
+    b, d, l = x.shape
+    w = weight_t.shape[0]
+    cl = is_channel_last(x)
+    if cfg is None:
+        cfg = conv1d_config(b, d, l, cl, num_sms(x))
+    xp, dop, dxp = physical(x, cl), physical(dout, cl), physical(dx, cl)
+    kernel = causal_conv1d_bwd_i64 if needs_int64(xp, dop, dxp) else causal_conv1d_bwd
+    kernel = with_hints(kernel, cfg.occupancy)
+    stand_in = weight_t
+    args = (xp, weight_t, bias if bias is not None else stand_in,
+            initial_states if initial_states is not None else xp,
+            seq_idx if seq_idx is not None else stand_in, dop,
+            dfinal if dfinal is not None else xp, dxp, dw_part, db_part,
+            dinit if dinit is not None else xp,
+            w, next_pow2(w), next_pow2(max(w - 1, 1)), cfg.bwd_block_l, cfg.bwd_block_d,
+            cfg.bwd_tiles, cl, bias is not None, initial_states is not None,
+            seq_idx is not None, bool(silu), dfinal is not None, bool(cfg.shift_tma))
+    return [KernelCall(kernel, backward_grid(x, cfg), args)]
+
+
+UPDATE_BLOCK_D = 64
+
+
+def update_plan(x3, conv_state, weight_t, bias, cache_seqlens, slots, out3, new_state, silu):
+    """The two update launches (see `kernels.causal_conv1d_update`). x3, out3 (batch, dim, k);
+    new_state (batch, dim, state_len) scratch; cache_seqlens / slots int32 (batch,) or None."""
+    b, d, k = x3.shape
+    S = conv_state.shape[2]
+    w = weight_t.shape[0]
+    big = needs_int64(conv_state)
+    upd = causal_conv1d_update_i64 if big else causal_conv1d_update
+    cpy = causal_conv1d_state_copy_i64 if big else causal_conv1d_state_copy
+    grid = (-(-d // UPDATE_BLOCK_D), b, 1)
+    stand_in = weight_t
+    sp = next_pow2(S)
+    has_idx = slots is not None
+    first = KernelCall(upd, grid, (
+        x3, conv_state, weight_t, bias if bias is not None else stand_in,
+        cache_seqlens if cache_seqlens is not None else stand_in,
+        slots if has_idx else stand_in, out3, new_state,
+        w, UPDATE_BLOCK_D, next_pow2(k), sp, bias is not None, bool(silu),
+        cache_seqlens is not None, has_idx))
+    second = KernelCall(cpy, grid, (new_state, slots if has_idx else stand_in, conv_state,
+                                    UPDATE_BLOCK_D, sp, has_idx))
+    return [first, second]
+
+
+# ---------------------------------------------------------------------------------- launchers
+
+def _weight_t(weight):
+    return weight.t().contiguous()
+
+
+def conv1d_forward_cuda(x, weight, bias, seq_idx, initial_states, silu, want_final,
+                        cfg: Conv1dConfig | None = None):
+    """(out in x's layout family, final (batch, dim, width-1) contiguous or None)."""
+    x, _ = kernel_layout(x)
+    cl = is_channel_last(x)
+    out = empty_like_layout(x, cl)
+    b, d, _ = x.shape
+    w = weight.shape[1]
+    final = torch.empty(b, d, w - 1, dtype=x.dtype, device=x.device) if want_final else None
+    calls = forward_plan(x, _weight_t(weight), None if bias is None else bias.contiguous(),
+                         initial_states, seq_idx, out, final, silu, cfg)
+    launch_calls(calls, x.device)
+    return out, final
+
+
+def conv1d_backward_cuda(x, weight, bias, seq_idx, initial_states, dout, dfinal, silu,
+                         cfg: Conv1dConfig | None = None):
+    """(dx in x's layout family, dweight (dim, width), dbias or None, dinit or None)."""
+    x, _ = kernel_layout(x)
+    cl = is_channel_last(x)
+    b, d, l = x.shape
+    w = weight.shape[1]
+    if cfg is None:
+        cfg = conv1d_config(b, d, l, cl, num_sms(x))
+    if dout is None:
+        dout = torch.zeros_like(x)
+    dout = in_layout(dout, cl)
+    dx = empty_like_layout(x, cl)
+    parts = b * backward_grid(x, cfg)[1]
+    dw_part = torch.empty(parts, w, d, dtype=torch.float32, device=x.device)
+    db_part = torch.empty(parts, d, dtype=torch.float32, device=x.device)
+    dinit = None
+    if initial_states is not None:
+        dinit = torch.empty(b, d, w - 1, dtype=initial_states.dtype, device=x.device)
+    calls = backward_plan(x, _weight_t(weight), None if bias is None else bias.contiguous(),
+                          initial_states, seq_idx, dout, dfinal, dx, dw_part, db_part, dinit,
+                          silu, cfg)
+    launch_calls(calls, x.device)
+    # the partials summed in a fixed order: deterministic
+    dweight = dw_part.sum(0).t().to(weight.dtype)
+    dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
+    return dx, dweight, dbias, dinit
+
+
+def conv1d_update_cuda(x3, conv_state, weight, bias, silu, cache_seqlens, slots):
+    """out (batch, dim, k) in x's dtype; conv_state updated in place."""
+    b, d, k = x3.shape
+    out = torch.empty(b, d, k, dtype=x3.dtype, device=x3.device)
+    new_state = torch.empty(b, d, conv_state.shape[2], dtype=conv_state.dtype,
+                            device=x3.device)
+    calls = update_plan(x3, conv_state, _weight_t(weight),
+                        None if bias is None else bias.contiguous(), cache_seqlens, slots, out,
+                        new_state, silu)
+    launch_calls(calls, x3.device)
+    return out
