@@ -63,9 +63,10 @@ def rmsnorm_gated_bwd(dout: Tensor, x: Tensor, weight: Tensor, bias: Optional[Te
         dx, dw = dx.to(x.dtype), dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
         dz = None if dz is None else dz.to(z.dtype)
-    empty = x.new_empty((0,))
-    return [dx.contiguous(), dw.contiguous(), empty if db is None else db.contiguous(),
-            empty if dz is None else dz.contiguous()]
+    # a fresh empty tensor for each absent gradient: outputs may not alias one another
+    return [dx.contiguous(), dw.contiguous(),
+            x.new_empty((0,)) if db is None else db.contiguous(),
+            x.new_empty((0,)) if dz is None else dz.contiguous()]
 
 
 @rmsnorm_gated_bwd.register_fake

@@ -74,17 +74,21 @@ def norm_shape_config(group_size: int) -> NormConfig:
     """The dispatcher's rule, from the group size alone (no search, no synchronization).
 
     A forward tile holds about 4096 channels (block_m rows of the padded group), a backward
-    tile about 2048 (it keeps some six tiles live: x, dout, z, its gate and derivative, xhat);
-    8 warps where a tile is 8192 channels or more, so each thread's share stays in registers.
-    Not yet measured on a GPU: `MAMBA2_CUTILE_NORM_CONFIG` overrides any field
-    (`bench.norm.sweep_norm` times a few).
+    tile about 2048 (it keeps some six tiles live: x, dout, z, its gate and derivative, xhat).
+    The occupancy hints cap the registers per thread where the tiles still fit without spills
+    (CPU compiles for sm_90, `mamba2-cutile`'s resources reader: forward 64 registers at
+    occupancy 4 up to 2048-channel groups; backward 128 at occupancy 2 up to 4096; a group of
+    8192 needs 8 warps at occupancy 1 in the backward, 168 registers). Not yet timed on a GPU:
+    `MAMBA2_CUTILE_NORM_CONFIG` overrides any field and `bench.norm.sweep_norm` times a few.
     """
     bg = next_pow2(group_size)
     bm = max(1, min(64, 4096 // bg))
     bbm = max(1, min(32, 2048 // bg))
     return NormConfig(block_g=bg, block_m=bm, bwd_block_m=bbm,
-                      warps=8 if bg * bm >= 8192 else 0,
-                      bwd_warps=8 if bg * bbm >= 4096 else 0)
+                      occupancy=4 if bg <= 2048 else 2,
+                      warps=8 if bg >= 8192 else 0,
+                      bwd_occupancy=2 if bg <= 4096 else 1,
+                      bwd_warps=8 if bg >= 8192 else 0)
 
 
 def norm_config(group_size: int) -> NormConfig:
@@ -118,7 +122,7 @@ def forward_plan(x3, z3, w2, b2, out3, rstd, eps, norm_before_gate, cfg: NormCon
         kernel, (-(-m // cfg.block_m), g, 1),
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, out3, rstd,
          float(eps), cfg.block_m, cfg.block_g, z3 is not None, b2 is not None,
-         bool(norm_before_gate)))]
+         bool(norm_before_gate)), int64=int64)]
 
 
 def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_before_gate,
@@ -134,7 +138,7 @@ def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, rstd, dout3, dx3,
          dz3 if dz3 is not None else dx3, dw_part, db_part if db_part is not None else dw_part,
          cfg.bwd_block_m, cfg.block_g, z3 is not None, b2 is not None,
-         bool(norm_before_gate)))]
+         bool(norm_before_gate)), int64=int64)]
 
 
 def _params(weight, bias, ngroups, group_size):
@@ -191,3 +195,37 @@ def rmsnorm_backward_cuda(dout, x, weight, bias, z, rstd, group_size, norm_befor
     dw = dw_part.sum(0).reshape(hidden).to(weight.dtype)
     db = None if db_part is None else db_part.sum(0).reshape(hidden).to(bias.dtype)
     return dx, dw, db, dz
+
+
+def problem_plans(rows=16384, hidden=1536, group_size=None, dtype=torch.bfloat16,
+                  z_dtype=None, param_dtype=torch.float32, has_z=True, has_bias=False,
+                  norm_before_gate=True, row_stride=None, int64=False, device="meta",
+                  config=None):
+    """(forward plan, backward plan) of a problem, on `meta` tensors by default (for compiling
+    on a CPU: the same launches the GPU path makes). `row_stride`: x and z as slices of wider
+    rows; `int64`: enough rows for 2**31 elements."""
+    gs = hidden if group_size is None else group_size
+    g = hidden // gs
+    if int64:
+        rows = max(rows, -(-(2**31) // hidden) + 1)
+    cfg = config if config is not None else norm_shape_config(gs)
+    stride = row_stride or hidden
+
+    def rows_of(dt):
+        return torch.empty((rows, stride), dtype=dt, device=device)[:, :hidden]
+    x = rows_of(dtype)
+    z = rows_of(z_dtype or dtype) if has_z else None
+    w = torch.empty((hidden,), dtype=param_dtype, device=device)
+    b = torch.empty((hidden,), dtype=param_dtype, device=device) if has_bias else None
+    out = torch.empty((rows, hidden), dtype=dtype, device=device)
+    rstd = torch.empty((g, rows), dtype=torch.float32, device=device)
+    w2, b2 = _params(w, b, g, gs)
+    x3, z3 = rows_view(x, gs), None if z is None else rows_view(z, gs)
+    fwd = forward_plan(x3, z3, w2, b2, rows_view(out, gs), rstd, 1e-6, norm_before_gate, cfg)
+    p = bwd_programs(rows, g, cfg)
+    part = lambda: torch.empty((p, g, gs), dtype=torch.float32, device=device)  # noqa: E731
+    dz = None if z is None else rows_view(torch.empty_like(out, dtype=z.dtype), gs)
+    bwd = backward_plan(x3, z3, w2, b2, rstd, rows_view(torch.empty_like(out), gs),
+                        rows_view(torch.empty_like(out), gs), dz, part(),
+                        part() if has_bias else None, norm_before_gate, cfg)
+    return fwd, bwd

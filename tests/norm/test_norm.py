@@ -1,0 +1,289 @@
+"""CPU: rmsnorm_fn / RMSNorm on the PyTorch path against the float64 definition
+(`reference.norm.rmsnorm_gated_ref`): both gate orders, with and without z and bias, groups,
+hidden sizes that are not powers of two, strided x and z, leading dimensions; the gradients
+(float64 gradcheck, and against the definition's autograd), the module's parameters and
+defaults (mamba_ssm's), argument errors naming the argument, the custom ops under opcheck and
+torch.compile(fullgraph=True)."""
+
+import itertools
+
+import pytest
+import torch
+
+from mamba2_cutile.norm import RMSNorm, rmsnorm_fn
+from mamba2_cutile.reference.norm import (rmsnorm_gated_backward, rmsnorm_gated_forward,
+                                          rmsnorm_gated_ref)
+
+F64 = torch.float64
+
+
+def make(shape, hidden, dtype=F64, seed=0, z=True, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64).to(dtype)  # noqa: E731
+    x = r(*shape, hidden) * 2 + 0.3
+    zz = r(*shape, hidden) * 2 if z else None
+    w = (1 + 0.5 * r(hidden)).to(dtype)
+    b = 0.3 * r(hidden) if bias else None
+    return x, w, b, zz
+
+
+#: (leading shape, hidden, group_size): one group, several, odd sizes, a group of 1
+CASES = [((3, 7), 24, None), ((5,), 40, 8), ((2, 3, 4), 30, 10), ((11,), 37, None),
+         ((4,), 6, 1), ((1,), 1, None)]
+
+
+@pytest.mark.parametrize("shape, hidden, gs", CASES)
+@pytest.mark.parametrize("has_z, nbg", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_forward_matches_definition(shape, hidden, gs, has_z, nbg, has_bias):
+    for dtype, tol in ((F64, 1e-14), (torch.float32, 2e-6)):
+        x, w, b, z = make(shape, hidden, dtype, z=has_z, bias=has_bias)
+        got = rmsnorm_fn(x, w, b, z=z, eps=1e-5, group_size=gs, norm_before_gate=nbg)
+        ref = rmsnorm_gated_ref(x, w, b, z, eps=1e-5, group_size=gs, norm_before_gate=nbg)
+        assert got.shape == x.shape and got.dtype == dtype
+        err = ((got.to(F64) - ref).abs().max() / ref.abs().max()).item()
+        assert err < tol, (dtype, err)
+
+
+def test_definition_by_hand():
+    """The float64 definition on a 1 x 4 row with 2 groups, written out."""
+    x = torch.tensor([[1.0, 3.0, -2.0, 2.0]], dtype=F64)
+    z = torch.tensor([[0.5, -1.0, 2.0, 0.0]], dtype=F64)
+    w = torch.tensor([1.0, 2.0, 0.5, -1.0], dtype=F64)
+    silu = z * torch.sigmoid(z)
+    r1, r2 = (5.0 + 1e-6) ** -0.5, (4.0 + 1e-6) ** -0.5
+    xhat = torch.tensor([[1.0 * r1, 3.0 * r1, -2.0 * r2, 2.0 * r2]], dtype=F64)
+    got = rmsnorm_gated_ref(x, w, None, z, eps=1e-6, group_size=2, norm_before_gate=True)
+    torch.testing.assert_close(got, xhat * w * silu, rtol=1e-15, atol=0)
+    u = x * silu
+    ms = torch.stack([u[0, :2].square().mean(), u[0, 2:].square().mean()])
+    rs = torch.rsqrt(ms + 1e-6).repeat_interleave(2)
+    got = rmsnorm_gated_ref(x, w, None, z, eps=1e-6, group_size=2, norm_before_gate=False)
+    torch.testing.assert_close(got, (u * rs * w), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_output_dtype(dtype):
+    x, w, b, z = make((9,), 48, dtype)
+    w = w.float()
+    got = rmsnorm_fn(x, w, b, z=z, group_size=16)
+    assert got.dtype == dtype
+    ref = rmsnorm_gated_ref(x, w, b, z, group_size=16)
+    # one rounding of the output to the dtype: at most half an ulp (2^-8 bf16, 2^-11 fp16)
+    rel = ((got.to(F64) - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()
+    assert rel <= (2**-8 if dtype == torch.bfloat16 else 2**-11) * 1.01
+
+
+def test_strided_inputs_are_read_in_place():
+    """x and z as slices of one wider projection (no copy), x with a transposed layout (copied),
+    an expanded weight: same result as contiguous inputs."""
+    gen = torch.Generator().manual_seed(1)
+    proj = torch.randn(2, 9, 100, generator=gen, dtype=F64)
+    z, x = proj[..., :40], proj[..., 50:90]
+    w = torch.randn(40, generator=gen, dtype=F64)
+    ref = rmsnorm_gated_ref(x, w, None, z, group_size=10)
+    torch.testing.assert_close(rmsnorm_fn(x, w, z=z, group_size=10), ref, rtol=1e-14, atol=0)
+    xt = x.contiguous().transpose(0, 1).contiguous().transpose(0, 1)       # leading dims swapped
+    torch.testing.assert_close(rmsnorm_fn(xt, w, z=z, group_size=10), ref, rtol=1e-14, atol=0)
+    xs = torch.randn(2, 9, 80, generator=gen, dtype=F64)[..., ::2]            # channel stride 2
+    torch.testing.assert_close(rmsnorm_fn(xs, w, z=z, group_size=10),
+                               rmsnorm_gated_ref(xs, w, None, z, group_size=10),
+                               rtol=1e-14, atol=0)
+    w1 = torch.tensor([0.7], dtype=F64).expand(40)
+    torch.testing.assert_close(rmsnorm_fn(x, w1, z=z, group_size=10),
+                               rmsnorm_gated_ref(x, w1.contiguous(), None, z, group_size=10),
+                               rtol=1e-14, atol=0)
+
+
+def test_empty_rows():
+    x, w, b, z = make((0, 3), 16)
+    out = rmsnorm_fn(x.requires_grad_(), w.requires_grad_(), b, z=z)
+    assert out.shape == (0, 3, 16)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and float(w.grad.abs().sum()) == 0.0
+
+
+# ------------------------------------------------------------------------------------ gradients
+
+@pytest.mark.parametrize("has_z, nbg, has_bias, gs",
+                         [(False, True, False, None), (True, True, True, 4),
+                          (True, False, True, 6), (True, False, False, None),
+                          (True, True, False, 1)])
+def test_gradcheck_float64(has_z, nbg, has_bias, gs):
+    x, w, b, z = make((2, 3), 12, z=has_z, bias=has_bias, seed=3)
+    args = [t.requires_grad_() for t in (x, w, b, z) if t is not None]
+
+    def f(*a):
+        it = iter(a)
+        xx, ww = next(it), next(it)
+        bb = next(it) if has_bias else None
+        zz = next(it) if has_z else None
+        return rmsnorm_fn(xx, ww, bb, z=zz, eps=1e-5, group_size=gs, norm_before_gate=nbg)
+    assert torch.autograd.gradcheck(f, tuple(args))
+
+
+@pytest.mark.parametrize("shape, hidden, gs", CASES[:4])
+@pytest.mark.parametrize("has_z, nbg", [(False, True), (True, True), (True, False)])
+def test_gradients_match_definition_autograd(shape, hidden, gs, has_z, nbg):
+    """float32 inputs on the CPU path against the float64 definition's autograd; z and x are
+    strided slices of one projection, so their gradients reach it through the views."""
+    gen = torch.Generator().manual_seed(5)
+    proj64 = torch.randn(*shape, 3 * hidden, generator=gen, dtype=F64) * 1.5
+    w64 = 1 + 0.5 * torch.randn(hidden, generator=gen, dtype=F64)
+    b64 = 0.3 * torch.randn(hidden, generator=gen, dtype=F64)
+    dout = torch.randn(*shape, hidden, generator=gen, dtype=F64)
+    grads = {}
+    for dtype in (F64, torch.float32):
+        proj, w, b = (t.to(dtype).detach().clone().requires_grad_() for t in (proj64, w64, b64))
+        x, z = proj[..., hidden:2 * hidden], proj[..., :hidden] if has_z else None
+        if dtype == F64:
+            out = rmsnorm_gated_ref(x, w, b, z, eps=1e-5, group_size=gs, norm_before_gate=nbg)
+        else:
+            out = rmsnorm_fn(x, w, b, z=z, eps=1e-5, group_size=gs, norm_before_gate=nbg)
+        out.backward(dout.to(dtype))
+        grads[dtype] = (proj.grad, w.grad, b.grad)
+    for name, got, ref in zip(("proj", "weight", "bias"), grads[torch.float32], grads[F64]):
+        err = ((got.to(F64) - ref).abs().max() / ref.abs().max()).item()
+        assert err < 2e-6, (name, err)      # float32 arithmetic: at most 4.1e-7 measured
+
+
+def test_explicit_backward_matches_autograd():
+    """The explicit backward formulas (the kernel's blueprint) in float64 against autograd of
+    the forward they belong to, every option combination."""
+    for has_z, nbg, has_bias, gs in itertools.product((False, True), (False, True),
+                                                      (False, True), (5, 15)):
+        x, w, b, z = make((6,), 15, z=has_z, bias=has_bias, seed=7)
+        leaves = [t.requires_grad_() if t is not None else None for t in (x, w, b, z)]
+        out, rstd = rmsnorm_gated_forward(x, w, b, z, 1e-5, gs, nbg, F64)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+        dx, dw, db, dz = rmsnorm_gated_backward(dout, x.detach(), w.detach(), b, z, rstd.detach(),
+                                                gs, nbg, F64)
+        for got, leaf in zip((dx, dw, db, dz), leaves):
+            if leaf is None:
+                assert got is None
+            else:
+                torch.testing.assert_close(got, leaf.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_weight_gradient_in_weight_dtype():
+    x, w, b, z = make((4,), 8, torch.bfloat16)
+    w = w.float().requires_grad_()
+    b = b.to(torch.bfloat16).requires_grad_()
+    x.requires_grad_()
+    rmsnorm_fn(x, w, b, z=z).sum().backward()
+    assert w.grad.dtype == torch.float32 and b.grad.dtype == torch.bfloat16
+    assert x.grad.dtype == torch.bfloat16
+
+
+# -------------------------------------------------------------------------------------- module
+
+def test_module_matches_mamba_ssm_contract():
+    m = RMSNorm(24, group_size=8, norm_before_gate=False, dtype=F64)
+    assert [n for n, _ in m.named_parameters()] == ["weight"]
+    assert m.bias is None and m.eps == 1e-5 and m.group_size == 8 and not m.norm_before_gate
+    assert torch.equal(m.weight, torch.ones(24, dtype=F64))
+    assert list(m.state_dict()) == ["weight"]
+    d = RMSNorm(16)
+    assert d.eps == 1e-5 and d.group_size is None and d.norm_before_gate is True
+    assert d.weight.dtype == torch.get_default_dtype()
+    # a mamba_ssm-style state dict loads
+    sd = {"weight": torch.linspace(0.5, 1.5, 24, dtype=F64)}
+    m.load_state_dict(sd)
+    x, _, _, z = make((3,), 24)
+    torch.testing.assert_close(m(x, z), rmsnorm_gated_ref(x, sd["weight"], None, z, eps=1e-5,
+                                                          group_size=8, norm_before_gate=False),
+                               rtol=1e-14, atol=0)
+    torch.testing.assert_close(m(x), rmsnorm_gated_ref(x, sd["weight"], None, None, eps=1e-5,
+                                                       group_size=8), rtol=1e-14, atol=0)
+
+
+def test_module_trains():
+    m = RMSNorm(12, dtype=F64)
+    x, _, _, z = make((5,), 12)
+    m(x, z).square().sum().backward()
+    assert m.weight.grad is not None and m.weight.grad.shape == (12,)
+
+
+# -------------------------------------------------------------------------------------- errors
+
+def _call(**over):
+    x, w, b, z = make((3,), 12)
+    kw = dict(x=x, weight=w, bias=b, z=z, eps=1e-6, group_size=None, norm_before_gate=True)
+    kw.update(over)
+    return rmsnorm_fn(kw.pop("x"), kw.pop("weight"), **kw)
+
+
+@pytest.mark.parametrize("over, exc, name", [
+    (dict(x=[1.0]), TypeError, "x"),
+    (dict(x=torch.tensor(1.0, dtype=F64)), ValueError, "x"),
+    (dict(x=torch.ones(3, 12, dtype=torch.int32)), TypeError, "x"),
+    (dict(x=torch.ones(3, 0, dtype=F64), weight=torch.ones(0, dtype=F64), bias=None, z=None),
+     ValueError, "hidden"),
+    (dict(weight=torch.ones(11, dtype=F64)), ValueError, "weight"),
+    (dict(weight=torch.ones(12, 1, dtype=F64)), ValueError, "weight"),
+    (dict(weight=None), ValueError, "weight"),
+    (dict(bias=torch.ones(13, dtype=F64)), ValueError, "bias"),
+    (dict(bias=torch.ones(12, dtype=torch.int64)), TypeError, "bias"),
+    (dict(z=torch.ones(3, 13, dtype=F64)), ValueError, "z"),
+    (dict(z=torch.ones(12, dtype=F64)), ValueError, "z"),
+    (dict(group_size=5), ValueError, "group_size"),
+    (dict(group_size=0), ValueError, "group_size"),
+    (dict(group_size=4.0), TypeError, "group_size"),
+    (dict(group_size=True), TypeError, "group_size"),
+    (dict(eps=-1e-6), ValueError, "eps"),
+    (dict(eps=float("nan")), ValueError, "eps"),
+    (dict(eps="1e-6"), TypeError, "eps"),
+    (dict(norm_before_gate="yes"), TypeError, "norm_before_gate"),
+    (dict(z=torch.ones(3, 12, dtype=F64, device="meta")), ValueError, "z"),
+])
+def test_bad_arguments_name_the_argument(over, exc, name):
+    with pytest.raises(exc, match=name):
+        _call(**over)
+
+
+def test_config_validates_itself(monkeypatch):
+    from mamba2_cutile.norm import NormConfig, norm_config
+    with pytest.raises(ValueError, match="block_m"):
+        NormConfig(block_g=64, block_m=3, bwd_block_m=1)
+    with pytest.raises(ValueError, match="block_g"):
+        NormConfig(block_g=2 * 16384, block_m=1, bwd_block_m=1)
+    monkeypatch.setenv("MAMBA2_CUTILE_NORM_CONFIG", "block_m=8,bwd_occupancy=2")
+    cfg = norm_config(320)
+    assert cfg.block_m == 8 and cfg.bwd_occupancy == 2 and cfg.block_g == 512
+    monkeypatch.setenv("MAMBA2_CUTILE_NORM_CONFIG", "block_g=1024")
+    with pytest.raises(ValueError, match="MAMBA2_CUTILE_NORM_CONFIG"):
+        norm_config(320)
+    monkeypatch.setenv("MAMBA2_CUTILE_NORM_CONFIG", "warps=3")
+    with pytest.raises(ValueError, match="warps"):
+        norm_config(320)
+
+
+# ---------------------------------------------------------------------------- ops and compile
+
+def test_opcheck():
+    x, w, b, z = make((4,), 12, torch.float32)
+    for bb, zz in ((b, z), (None, None)):
+        torch.library.opcheck(torch.ops.mamba2_cutile.rmsnorm_gated_fwd,
+                              (x.requires_grad_(), w.requires_grad_(), bb, zz, 1e-6, 4, False))
+
+
+def test_torch_compile_fullgraph():
+    """The function traces without a graph break (aot_eager: the custom ops and their
+    autograd, without inductor's compile time) and gives the eager results."""
+    torch._dynamo.reset()
+    x, w, _, zin = make((2, 5), 16, torch.float32)
+    proj = torch.cat([zin, x], dim=-1).requires_grad_()
+    w.requires_grad_()
+
+    def step(proj, w):
+        z, x = proj[..., :16], proj[..., 16:]
+        return rmsnorm_fn(x, w, None, z=z, eps=1e-5, group_size=8, norm_before_gate=False)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out = compiled(proj, w)
+    g = torch.autograd.grad(out.square().sum(), (proj, w))
+    out_e = step(proj, w)
+    g_e = torch.autograd.grad(out_e.square().sum(), (proj, w))
+    torch.testing.assert_close(out, out_e, rtol=0, atol=0)
+    for a, e in zip(g, g_e):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
