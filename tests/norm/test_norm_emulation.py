@@ -1,0 +1,101 @@
+"""CPU: the gated-RMSNorm kernels' own source run on the float64 emulation of `ct`
+(tests/support/emulator.py), with the plans the GPU path builds, against the float64 definition
+and the definition's autograd. Catches tiling mistakes (group offsets, padded channels and rows,
+the backward's row-block walk and partial sums) before any GPU time is spent.
+
+The emulation loads padded elements as 0 with PaddingMode.ZERO and NaN otherwise, and fails on a
+store by two programs to one element, so a reliance on undefined padding or a race shows up.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mamba2_cutile.norm.plan import (backward_plan, bwd_programs, forward_plan,
+                                     norm_shape_config, rows_view)
+from mamba2_cutile.reference.norm import rmsnorm_gated_ref
+from support import emulator
+
+F64 = torch.float64
+if not hasattr(emulator.CT, "sqrt"):       # the norm kernels' one op the SSD kernels do not use
+    emulator.CT.sqrt = staticmethod(torch.sqrt)
+
+
+def _problem(m, hidden, has_z, has_bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    wide = r(m, hidden + 5)                  # x as a slice of wider rows (row stride hidden + 5)
+    x = wide[:, 2:2 + hidden]
+    z = r(m, hidden) * 2 if has_z else None
+    w = 1 + 0.5 * r(hidden)
+    b = 0.3 * r(hidden) if has_bias else None
+    return x, w, b, z
+
+
+def _emulated_forward(x, w, b, z, eps, gs, nbg, cfg):
+    m, hidden = x.shape
+    g = hidden // gs
+    out = torch.full((m, hidden), float("nan"), dtype=F64)
+    rstd = torch.full((g, m), float("nan"), dtype=F64)
+    calls = forward_plan(rows_view(x, gs), None if z is None else rows_view(z, gs),
+                         w.view(g, gs), None if b is None else b.view(g, gs),
+                         rows_view(out, gs), rstd, eps, nbg, cfg)
+    emulator.emulate_launch(calls)
+    return out, rstd
+
+
+def _emulated_backward(dout, x, w, b, z, rstd, gs, nbg, cfg, sms):
+    m, hidden = x.shape
+    g = hidden // gs
+    nan = lambda *s: torch.full(s, float("nan"), dtype=F64)  # noqa: E731
+    dx = nan(m, hidden)
+    dz = nan(m, hidden) if z is not None else None
+    p = bwd_programs(m, g, cfg, sms)
+    dw_part, db_part = nan(p, g, gs), nan(p, g, gs) if b is not None else None
+    calls = backward_plan(rows_view(x, gs), None if z is None else rows_view(z, gs),
+                          w.view(g, gs), None if b is None else b.view(g, gs), rstd,
+                          rows_view(dout, gs), rows_view(dx, gs),
+                          None if dz is None else rows_view(dz, gs), dw_part, db_part, nbg, cfg)
+    emulator.emulate_launch(calls)
+    return (dx, dw_part.sum(0).reshape(hidden),
+            None if db_part is None else db_part.sum(0).reshape(hidden), dz, p)
+
+
+#: (rows, hidden, group_size, config overrides): rows not a multiple of block_m, groups not
+#: powers of two, a group of 1, a tile row count of 1
+CASES = [(13, 24, 8, dict(block_m=4, bwd_block_m=2)),
+         (10, 30, 10, dict(block_m=8, bwd_block_m=4)),
+         (7, 37, 37, dict(block_m=2, bwd_block_m=1)),
+         (9, 6, 1, dict(block_m=4, bwd_block_m=4)),
+         (5, 64, 64, {})]
+
+
+@pytest.mark.parametrize("m, hidden, gs, over", CASES)
+@pytest.mark.parametrize("has_z, nbg", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_kernels_match_definition(m, hidden, gs, over, has_z, nbg, has_bias):
+    x, w, b, z = _problem(m, hidden, has_z, has_bias)
+    cfg = replace(norm_shape_config(gs), **over)
+    eps = 1e-5
+    out, rstd = _emulated_forward(x, w, b, z, eps, gs, nbg, cfg)
+
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b, z)]
+    ref = rmsnorm_gated_ref(*leaves[:3], leaves[3], eps=eps, group_size=gs,
+                            norm_before_gate=nbg)
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-12)
+    u = x * torch.nn.functional.silu(z) if has_z and not nbg else x
+    want_rstd = torch.rsqrt(u.unflatten(1, (hidden // gs, gs)).square().mean(-1) + eps)
+    torch.testing.assert_close(rstd, want_rstd.T, rtol=1e-12, atol=0)
+
+    dout = torch.randn(m, hidden, generator=torch.Generator().manual_seed(1), dtype=F64)
+    ref.backward(dout)
+    # sms=1: fewer programs than row blocks, so each walks several (the loop's stride)
+    for sms in (1, 132):
+        dx, dw, db, dz, p = _emulated_backward(dout, x, w, b, z, rstd, gs, nbg, cfg, sms)
+        for got, leaf in zip((dx, dw, db, dz), leaves):
+            if leaf is None:
+                assert got is None
+            else:
+                torch.testing.assert_close(got, leaf.grad, rtol=1e-11, atol=1e-11)
+    assert p == min(-(-m // cfg.bwd_block_m), -(-cfg.bwd_ctas_per_sm * 132 // (hidden // gs)))
