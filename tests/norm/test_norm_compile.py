@@ -1,0 +1,89 @@
+"""CPU: every gated-RMSNorm kernel variant the dispatcher picks compiles for sm_90, from the same
+plans the GPU path launches (on `meta` tensors): every dtype, each gate order and no gate,
+bias or not, 64-bit indexing, mixed z / parameter dtypes, and the channel-tile buckets of the
+shape rule from a group of 1 to the largest group (16384). A launch whose machine code an
+earlier one already decides (`support.variants.signature_key`) is compiled once.
+
+Each compile also reads the cubin's registers and spills (`bench.resources`, when pyelftools
+is there); groups up to 2048 channels must not spill (measured: none), larger ones log theirs.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("cuda.tile")
+
+from mamba2_cutile.bench import compile as cpu_compile  # noqa: E402
+from mamba2_cutile.norm.plan import problem_plans  # noqa: E402
+from support import variants  # noqa: E402
+from support.gpu import log_result  # noqa: E402
+
+pytestmark = pytest.mark.compile
+
+BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+#: (name, keyword arguments of `norm.plan.problem_plans`)
+PROBLEMS = [
+    ("bf16-h1536-z-nbg", dict(hidden=1536, dtype=BF)),
+    ("bf16-h2560-g8-z-gate-first-bias", dict(hidden=2560, group_size=320, dtype=BF,
+                                             norm_before_gate=False, has_bias=True)),
+    ("fp16-h5120-no-z", dict(hidden=5120, dtype=F16, has_z=False)),
+    ("fp32-h8192-z-nbg-bias", dict(hidden=8192, dtype=F32, has_bias=True)),
+    ("bf16-h8192-g8-z-nbg", dict(hidden=8192, group_size=1024, dtype=BF)),
+    ("bf16-h4096-no-z-bias", dict(hidden=4096, dtype=BF, has_z=False, has_bias=True)),
+    ("bf16-h16384-z-nbg", dict(hidden=16384, dtype=BF)),
+    ("fp32-h37-odd-z-gate-first", dict(hidden=37, dtype=F32, norm_before_gate=False,
+                                       rows=1000)),
+    ("fp16-h64-g64-group1", dict(hidden=64, group_size=1, dtype=F16, rows=1000)),
+    ("bf16-h512-g8-fp32-z-bf16-params", dict(hidden=512, group_size=64, dtype=BF,
+                                             z_dtype=F32, param_dtype=BF)),
+    ("bf16-h1536-strided-rows", dict(hidden=1536, dtype=BF, row_stride=4000)),
+    ("bf16-h1536-int64", dict(hidden=1536, dtype=BF, int64=True)),
+]
+
+
+def _launches():
+    seen, out = set(), []
+    for name, problem in PROBLEMS:
+        fwd, bwd = problem_plans(**problem)
+        for kind, call in (("fwd", fwd[0]), ("bwd", bwd[0])):
+            key = variants.signature_key(call, "sm_90")
+            if key not in seen:
+                seen.add(key)
+                out.append(pytest.param(name, kind, id=f"{name}-{kind}"))
+    return out
+
+
+@pytest.mark.parametrize("name, kind", _launches())
+def test_launch_compiles(name, kind):
+    problem = dict(PROBLEMS)[name]
+    fwd, bwd = problem_plans(**problem)
+    call = fwd[0] if kind == "fwd" else bwd[0]
+    cubin = cpu_compile.compile_cubin(call, "sm_90")
+    assert len(cubin) > 0
+    try:
+        from mamba2_cutile.bench.resources import resources
+        res = resources(cubin)
+    except ImportError:        # pyelftools (the dev extra) is optional
+        return
+    hidden = problem["hidden"]
+    group = problem.get("group_size") or hidden
+    log_result(f"{name} {kind}: regs {res['regs']}, spill stack {res['stack']} B, "
+               f"smem {res['smem']} B, threads {res['threads']}")
+    assert res["regs"] and res["regs"] <= 255
+    if group <= 2048:
+        assert res["stack"] == 0, res
+
+
+def test_int64_problem_uses_the_64_bit_variant():
+    """Past 2**31 elements both launches take the 64-bit-indexed variants; below, the 32-bit."""
+    import cuda.tile as ct
+
+    def indexing(call):
+        return call.kernel._annotated_function.pyfunc.__annotations__.get("x")
+    big = problem_plans(hidden=1536, int64=True)
+    small = problem_plans(hidden=1536)
+    for plan in big:
+        assert plan[0].int64 and indexing(plan[0]) is ct.IndexedWithInt64
+    for plan in small:
+        assert not plan[0].int64 and indexing(plan[0]) is None
