@@ -28,18 +28,21 @@ Q = 64
 
 #: (option set of support.emulator.OPTIONS, slice lengths); l = 150, make_seq_idx puts
 #: boundaries at tokens 64 and 128 of row 0 and 64 of row 1, so a slice starting there has a
-#: boundary exactly at its edge
+#: boundary exactly at its edge. A "_slow" suffix: dt' around 0.01 instead of 0.3, so that the
+#: carried state survives whole slices (decay over 40 tokens about 0.6 instead of 1e-5)
 CASES = {
     2: [("all", (70, 80)),            # every option, a slice edge inside a chunk
         ("seq_idx", (64, 86)),        # a boundary exactly at the second slice's first token
         ("D_chan_z", (1, 149)),       # a one-token slice
         ("init_no_dfinal", (100, 50)),
-        ("bias_softplus_limit", (128, 22))],
+        ("bias_softplus_limit", (128, 22)),
+        ("init_no_dfinal_slow", (75, 75))],     # the state crosses whole slices
     3: [("all", (64, 0, 86)),         # an empty middle slice; edge boundary after it
         ("none", (50, 50, 50)),
         ("D_head_z_seq", (1, 63, 86)),
         ("init_no_dfinal", (0, 75, 75)),   # initial_states on an empty first slice
-        ("limit_nosoftplus", (40, 90, 20))],
+        ("limit_nosoftplus", (40, 90, 20)),
+        ("D_chan_z_slow", (30, 40, 80))],       # ... through a whole middle slice
 }
 
 
@@ -50,8 +53,11 @@ def free_port():
 
 
 def problem(name, b=2, l=150, h=4, g=2, p=5, n=6, seed=0):
-    args, kw, dout, _ = make_problem(OPTIONS[name], b=b, l=l, h=h, g=g, p=p, n=n, Q=Q,
-                                     seed=seed)
+    slow = name.endswith("_slow")
+    args, kw, dout, _ = make_problem(OPTIONS[name.removesuffix("_slow")], b=b, l=l, h=h, g=g,
+                                     p=p, n=n, Q=Q, seed=seed)
+    if slow:
+        args["dt"] = args["dt"].abs() * 0.03
     return {**args, **kw}, dout
 
 
