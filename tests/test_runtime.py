@@ -1,10 +1,12 @@
-"""runtime: 64-bit launches never hand cuTile a size-1 dimension whose stride passes int32."""
+"""runtime: no launch hands cuTile a size-1 dimension whose stride passes int32 (a batch-1 view
+of a larger tensor), without copying."""
 
 import pytest
 import torch
 
 from mamba2_cutile.bench import plans
-from mamba2_cutile.runtime import INT32_LIMIT, KernelCall, narrow_unit_strides
+from mamba2_cutile.runtime import INT32_LIMIT, as_kernel_input, narrow_unit_strides
+from mamba2_cutile.ssd import backward, forward
 
 
 def test_narrow_unit_strides_is_a_view_with_small_unit_strides():
@@ -17,12 +19,7 @@ def test_narrow_unit_strides_is_a_view_with_small_unit_strides():
     assert narrow_unit_strides(3) == 3 and narrow_unit_strides(None) is None
     lone = torch.empty(1).as_strided((1, 1), (2**32, 2**32))
     assert narrow_unit_strides(lone).stride() == (1, 1)
-
-
-def test_kernel_call_narrows_only_64_bit_launches():
-    big = torch.empty(1, 2, device="meta").as_strided((1, 2), (2**32, 1))
-    assert KernelCall(None, (1,), (big, 7), int64=True).args[0].stride() == (1, 1)
-    assert KernelCall(None, (1,), (big, 7)).args[0].stride() == (2**32, 1)
+    assert as_kernel_input(big).stride() == (4, 4, 1)
 
 
 def _unit_dim_strides(calls):
@@ -34,13 +31,27 @@ def _unit_dim_strides(calls):
     return worst
 
 
-@pytest.mark.parametrize("builder", ["forward", "backward"])
-def test_batch1_sequence_past_int32_plans_fit(builder):
-    """x of 1 x 270000 x 128 x 64 (2.2e9 elements): every launch is 64-bit and no size-1
-    dimension keeps the 2.2e9 batch stride."""
-    kw = dict(batch=1, seqlen=270_000, nheads=128, ngroups=8, chunk_size=256)
-    calls = (plans.forward_problem_plan(**kw) if builder == "forward"
-             else plans.backward_problem_plan(**kw))
-    assert all(c.int64 for c in calls if any(isinstance(a, torch.Tensor) and a.numel() > 2**31
-                                             for a in c.args))
+def _half_problem(l=270_000, h=128, g=8, p=64, n=128):
+    """The first half of a batch-1 sequence of 2.2e9 x elements, as views of the whole (so the
+    batch strides of the whole, past int32), on meta tensors."""
+    e = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
+    cut = l // 2 // 256 * 256
+    whole = dict(x=e(1, l, h, p), dt=e(1, l, h, dt=torch.float32), B=e(1, l, g, n),
+                 C=e(1, l, g, n))
+    half = {k: v[:, :cut] for k, v in whole.items()}
+    assert half["x"].stride(0) > INT32_LIMIT and half["x"].numel() < 2**31
+    return half, torch.empty(h, device="meta")
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_batch1_view_of_a_larger_tensor_runs_32_bit_with_small_strides(direction):
+    half, A = _half_problem()
+    if direction == "forward":
+        calls = forward.forward_launches(half["x"], half["dt"], A, half["B"], half["C"], 256)[0]
+    else:
+        calls = []
+        backward.run_backward(half["x"], half["dt"], A, half["B"], half["C"], 256,
+                              torch.empty_like(half["x"]), launch_fn=calls.extend)
+    names = [c.kernel._annotated_function.pyfunc.__name__ for c in calls]
+    assert calls and not any(n.endswith("_i64") for n in names)
     assert _unit_dim_strides(calls) <= INT32_LIMIT

@@ -21,30 +21,27 @@ DEFAULT_SMS = 132
 
 @dataclass
 class KernelCall:
-    """One planned launch: a cuTile kernel, its grid and its argument tuple.
-
-    `int64=True` marks a launch of a 64-bit-indexed kernel variant: its tensor arguments are
-    passed through `narrow_unit_strides`, so a size-1 dimension never carries a stride beyond
-    int32 (cuTile refuses those, and a batch-1 tensor of 2**31 elements has one)."""
+    """One planned launch: a cuTile kernel, its grid and its argument tuple."""
     kernel: object
     grid: tuple
     args: tuple
-    int64: bool = False
-
-    def __post_init__(self):
-        if self.int64:
-            self.args = tuple(narrow_unit_strides(a) for a in self.args)
 
 
 def narrow_unit_strides(t):
     """`t` (a view, never a copy) with the stride of every size-1 dimension that exceeds int32
-    replaced by the largest stride of `t` that fits (or 1): the index along a size-1 dimension
-    is always 0, so its stride is never used, and the replacement keeps the TMA alignment of the
-    stride it copies. Anything that is not such a tensor comes back unchanged."""
+    replaced by the largest stride of `t` that fits (or 1).
+
+    Why: the 32-bit kernel variants take arrays whose strides fit int32 (cuTile refuses others
+    with "stride is too big"), and `needs_int64` rightly picks them for a view that spans fewer
+    than 2**31 elements, but a batch-1 slice of a larger tensor (x[:, :cut], a slice of one
+    projection) keeps the batch stride of the whole. The index along a size-1 dimension is
+    always 0, so its stride is never used; copying another stride keeps its TMA alignment.
+    Anything that is not such a tensor comes back unchanged (the same object)."""
     if not isinstance(t, torch.Tensor) or t.dim() == 0:
         return t
     shape, stride = t.shape, t.stride()
-    if all(n != 1 or abs(s) <= INT32_LIMIT for n, s in zip(shape, stride)):
+    if max(stride) <= INT32_LIMIT or all(n != 1 or abs(s) <= INT32_LIMIT
+                                         for n, s in zip(shape, stride)):
         return t
     fits = [abs(s) for s in stride if abs(s) <= INT32_LIMIT]
     fill = max(fits) if fits else 1
@@ -115,8 +112,9 @@ def with_hints(kernel, occupancy: int = 0, warps: int = 0):
 
 def as_kernel_input(t, dtype=None):
     """A tensor the kernels can load: unit innermost stride (for TMA), no stride-0 (expanded)
-    dimension (TMA descriptors want strides that grow with the dimension), optional dtype
-    cast. Views that already qualify, such as slices of one projection, are not copied."""
+    dimension (TMA descriptors want strides that grow with the dimension), size-1 dimensions
+    with strides that fit int32 (`narrow_unit_strides`), optional dtype cast. Views that
+    already qualify, such as slices of one projection, are not copied."""
     if t is None:
         return None
     if dtype is not None and t.dtype != dtype:
@@ -124,7 +122,7 @@ def as_kernel_input(t, dtype=None):
     if t.dim() and (t.stride(-1) != 1 or any(
             st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape))):
         t = t.contiguous()
-    return t
+    return narrow_unit_strides(t)
 
 
 def dt_clamp_bounds(dt_limit):

@@ -3,9 +3,9 @@ forward and backward through the public function, against the same sequence spli
 boundary into two halves chained through `initial_states` (each half below 2**31 elements, so
 the 32-bit kernels; gradients flow through the chained state).
 
-The batch-1 stride of such a tensor passes int32: the 64-bit launches narrow the stride of
-size-1 dimensions (runtime.narrow_unit_strides), which cuTile would otherwise refuse with
-"stride is too big". Tolerances: the forward's and backward's (support.tolerances) for the
+Each half is a view of the whole: below 2**31 elements, so the 32-bit kernels, but with the
+whole's batch stride, past int32, which cuTile refuses ("stride is too big") unless the stride of
+the size-1 batch dimension is narrowed (runtime.narrow_unit_strides, no copy). Tolerances: the forward's and backward's (support.tolerances) for the
 difference of the two runs, each of which is within them of float64 at smaller sizes.
 """
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from .. import config as _config
 from ..kernels.state_update import state_update, state_update_i64
-from ..runtime import (DEFAULT_SMS, KernelCall, needs_int64, next_pow2, num_sms,
-                       tileiras_version, version_at_least, with_hints)
+from ..runtime import (DEFAULT_SMS, KernelCall, narrow_unit_strides, needs_int64, next_pow2,
+                       num_sms, tileiras_version, version_at_least, with_hints)
 
 MAX_DSTATE = 256           # the whole (padded) dstate is one tile
 TILE_ELEMS = 8192          # state elements per program at most (BLOCK_P * NP)
@@ -149,7 +149,7 @@ def decode_plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_i
         if len(_PLAN_CACHE) > 256:
             _PLAN_CACHE.clear()
         _PLAN_CACHE[key] = static
-    kernel, grid, dt_head, a_head, d_mode, bias_mode, flags, int64 = static
+    kernel, grid, dt_head, a_head, d_mode, bias_mode, flags, narrow = static
     dt_arg = dt4[..., 0] if dt_head else dt4
     a_arg = A[:, 0, 0] if a_head else A
     d_arg = None if D is None else (D[:, 0] if d_mode == 1 and D.dim() == 2 else D)
@@ -163,7 +163,9 @@ def decode_plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_i
             state_batch_indices if state_batch_indices is not None else a_arg,
             out5 if out5 is not None else x4,
             y4) + flags
-    return [KernelCall(kernel, grid, args, int64=int64)]
+    if narrow:
+        args = tuple(narrow_unit_strides(a) for a in args)
+    return [KernelCall(kernel, grid, args)]
 
 
 _PLAN_CACHE: dict = {}
@@ -197,4 +199,8 @@ def _static_plan(state, x4, dt4, A, B4, C4, D, z4, dt_bias, dt_softplus, state_b
     # flat: the persistent loop with one program per tile, in memory order
     grid = ((min(tiles, cfg.persistent * num_sms(x)), 1, 1) if cfg.persistent
             else (tiles, 1, 1) if cfg.flat else (b, h, -(-p // cfg.block_p)))
-    return kernel, grid, dt_head, a_head, d_mode, bias_mode, flags, int64
+    # a size-1 dimension whose stride passes int32 (a batch-1 view of a larger tensor): narrowed
+    # per call (runtime.narrow_unit_strides); decided once per layout, like the rest
+    narrow = any(narrow_unit_strides(t) is not t for t in (
+        state, x4, dt_arg, a_arg, B4, C4, d_arg, z4, bias_arg, out5, y4, state_batch_indices))
+    return kernel, grid, dt_head, a_head, d_mode, bias_mode, flags, narrow

@@ -262,7 +262,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
         (dout, z if has_z else dout, C, bufs.cum_buf, seq_arg,
          dfinal if dfinal is not None else bufs.hbuf, bufs.dstates, bufs.hbuf,
          Q, cfg.bstate_block_p, cfg.bstate_block_n, hpg, has_z, has_seq, dfinal is not None,
-         init is not None, cfg.bstate_load_latency), int64=int64))
+         init is not None, cfg.bstate_load_latency)))
 
     # 4: dx, dz, partials of dD, ddt, da
     v_part = bufs.v_part if bufs.v_part is not None else bufs.ddt_part
@@ -277,7 +277,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
          bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
          v_part, Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z,
-         has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency), int64=int64))
+         has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency)))
 
     # 5: dB, dC
     int64 = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
@@ -289,7 +289,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
             (nchunks * batch * ngroups, -(-dstate // cfg.bc_block_n), 1),
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
              bufs.dstates, bufs.dB, bufs.dC, bufs.da_part, Q, cfg.bc_block_p, cfg.bc_block_n,
-             hpg, has_z, has_seq, lowp, cfg.da_mode == 2, cfg.bc_load_latency), int64=int64))
+             hpg, has_z, has_seq, lowp, cfg.da_mode == 2, cfg.bc_load_latency)))
     else:
         n_qb = -(-seqlen // cfg.bc_block_q)
         calls.append(KernelCall(
@@ -297,7 +297,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
             (n_qb * batch * ngroups, -(-dstate // cfg.bc_block_n), 2),
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
              bufs.dstates, bufs.dB, bufs.dC, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.bc_block_n,
-             hpg, has_z, has_seq, lowp), int64=int64))
+             hpg, has_z, has_seq, lowp)))
 
     # 6: dt chain, dA and ddt_bias partials
     int64 = needs_int64(dt, bufs.dt_buf, bufs.da_part, bufs.ddt_part, bufs.ddt, bufs.dA_part)
@@ -308,7 +308,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          bufs.da_part, bufs.ddt_part, v_part, bufs.ddt, bufs.dA_part,
          bufs.dbias_part if dt_bias is not None else bufs.dA_part,
          Q, cfg.dx_block_q, cfg.cumsum_block_h, dt_bias is not None, bool(dt_softplus),
-         cfg.da_mode), int64=int64))
+         cfg.da_mode)))
     return calls
 
 

@@ -171,14 +171,16 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
             (batch * nchunks, -(-nheads // cfg.cumsum_block_h), 1),
             (dt, A, dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi),
              dt_buf, cum_buf, seq_arg, seq_start, Q, cfg.cumsum_block_h, dt_bias is not None,
-             bool(dt_softplus), seq_idx is not None), int64=int64),
+             bool(dt_softplus), seq_idx is not None),
+        ),
         KernelCall(
             with_hints(chunk_state_pass_i64 if int64 else chunk_state_pass, cfg.state_occupancy),
             (batch * nheads, -(-headdim // cfg.state_block_p), -(-dstate // cfg.state_block_n)),
             (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
              Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
              init is not None, seq_idx is not None, cfg.state_load_latency,
-             scale_x(cfg), bool(cfg.state_fresh_acc)), int64=int64),
+             scale_x(cfg), bool(cfg.state_fresh_acc)),
+        ),
         KernelCall(
             with_hints(chunk_scan_i64 if int64 else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
             scan_grid,
@@ -188,7 +190,8 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              cfg.scan_load_latency, cfg.scan_persistent > 0,
              bool(cfg.scan_lowp) and x.dtype != torch.float32,
              bool(cfg.scan_head_major),
-             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad)), int64=int64),
+             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad)),
+        ),
     ]
     return calls
 
