@@ -4,5 +4,6 @@ the `Mamba2` module (mamba_ssm's parameters and state-dict keys, training forwar
 decode with an inference cache)."""
 
 from .fused import mamba_split_conv1d_scan_combined
+from .module import InferenceParams, Mamba2
 
-__all__ = ["mamba_split_conv1d_scan_combined"]
+__all__ = ["mamba_split_conv1d_scan_combined", "Mamba2", "InferenceParams"]

@@ -5,14 +5,16 @@ a registered autograd, so `torch.compile(fullgraph=True)` traces a model that ca
 only zxbcdt, the weights, initial_states and seq_idx: no activation of size (batch, seqlen,
 dim). `mamba2_cutile::split_conv1d_scan_backward` (opaque, like the scan's CUDA backward)
 recomputes the convolution, and the scan's output where the norm or the out projection needs
-it, then runs the backward of each part in reverse: out projection, SwiGLU, gated RMSNorm (the
-formulas of `parts`), the scan (`ssd.custom_ops.backward_impl`: the cuTile backward on CUDA,
-`reference.chunked_backward` elsewhere), the convolution (`parts.conv_backward`).
+it, then runs the backward of each part in reverse: out projection, SwiGLU (`parts`), gated
+RMSNorm, the scan (`ssd.custom_ops.backward_impl`: the cuTile backward on CUDA,
+`reference.chunked_backward` elsewhere), the convolution.
 
-Where each forward part runs: CUDA tensors take the scan's cuTile kernels and, when those
-packages are importable, the cuTile convolution (`mamba2_cutile.conv1d`) and gated RMSNorm
-(`mamba2_cutile.norm`); everything else is `parts` in float32 (float64 for float64 inputs),
-rounded to zxbcdt's dtype where the kernels round (after the convolution, the scan, the norm).
+The parts run on the library's own implementations, on both devices: the convolution of
+`mamba2_cutile.conv1d` (forward with SiLU and its backward), the scan of `mamba2_cutile.ssd`,
+the gated RMSNorm of `mamba2_cutile.norm` (forward and backward ops): cuTile kernels for CUDA
+tensors, their PyTorch paths otherwise. SwiGLU and the out projection are PyTorch (cuBLAS).
+Values are rounded to zxbcdt's dtype where the kernels round: after the convolution, the
+scan, the norm.
 """
 
 from __future__ import annotations
@@ -38,12 +40,22 @@ def _compute_dtype(t):
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _cutile_conv():
-    try:
-        from ..conv1d import causal_conv1d_fn
-    except ImportError:
-        return None
-    return causal_conv1d_fn
+def _conv_impl(t):
+    """The convolution's (forward, backward) functions of mamba2_cutile.conv1d for t's device:
+    its cuTile launches on CUDA, its PyTorch path elsewhere (called directly: this op is
+    already below autograd and opaque to torch.compile)."""
+    if t.is_cuda:
+        from ..conv1d.plan import conv1d_backward_cuda, conv1d_forward_cuda
+        return conv1d_forward_cuda, conv1d_backward_cuda
+    from ..conv1d.cpu import conv1d_backward, conv1d_forward
+    return conv1d_forward, conv1d_backward
+
+
+def _int32(seq_idx):
+    """seq_idx as the convolution's int32 (validated non-decreasing ids)."""
+    if seq_idx is None or seq_idx.dtype == torch.int32:
+        return seq_idx
+    return seq_idx.to(torch.int32)
 
 
 class Sizes:
@@ -71,16 +83,18 @@ class Sizes:
 
 
 def conv_act(xBC, weight, bias, seq_idx, silu):
-    """act(conv(xBC)) in xBC's dtype: the cuTile convolution on CUDA when available."""
-    fn = _cutile_conv() if xBC.is_cuda else None
-    if fn is not None:
-        out = fn(xBC.transpose(1, 2), weight, bias, seq_idx=seq_idx,
-                 activation="silu" if silu else None)
-        return out.transpose(1, 2)
-    cd = _compute_dtype(xBC)
-    pre = parts.conv_forward(xBC.to(cd), weight.to(cd), None if bias is None else bias.to(cd),
-                             seq_idx)
-    return (F.silu(pre) if silu else pre).to(xBC.dtype)
+    """act(conv(xBC)) (b, l, conv_dim) contiguous, in xBC's dtype."""
+    forward, _ = _conv_impl(xBC)
+    out, _ = forward(xBC.transpose(1, 2), weight, bias, _int32(seq_idx), None, silu, False)
+    return out.transpose(1, 2).contiguous()     # no copy on CUDA: its output is channel-last
+
+
+def conv_backward(d_act, xBC, weight, bias, seq_idx, silu):
+    """(dxBC (b, l, conv_dim), dweight, dbias or None) for the cotangent d_act of conv_act."""
+    _, backward = _conv_impl(xBC)
+    dx, dw, db, _ = backward(xBC.transpose(1, 2), weight, bias, _int32(seq_idx), None,
+                             d_act.transpose(1, 2), None, silu)
+    return dx.transpose(1, 2), dw, db
 
 
 def gated_norm(y, weight, z, eps, group_size, norm_before_gate):
@@ -175,8 +189,6 @@ def split_conv1d_scan_backward(
     dtype, cd = zxbcdt.dtype, _compute_dtype(zxbcdt)
     zx0, z, xBC, dt = sz.split(zxbcdt)
     has_norm, has_proj = rmsnorm_weight is not None, outproj_weight is not None
-    w_cd = conv1d_weight.to(cd)
-    b_cd = None if conv1d_bias is None else conv1d_bias.to(cd)
     # The forward's rounding points: x, B, C in zxbcdt's dtype, from the same convolution.
     act = conv_act(xBC, conv1d_weight, conv1d_bias, seq_idx, silu)
     x, B, C = sz.xbc(act)
@@ -220,13 +232,12 @@ def split_conv1d_scan_backward(
                        seq_idx, dt_lo, dt_hi)
     if not has_norm:
         dz = g["z"].flatten(-2)
-    d_act = torch.cat([g["x"].flatten(-2).to(cd), g["B"].flatten(-2).to(cd),
-                       g["C"].flatten(-2).to(cd)], dim=-1)
-    if silu:
-        d_act = d_act * parts.silu_grad(parts.conv_forward(xBC.to(cd), w_cd, b_cd, seq_idx))
-    dxBC, d_conv_w, d_conv_b = parts.conv_backward(d_act, xBC.to(cd), w_cd, seq_idx,
-                                                   with_bias=conv1d_bias is not None)
-    dzxbcdt = torch.cat([dzx0, dz.to(cd), dxBC, g["dt"].to(cd)], dim=-1).to(dtype)
+    d_act = torch.cat([g["x"].flatten(-2), g["B"].flatten(-2), g["C"].flatten(-2)],
+                      dim=-1).to(dtype)
+    dxBC, d_conv_w, d_conv_b = conv_backward(d_act, xBC, conv1d_weight, conv1d_bias, seq_idx,
+                                             silu)
+    dzxbcdt = torch.cat([dzx0.to(dtype), dz.to(dtype), dxBC.to(dtype), g["dt"].to(dtype)],
+                        dim=-1)
     grads = dict(zxbcdt=dzxbcdt, conv1d_weight=d_conv_w.to(conv1d_weight.dtype),
                  conv1d_bias=None if d_conv_b is None else d_conv_b.to(conv1d_bias.dtype),
                  dt_bias=g["dt_bias"], A=g["A"], D=g["D"], initial_states=g["initial_states"],

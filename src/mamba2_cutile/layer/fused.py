@@ -14,6 +14,7 @@ import torch
 
 from ..checks import (FLOATS, GPU_FLOATS, INTS, check_gpu_dtypes, check_same_device,
                       check_tensor, expect_shape, shape_of, value_checks_enabled)
+from ..conv1d.plan import MAX_WIDTH
 from ..ssd.forward import MAX_DSTATE, MAX_HEADDIM, SUPPORTED_CHUNK_SIZES
 from . import custom_ops  # noqa: F401 - registers torch.ops.mamba2_cutile.split_conv1d_scan
 
@@ -57,10 +58,11 @@ def _validate(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, ini
     dim = h * headdim
     check_tensor("conv1d_weight", conv1d_weight, 2, FLOATS)
     conv_dim, width = conv1d_weight.shape
-    if conv_dim <= dim or (conv_dim - dim) % (2 * ngroups) or width < 1:
+    if conv_dim <= dim or (conv_dim - dim) % (2 * ngroups) or not 2 <= width <= MAX_WIDTH:
         raise ValueError(
             f"conv1d_weight must have shape (dim + 2 * ngroups * dstate, width) with dim = "
-            f"nheads * headdim = {dim}, ngroups = {ngroups}, dstate >= 1, width >= 1, got "
+            f"nheads * headdim = {dim}, ngroups = {ngroups}, dstate >= 1, width in "
+            f"2..{MAX_WIDTH}, got "
             f"{shape_of(conv1d_weight)} (an nn.Conv1d weight (c, 1, w) needs [:, 0])")
     n = (conv_dim - dim) // (2 * ngroups)
     if n > MAX_DSTATE:

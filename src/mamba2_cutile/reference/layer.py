@@ -24,8 +24,9 @@ from .recurrence import ssd_recurrence
 
 def causal_conv1d_ref(x, weight, bias=None, seq_idx=None, activation=None):
     """x (b, l, c) channel-last, weight (c, w), bias (c,): out[t] = bias + sum_k weight[:, k]
-    * x[t - (w - 1) + k] (0 before token 0 and across seq_idx changes), then silu if
-    activation is "silu"/"swish". F.conv1d when there is no seq_idx; taps one by one with it."""
+    * x[t - (w - 1) + k] (0 before token 0 and across seq_idx changes; 0 at tokens whose
+    seq_idx is negative, padding, as causal-conv1d), then silu if activation is "silu"/"swish".
+    F.conv1d when there is no seq_idx; taps one by one with it."""
     b, l, c = x.shape
     w = weight.shape[1]
     if seq_idx is None:
@@ -38,6 +39,7 @@ def causal_conv1d_ref(x, weight, bias=None, seq_idx=None, activation=None):
             xs = F.pad(x, (0, 0, shift, 0))[:, :l]
             same = seq_idx == F.pad(seq_idx, (shift, 0), value=-1)[:, :l]
             out = out + weight[:, k] * xs * same[..., None].to(x.dtype)
+        out = out * (seq_idx >= 0)[..., None].to(x.dtype)      # negative id: a padding token
     return F.silu(out) if activation in ("silu", "swish") else out
 
 
