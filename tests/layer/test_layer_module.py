@@ -11,12 +11,15 @@ import torch.nn.functional as F
 from mamba2_cutile.layer import InferenceParams, Mamba2
 from mamba2_cutile.reference.layer import mamba_split_conv1d_scan_ref
 
-#: float64 everywhere but the fused function's float32 final state (measured at most 1.1e-15
-#: on outputs and 2.2e-15 on gradients; decode after prefill 1.3e-15, the prefill's state
-#: passes through float32 in the fused path: 3e-8)
+#: float64 everywhere (measured at most 5.1e-16 on outputs, 1.4e-15 on gradients); dA_log
+#: passes through A's float32 cast on both sides (measured equal, bound at float32 rounding)
 F64_TOL = 2e-14
 F32_ROUND_TOL = 2e-7
-STEP_TOL = 2e-7
+#: decode after a prefill: the prefill's ssm state comes back as float32 (the scan's final
+#: state), so the steps start from a state rounded to 6e-8; measured at most 4.1e-10
+STEP_TOL = 2e-9
+#: the varlen prefill's states against separate prefills: the same float32 rounding
+STATE_TOL = 2e-7
 
 
 CONFIGS = {
@@ -146,7 +149,7 @@ def test_varlen_prefill_states_per_sequence():
         m(u[:, cu[s]:cu[s + 1]], inference_params=one)
         c1, s1 = one.key_value_memory_dict[0]
         torch.testing.assert_close(conv_state[s], c1[0], rtol=0, atol=1e-14)  # in_proj rounding
-        torch.testing.assert_close(ssm_state[s], s1[0], rtol=STEP_TOL, atol=STEP_TOL)
+        torch.testing.assert_close(ssm_state[s], s1[0], rtol=STATE_TOL, atol=STATE_TOL)
 
 
 def _expected_state_dict_shapes(d_model, d_state=128, d_conv=4, expand=2, headdim=64, d_ssm=None,
