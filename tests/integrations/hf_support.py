@@ -1,0 +1,82 @@
+"""Helpers of the transformers integration tests (CPU and GPU): a training step's logits, loss
+and parameter gradients, teacher-forced generation, packed batches."""
+
+import torch
+
+from mamba2_cutile.bench.accuracy import rel_err
+
+
+def train_step(model, ids, **kwargs):
+    """(logits, loss, {parameter: grad}) of forward + loss + backward in training mode."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids, use_cache=False, **kwargs)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def grad_errors(ours, ref):
+    """{parameter: rel_err} over the union of both gradient dicts (a gradient on one side only
+    is an error of inf)."""
+    errs = {}
+    for n in set(ours) | set(ref):
+        if n not in ours or n not in ref:
+            errs[n] = float("inf")
+        else:
+            errs[n] = rel_err(ours[n], ref[n])
+    return errs
+
+
+def forward_logits(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False, **kwargs).logits.float()
+
+
+def greedy_generate(model, ids, new_tokens):
+    """(generated ids (b, prompt + new), per-step logits (b, new, vocab)) with the cache."""
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True,
+                             output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits, dim=1).float()
+
+
+def teacher_forced_logits(model, sequences, prompt_len):
+    """The logits that predict tokens prompt_len.. of `sequences`, from one full forward
+    without a cache: what each decode step should have produced on the same ids."""
+    logits = forward_logits(model, sequences[:, :-1])
+    return logits[:, prompt_len - 1:]
+
+
+def greedy_agreement(ids_a, ids_b, ref_logits, tol):
+    """(positions compared, positions that differ) between two greedy continuations, over
+    the steps whose reference top-2 logit margin exceeds `tol` (random weights give near-ties),
+    up to the first disagreement (after it the contexts differ)."""
+    top2 = ref_logits.topk(2, dim=-1).values
+    margin = top2[..., 0] - top2[..., 1]
+    compared = differ = 0
+    for row in range(ids_a.shape[0]):
+        for step in range(ids_a.shape[1]):
+            if ids_a[row, step] != ids_b[row, step]:
+                if margin[row, step] > tol:
+                    differ += 1
+                break
+            if margin[row, step] > tol:
+                compared += 1
+    return compared, differ
+
+
+def packed(seqs):
+    """One packed row of the sequences (each (1, len)): ids (1, total), seq_idx (1, total)
+    int32, cu_seq_lens (s + 1,) int32, position_ids (1, total)."""
+    ids = torch.cat(seqs, dim=1)
+    lens = [s.shape[1] for s in seqs]
+    seq_idx = torch.cat([torch.full((1, n), i, dtype=torch.int32) for i, n in enumerate(lens)], 1)
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    dev = seqs[0].device
+    return ids, seq_idx.to(dev), cu.to(dev), pos.to(dev)
