@@ -122,10 +122,49 @@ def in_layout(t, channel_last):
 
 # ---------------------------------------------------------------------------------- plans
 
+def halo_rows(width) -> int:
+    """width - 1 rounded up to a power of two."""
+    return next_pow2(max(width - 1, 1))
+
+
+def head_front(width) -> int:
+    """Tokens before token 0 in a head (see `kernels.causal_conv1d_common`): the backward's
+    first-block taps reach back to 2 - 2*width."""
+    return 2 * halo_rows(width)
+
+
+def make_head(t, front, block_l, width, channel_last):
+    """The head of t (batch, dim, seqlen): e(u) for u = -head_front .. block_l-1, with
+    `front` (batch, dim, width-1) (the initial states) just before token 0 and zeros elsewhere
+    outside t; in t's layout family. A small copy (block_l + 4 * (width-1) tokens at most)."""
+    b, d, l = t.shape
+    hf = head_front(width)
+    head = torch.zeros(b, d, hf + block_l, dtype=t.dtype, device=t.device)
+    if channel_last:
+        head = torch.zeros(b, hf + block_l, d, dtype=t.dtype, device=t.device).transpose(1, 2)
+    n = min(l, block_l)
+    head[..., hf:hf + n] = t[..., :n]
+    if front is not None:
+        head[..., hf - (width - 1):hf] = front
+    return head
+
+
+def make_id_head(seq_idx, block_l, width):
+    """The ids of the head: the row's first id before token 0, seq_idx, 0 past the end."""
+    b, l = seq_idx.shape
+    hf = head_front(width)
+    head = torch.zeros(b, hf + block_l, dtype=torch.int32, device=seq_idx.device)
+    head[:, :hf] = seq_idx[:, :1]
+    n = min(l, block_l)
+    head[:, hf:hf + n] = seq_idx[:, :n]
+    return head
+
+
 def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
                  cfg: Conv1dConfig | None = None):
     """The forward launch. x and out in one layout family (see `kernel_layout`), weight_t
-    (width, dim) contiguous, seq_idx int32 (batch, seqlen), final (batch, dim, width-1) or None."""
+    (width, dim) contiguous, seq_idx int32 (batch, seqlen), final (batch, dim, width-1) or None.
+    Builds the heads (small copies; nothing reads values on the host)."""
     b, d, l = x.shape
     w = weight_t.shape[0]
     cl = is_channel_last(x)
@@ -134,15 +173,16 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
     xp, op = physical(x, cl), physical(out, cl)
     kernel = causal_conv1d_fwd_i64 if needs_int64(xp, op) else causal_conv1d_fwd
     kernel = with_hints(kernel, cfg.occupancy)
+    head = physical(make_head(x, initial_states, cfg.block_l, w, cl), cl)
+    id_head = make_id_head(seq_idx, cfg.block_l, w) if seq_idx is not None else weight_t
     stand_in = weight_t
     grid = (-(-d // cfg.block_d), -(-(-(-l // cfg.block_l)) // cfg.tiles), b)
-    args = (xp, weight_t, bias if bias is not None else stand_in,
-            initial_states if initial_states is not None else xp,
-            seq_idx if seq_idx is not None else stand_in, op,
+    args = (xp, head, weight_t, bias if bias is not None else stand_in,
+            seq_idx if seq_idx is not None else stand_in, id_head, op,
             final if final is not None else xp,
-            w, next_pow2(max(w - 1, 1)), cfg.block_l, cfg.block_d, cfg.tiles, cl,
-            bias is not None, initial_states is not None, seq_idx is not None, bool(silu),
-            final is not None, bool(cfg.shift_tma))
+            w, halo_rows(w), head_front(w), cfg.block_l, cfg.block_d, cfg.tiles, cl,
+            bias is not None, seq_idx is not None, bool(silu), final is not None,
+            bool(cfg.shift_tma))
     return [KernelCall(kernel, grid, args)]
 
 
@@ -164,13 +204,16 @@ def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, 
     xp, dop, dxp = physical(x, cl), physical(dout, cl), physical(dx, cl)
     kernel = causal_conv1d_bwd_i64 if needs_int64(xp, dop, dxp) else causal_conv1d_bwd
     kernel = with_hints(kernel, cfg.occupancy)
+    bl = cfg.bwd_block_l
+    head = physical(make_head(x, initial_states, bl, w, cl), cl)
+    dout_head = physical(make_head(dout, None, bl, w, cl), cl)
+    id_head = make_id_head(seq_idx, bl, w) if seq_idx is not None else weight_t
     stand_in = weight_t
-    args = (xp, weight_t, bias if bias is not None else stand_in,
-            initial_states if initial_states is not None else xp,
-            seq_idx if seq_idx is not None else stand_in, dop,
+    args = (xp, head, weight_t, bias if bias is not None else stand_in,
+            seq_idx if seq_idx is not None else stand_in, id_head, dop, dout_head,
             dfinal if dfinal is not None else xp, dxp, dw_part, db_part,
             dinit if dinit is not None else xp,
-            w, next_pow2(w), next_pow2(max(w - 1, 1)), cfg.bwd_block_l, cfg.bwd_block_d,
+            w, next_pow2(w), halo_rows(w), head_front(w), bl, cfg.bwd_block_d,
             cfg.bwd_tiles, cl, bias is not None, initial_states is not None,
             seq_idx is not None, bool(silu), dfinal is not None, bool(cfg.shift_tma))
     return [KernelCall(kernel, backward_grid(x, cfg), args)]

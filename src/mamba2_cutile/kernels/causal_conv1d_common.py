@@ -1,61 +1,68 @@
-"""Tile loads shared by the causal conv1d kernels: a token-shifted tile of the input and of the
-sequence ids.
+"""Tile loads shared by the causal conv1d kernels: token-shifted tiles of the input, of the
+output gradient and of the sequence ids.
 
-x is read in its physical order: CHANNEL_LAST x is a (batch, seqlen, dim) array (the layout
-of a slice of one in_proj output), otherwise a (batch, dim, seqlen) one; either way the tiles
-come back as (tokens, channels). A tap at shift r reads the tokens start = l0 + r onwards. Where
-that range starts inside the sequence, it is a plain tile load of a slice of x beginning at
-`start` (no gather; the W shifted loads of one block overlap, so after the first they mostly
-hit the cache). Otherwise (the first block's taps reach the initial states at negative tokens;
-the backward's forward taps can start past the end) it is a gather, bounds-checked, with the
-initial states e(u) = init[b, c, W-1+u] for u < 0.
+A (batch, dim, seqlen) tensor is read in its physical order: CHANNEL_LAST ones as a
+(batch, seqlen, dim) array (the layout of a slice of one in_proj output), others as
+(batch, dim, seqlen); either way the tiles come back as (tokens, channels). A tap at shift r of
+the block at token l0 reads tokens start = l0 + r onwards: a plain tile load of a slice of the
+tensor beginning at `start` (the W shifted loads of one block overlap, so after the first they
+mostly hit the cache), zero-padded past the end. Before token 0 it reads the same from the
+block's "head": the tokens u = -HEAD_FRONT .. BLOCK_L-1 of the extended input e(u) (the initial
+states at u = -(W-1)..-1, zeros before, zeros past the end), a small copy the launcher
+prepares, so that the first block needs no gather either.
 """
 
 import cuda.tile as ct
 
 
-def token_tile(x, init, b, start, d_blk, seqlen, WIDTH: ct.Constant[int],
-               ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
-               CHANNEL_LAST: ct.Constant[bool], HAS_INIT: ct.Constant[bool],
-               SHIFT_TMA: ct.Constant[bool]):
-    """e(start + i) for i < ROWS at the BLOCK_D channels of block d_blk, as (ROWS, BLOCK_D)
-    float32: x inside the sequence, init before it (zero without HAS_INIT), zero past it."""
+def _slice_tile(t, b, start, stop, d_blk, ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
+                CHANNEL_LAST: ct.Constant[bool], SHIFT_TMA: ct.Constant[bool]):
     ZERO = ct.PaddingMode.ZERO
-    if start >= 0 and start < seqlen:
-        if CHANNEL_LAST:
-            view = x.slice(axis=1, start=start, stop=seqlen)
-            t = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D), padding_mode=ZERO,
-                        allow_tma=SHIFT_TMA)
-        else:
-            view = x.slice(axis=2, start=start, stop=seqlen)
-            t = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D), order=(0, 2, 1),
-                        padding_mode=ZERO, allow_tma=SHIFT_TMA)
-        tile = t.reshape((ROWS, BLOCK_D)).astype(ct.float32)
+    if CHANNEL_LAST:
+        view = t.slice(axis=1, start=start, stop=stop)
+        tile = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D), padding_mode=ZERO,
+                       allow_tma=SHIFT_TMA)
     else:
-        u = start + ct.arange(ROWS, dtype=ct.int32).reshape((ROWS, 1))
-        c = d_blk * BLOCK_D + ct.arange(BLOCK_D, dtype=ct.int32).reshape((1, BLOCK_D))
+        view = t.slice(axis=2, start=start, stop=stop)
+        tile = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D), order=(0, 2, 1),
+                       padding_mode=ZERO, allow_tma=SHIFT_TMA)
+    return tile.reshape((ROWS, BLOCK_D)).astype(ct.float32)
+
+
+def token_tile(x, head, b, start, d_blk, seqlen, ROWS: ct.Constant[int],
+               BLOCK_D: ct.Constant[int], HEAD_FRONT: ct.Constant[int],
+               CHANNEL_LAST: ct.Constant[bool], SHIFT_TMA: ct.Constant[bool]):
+    """e(start + i) for i < ROWS at the BLOCK_D channels of block d_blk, as (ROWS, BLOCK_D)
+    float32; start >= -HEAD_FRONT, and start + ROWS <= the head's length when start < 0."""
+    if start < 0:
         if CHANNEL_LAST:
-            tile = ct.gather(x, (b, u, c)).astype(ct.float32)
+            head_len = head.shape[1]
         else:
-            tile = ct.gather(x, (b, c, u)).astype(ct.float32)
-        if HAS_INIT:
-            # negative u + W-1 (below the initial states) is out of bounds: zero
-            tile = tile + ct.gather(init, (b, c, u + (WIDTH - 1)), mask=u < 0).astype(ct.float32)
+            head_len = head.shape[2]
+        tile = _slice_tile(head, b, start + HEAD_FRONT, head_len, d_blk, ROWS, BLOCK_D,
+                           CHANNEL_LAST, SHIFT_TMA)
+    elif start < seqlen:
+        tile = _slice_tile(x, b, start, seqlen, d_blk, ROWS, BLOCK_D, CHANNEL_LAST, SHIFT_TMA)
+    else:
+        tile = ct.full((ROWS, BLOCK_D), 0.0, dtype=ct.float32)
     return tile
 
 
-def id_tile(seq_idx, b, start, seqlen, first_id, ROWS: ct.Constant[int]):
+def id_tile(seq_idx, id_head, b, start, seqlen, ROWS: ct.Constant[int],
+            HEAD_FRONT: ct.Constant[int]):
     """id(start + i) for i < ROWS as a (ROWS, 1) int32 column: seq_idx inside the sequence,
-    first_id (the row's first id, which owns the initial states) before it, 0 past it (those
-    tokens have zero input and zero output gradient, so their id never matters)."""
-    if start >= 0 and start < seqlen:
+    the row's first id before it (from id_head, laid out like the input's head), 0 past it
+    (those tokens have zero input and zero output gradient, so their id never matters)."""
+    ZERO = ct.PaddingMode.ZERO
+    if start < 0:
+        view = id_head.slice(axis=1, start=start + HEAD_FRONT, stop=id_head.shape[1])
+        ids = ct.load(view, index=(b, 0), shape=(1, ROWS), padding_mode=ZERO)
+    elif start < seqlen:
         view = seq_idx.slice(axis=1, start=start, stop=seqlen)
-        ids = ct.load(view, index=(b, 0), shape=(1, ROWS), padding_mode=ct.PaddingMode.ZERO)
-        col = ids.reshape((ROWS, 1))
+        ids = ct.load(view, index=(b, 0), shape=(1, ROWS), padding_mode=ZERO)
     else:
-        u = start + ct.arange(ROWS, dtype=ct.int32).reshape((ROWS, 1))
-        col = ct.where(u < 0, first_id, ct.gather(seq_idx, (b, u)))
-    return col
+        ids = ct.full((1, ROWS), 0, dtype=ct.int32)
+    return ids.reshape((ROWS, 1))
 
 
 def weight_row(weight_t, k, d_blk, BLOCK_D: ct.Constant[int]):
