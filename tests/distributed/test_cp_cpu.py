@@ -9,7 +9,6 @@ the bound is 1e-6 as the spec states. Plus the one-process simulation of the sam
 """
 
 import math
-import os
 
 import pytest
 import torch

@@ -36,8 +36,9 @@ ranks of the gradients with respect to its (S_r, G_last,r) (a reduce-scatter on 
 all-reduce of the gathered gradient elsewhere). So the gradient of the carried state flows back
 from rank r to the end states of ranks < r through the decay chain, and each rank's gradients
 of the replicated A, D and dt_bias are its partial sums (sum them over ranks, as DDP/FSDP do).
-Every rank must backpropagate through at least one of its outputs: both outputs are tied to
-the gathered tensor so that each rank's backward joins the collective.
+Every rank must backpropagate through at least one of its outputs: both depend on the gathered
+tensor (through an exact zero where nothing else connects them), so that each rank's backward
+joins the collective.
 
 Bytes each rank sends (ring algorithms): forward (W - 1) x 4 x b x h x (p n + 1), plus
 (W - 1) x 16 x b with seq_idx; backward the same again for the states (`bytes_sent_per_rank`).
@@ -91,19 +92,20 @@ class _AllGather(torch.autograd.Function):
         return mine, None, None
 
 
-class _Tie(torch.autograd.Function):
-    """Identity on `t` that makes `anchor` a graph input, so that a rank whose outputs do not
-    otherwise depend on the gathered states (the first rank, a slice the carried state never
-    reaches) still runs the gather's backward, the collective the other ranks wait in."""
+class _Anchor(torch.autograd.Function):
+    """A scalar 0 whose backward gives the gathered tensor a zero gradient. Added to a rank's
+    outputs, it puts the gather's backward (a collective the other ranks wait in) in the graph
+    of every rank, also of one whose outputs do not otherwise depend on the gathered states
+    (the first rank, a slice the carried state never reaches)."""
 
     @staticmethod
-    def forward(ctx, t, anchor):
-        ctx.anchor_shape, ctx.anchor_dtype = anchor.shape, anchor.dtype
-        return t.view_as(t)
+    def forward(ctx, anchor):
+        ctx.shape, ctx.dtype = anchor.shape, anchor.dtype
+        return anchor.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, grad.new_zeros(ctx.anchor_shape, dtype=ctx.anchor_dtype)
+        return grad.new_zeros(ctx.shape, dtype=ctx.dtype)
 
 
 def _all_gather_ints(t, group):
@@ -126,6 +128,8 @@ class _Exchange:
             group = dist.group.WORLD
         self.group, self.rank, self.world = group, dist.get_rank(group), \
             dist.get_world_size(group)
+        if self.rank < 0:
+            raise ValueError("group: this process is not a member of the given process group")
 
     def gather_states(self, piece):
         if self.world == 1:
@@ -270,7 +274,12 @@ def finish(local: LocalScan, gathered, seq_infos, rank, world, C, z=None, anchor
         if l > 0:
             out = _correct(out, local, H, C, z, enters, rank, full_prefix)
     if anchor is not None:
-        out, final = _Tie.apply(out, anchor), _Tie.apply(final, anchor)
+        zero = _Anchor.apply(anchor)
+        final = final + zero
+        if l == 0:
+            out = out + zero.to(out.dtype)
+        else:        # in place on one token: adding 0 leaves the values as they are
+            out[:, :1] += zero.to(out.dtype)
     return out, final
 
 
@@ -328,6 +337,7 @@ def _check_across_ranks(ex, x, B, chunk_size, D, z, dt_bias, seq_idx, dt_softplu
                          f"{allm.tolist()}")
 
 
+@torch.compiler.disable     # eager collectives and a host read: torch.compile runs it eagerly
 def chunk_scan_cp(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                   initial_states=None, seq_idx=None, dt_softplus=False,
                   dt_limit=(0.0, float("inf")), return_final_states=False, group=None,
