@@ -1,0 +1,410 @@
+"""Causal conv1d on the CPU: the PyTorch path against the float64 definition
+(`reference.conv1d`, itself checked against F.conv1d), its gradients (gradcheck in float64 and
+against the reference's autograd), the decode update against the forward on the concatenated
+sequence, argument errors, the custom ops under torch.compile, and the cuTile kernels' own
+source run on the float64 emulation (`conv1d_emulator`) against the reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mamba2_cutile.conv1d import causal_conv1d_fn, causal_conv1d_update, plan
+from mamba2_cutile.conv1d.api import UnsupportedActivation
+from mamba2_cutile.reference.conv1d import causal_conv1d_ref, causal_conv1d_update_ref
+
+F64 = torch.float64
+#: float32 path vs float64 definition: inputs ~N(0, 1), W <= 8 taps, so |out| <~ 10 and the
+#: float32 rounding of a W-term sum is a few ulps of that (~1e-6); 2e-5 leaves a few times that
+TOL_F32 = 2e-5
+
+
+def make_x(b, d, l, layout, dtype=F64, gen=None, extra=5):
+    """x (b, d, l): contiguous, or a channel slice of a wider (b, l, d + 2 * extra) projection
+    viewed channel-last (stride(1) == 1, stride(2) == d + 2 * extra)."""
+    if layout == "contiguous":
+        return torch.randn(b, d, l, dtype=dtype, generator=gen)
+    proj = torch.randn(b, l, d + 2 * extra, dtype=dtype, generator=gen)
+    return proj[..., extra:extra + d].transpose(1, 2)
+
+
+def make_seq_idx(b, l):
+    """Boundaries inside the sequence, at token 1, at the last token, one-token sequences,
+    padding (negative ids) at the start of a row, gaps in the ids."""
+    seq = torch.zeros(b, l, dtype=torch.int32)
+    cuts = ([1, 5, 6, l // 2, l - 1], [3, 4, l // 3])
+    for r in range(b):
+        seq[r] = 3 * r
+        for k, pos in enumerate(cuts[r % 2]):
+            if 0 < pos < l:
+                seq[r, pos:] = 3 * r + 2 * (k + 1)
+    if b > 1:
+        seq[1, :2] = -1
+    return seq
+
+
+def problem(b=2, d=7, l=29, w=4, layout="contiguous", bias=True, init=False, seq=False,
+            seed=0, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+    x = make_x(b, d, l, layout, dtype, gen)
+    weight = torch.randn(d, w, dtype=dtype, generator=gen)
+    kw = dict(bias=torch.randn(d, dtype=dtype, generator=gen) if bias else None,
+              initial_states=torch.randn(b, d, w - 1, dtype=dtype, generator=gen) if init
+              else None,
+              seq_idx=make_seq_idx(b, l) if seq else None)
+    return x, weight, kw
+
+
+def test_reference_is_f_conv1d():
+    """The definition agrees with F.conv1d on the padded input (no seq_idx)."""
+    x, w, kw = problem(init=True)
+    out, final = causal_conv1d_ref(x, w, kw["bias"], None, kw["initial_states"])
+    padded = torch.cat([kw["initial_states"], x], -1)
+    want = F.conv1d(padded, w.unsqueeze(1), kw["bias"], groups=x.shape[1])
+    assert torch.equal(out, want) or (out - want).abs().max() < 1e-13
+    assert torch.equal(final, padded[..., -3:])
+
+
+@pytest.mark.parametrize("w", range(2, 9))
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
+@pytest.mark.parametrize("opts", ["plain", "bias_silu", "init_seq_swish"])
+def test_forward_matches_reference(w, layout, opts):
+    x, weight, kw = problem(d=9, l=23, w=w, layout=layout, bias=opts != "plain",
+                            init="init" in opts, seq="seq" in opts, seed=w)
+    act = {"plain": None, "bias_silu": "silu", "init_seq_swish": "swish"}[opts]
+    x32, w32 = x.float(), weight.float()
+    kw32 = {k: (v.float() if v is not None and v.is_floating_point() else v)
+            for k, v in kw.items()}
+    out, final = causal_conv1d_fn(x32, w32, return_final_states=True, activation=act, **kw32)
+    ref, ref_final = causal_conv1d_ref(x, weight, kw["bias"], kw["seq_idx"],
+                                       kw["initial_states"], act)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    assert (out.double() - ref).abs().max() <= TOL_F32 * ref.abs().max()
+    assert torch.equal(final.double(), ref_final.float().double())
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
+def test_output_layout_follows_x(layout):
+    x, w, kw = problem(layout=layout)
+    out = causal_conv1d_fn(x, w, **kw)
+    if layout == "channel_last":
+        assert out.stride(1) == 1 and out.transpose(1, 2).is_contiguous()
+    else:
+        assert out.is_contiguous()
+
+
+def test_float64_path_is_exact_enough():
+    x, w, kw = problem(init=True, seq=True)
+    out = causal_conv1d_fn(x, w, activation="silu", **kw)
+    ref, _ = causal_conv1d_ref(x, w, kw["bias"], kw["seq_idx"], kw["initial_states"], "silu")
+    assert (out - ref).abs().max() < 1e-13
+
+
+def test_seq_idx_isolates_sequences():
+    """Each packed sequence equals the conv of that sequence alone (padding tokens 0); the
+    first one also sees initial_states."""
+    x, w, kw = problem(b=2, l=31, init=True, seq=True)
+    out = causal_conv1d_fn(x, w, activation="silu", **kw)
+    for r in range(2):
+        ids = kw["seq_idx"][r]
+        for sid in ids.unique().tolist():
+            pos = (ids == sid).nonzero().flatten()
+            a, e = int(pos[0]), int(pos[-1]) + 1
+            first = a == 0
+            alone = causal_conv1d_fn(x[r:r + 1, :, a:e], w, bias=kw["bias"],
+                                     initial_states=kw["initial_states"][r:r + 1]
+                                     if first else None, activation="silu")
+            want = alone if sid >= 0 else torch.zeros_like(alone)
+            assert (out[r:r + 1, :, a:e] - want).abs().max() < 1e-13
+
+
+def test_final_states_semantics():
+    """Without seq_idx: the last W-1 inputs (initial states shifted in when seqlen < W-1);
+    with: the last W-1 inputs of the row's last sequence, zero-padded; written into
+    final_states_out when given."""
+    x, w, kw = problem(l=2, w=5, init=True)
+    _, final = causal_conv1d_fn(x, w, initial_states=kw["initial_states"],
+                                return_final_states=True)
+    assert torch.equal(final, torch.cat([kw["initial_states"][..., 2:], x], -1))
+    x, w, kw = problem(l=12, w=4)
+    seq = torch.tensor([[0] * 10 + [1] * 2, [0] * 12], dtype=torch.int32)
+    out_buf = torch.full((2, 7, 3), 7.0, dtype=F64)
+    _, final = causal_conv1d_fn(x, w, seq_idx=seq, return_final_states=True,
+                                final_states_out=out_buf)
+    assert final is out_buf
+    assert torch.equal(final[0], torch.cat([torch.zeros(7, 1, dtype=F64), x[0, :, 10:]], -1))
+    assert torch.equal(final[1], x[1, :, 9:])
+
+
+def test_autograd_gradcheck_float64():
+    x, w, kw = problem(b=2, d=3, l=9, w=4, init=True, seq=True)
+    seq = kw["seq_idx"]
+    ins = [t.clone().requires_grad_() for t in (x, w, kw["bias"], kw["initial_states"])]
+
+    def f(x_, w_, b_, h_):
+        out, final = causal_conv1d_fn(x_, w_, b_, seq_idx=seq, initial_states=h_,
+                                      return_final_states=True, activation="silu")
+        return out, final
+
+    assert torch.autograd.gradcheck(f, ins)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
+@pytest.mark.parametrize("w,seq,init", [(2, False, False), (4, True, True), (7, True, False),
+                                        (8, False, True)])
+def test_gradients_match_reference_autograd(layout, w, seq, init):
+    x, weight, kw = problem(d=6, l=21, w=w, layout=layout, init=init, seq=seq, seed=w)
+    gen = torch.Generator().manual_seed(1)
+    dout = torch.randn(x.shape, dtype=F64, generator=gen)
+    dfinal = torch.randn(x.shape[0], x.shape[1], w - 1, dtype=F64, generator=gen)
+
+    def grads(fn, cast):
+        leaves = [cast(t).clone().requires_grad_() for t in (x, weight, kw["bias"])]
+        h = None if kw["initial_states"] is None else \
+            cast(kw["initial_states"]).clone().requires_grad_()
+        out, final = fn(leaves[0], leaves[1], leaves[2], h)
+        loss = (out.double() * dout).sum() + (final.double() * dfinal).sum()
+        return torch.autograd.grad(loss, leaves + ([h] if h is not None else []))
+
+    ours = grads(lambda a, b_, c, h: causal_conv1d_fn(
+        a, b_, c, seq_idx=kw["seq_idx"], initial_states=h, return_final_states=True,
+        activation="silu"), lambda t: t.float())
+    ref = grads(lambda a, b_, c, h: causal_conv1d_ref(a, b_, c, kw["seq_idx"], h, "silu"),
+                lambda t: t)
+    for g, r in zip(ours, ref):
+        assert (g.double() - r).abs().max() <= TOL_F32 * max(1.0, float(r.abs().max()))
+
+
+def test_seq_idx_with_int64_dtype():
+    x, w, kw = problem(seq=True)
+    a = causal_conv1d_fn(x, w, seq_idx=kw["seq_idx"].long())
+    b = causal_conv1d_fn(x, w, seq_idx=kw["seq_idx"])
+    assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------ update
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("w", [2, 4, 8])
+def test_update_continues_the_sequence(k, w):
+    """prefill with causal_conv1d_fn, then decode k tokens at a time with the final states as
+    conv_state: the same outputs as the forward over the whole sequence."""
+    b, d, l0, steps = 2, 5, 11, 3
+    gen = torch.Generator().manual_seed(w)
+    x = torch.randn(b, d, l0 + k * steps, dtype=F64, generator=gen)
+    weight = torch.randn(d, w, dtype=F64, generator=gen)
+    bias = torch.randn(d, dtype=F64, generator=gen)
+    full = causal_conv1d_fn(x, weight, bias, activation="silu")
+    _, state = causal_conv1d_fn(x[..., :l0], weight, bias, return_final_states=True,
+                                activation="silu")
+    state = state.clone()
+    for s in range(steps):
+        a = l0 + s * k
+        xs = x[..., a:a + k] if k > 1 else x[..., a]
+        out = causal_conv1d_update(xs, state, weight, bias, activation="silu")
+        want = full[..., a:a + k] if k > 1 else full[..., a]
+        assert out.shape == xs.shape
+        assert (out - want).abs().max() < 1e-13
+
+
+@pytest.mark.parametrize("k", [1, 4, 9])
+def test_update_circular_buffer_and_slots(k):
+    """cache_seqlens makes conv_state a ring; slots pick rows, negative slots are padding
+    rows; against the float64 definition (and the untouched slots stay as they were)."""
+    b, d, w, S, nslots = 3, 6, 4, 5, 7
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(b, d, k, dtype=F64, generator=gen)
+    state = torch.randn(nslots, d, S, dtype=F64, generator=gen)
+    weight = torch.randn(d, w, dtype=F64, generator=gen)
+    cache = torch.tensor([0, 13, 4], dtype=torch.int32)
+    slots = torch.tensor([5, -1, 2], dtype=torch.int32)
+    want, want_state = causal_conv1d_update_ref(x, state, weight, None, None, cache, slots)
+    st = state.clone()
+    out = causal_conv1d_update(x, st, weight, cache_seqlens=cache, conv_state_indices=slots)
+    assert (out - want).abs().max() < 1e-13
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(st, want_state)
+    assert torch.equal(st[[0, 1, 3, 4, 6]], state[[0, 1, 3, 4, 6]])
+
+
+def test_update_circular_equals_plain_shift():
+    """A ring of length W-1 read at p equals the shifted state rotated by p."""
+    b, d, w = 2, 4, 4
+    gen = torch.Generator().manual_seed(3)
+    ring = torch.randn(b, d, w - 1, dtype=F64, generator=gen)
+    x = torch.randn(b, d, dtype=F64, generator=gen)
+    weight = torch.randn(d, w, dtype=F64, generator=gen)
+    p = torch.tensor([1, 2], dtype=torch.int32)
+    shifted = torch.stack([ring[r].roll(-int(p[r]), dims=-1) for r in range(b)])
+    a = causal_conv1d_update(x, ring.clone(), weight, cache_seqlens=p)
+    c = causal_conv1d_update(x, shifted.clone(), weight)
+    assert (a - c).abs().max() < 1e-14
+
+
+# ------------------------------------------------------------------------------------ errors
+
+def _good():
+    x, w, kw = problem()
+    return x, w, kw["bias"]
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda a: a.update(activation="relu"), ValueError, "activation"),
+    (lambda a: a.update(x=torch.randn(2, 7)), ValueError, "x must have 3"),
+    (lambda a: a.update(x=torch.randn(2, 7, 0, dtype=F64)), ValueError, "seqlen"),
+    (lambda a: a.update(weight=torch.randn(7, 9, dtype=F64)), ValueError, "width"),
+    (lambda a: a.update(weight=torch.randn(6, 4, dtype=F64)), ValueError, "weight"),
+    (lambda a: a.update(bias=torch.randn(6, dtype=F64)), ValueError, "bias"),
+    (lambda a: a.update(seq_idx=torch.zeros(2, 28, dtype=torch.int32)), ValueError, "seq_idx"),
+    (lambda a: a.update(seq_idx=torch.zeros(2, 29)), TypeError, "seq_idx"),
+    (lambda a: a.update(initial_states=torch.randn(2, 7, 4, dtype=F64)), ValueError,
+     "initial_states"),
+    (lambda a: a.update(return_final_states=True,
+                        final_states_out=torch.randn(2, 7, 2, dtype=F64)), ValueError,
+     "final_states_out"),
+    (lambda a: a.update(x=torch.zeros(2, 7, 29, dtype=torch.int32)), TypeError, "x must be"),
+])
+def test_fn_errors_name_the_argument(change, exc, match):
+    x, w, b = _good()
+    args = dict(x=x, weight=w, bias=b)
+    change(args)
+    with pytest.raises(exc, match=match):
+        causal_conv1d_fn(**args)
+
+
+def test_unsupported_activation_is_also_not_implemented():
+    x, w, b = _good()
+    with pytest.raises(NotImplementedError):
+        causal_conv1d_fn(x, w, b, activation="gelu")
+    assert issubclass(UnsupportedActivation, ValueError)
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda a: a.update(x=torch.randn(2, 7, 0, dtype=F64)), ValueError, "at least one"),
+    (lambda a: a.update(conv_state=torch.randn(2, 7, 2, dtype=F64)), ValueError, "state_len"),
+    (lambda a: a.update(conv_state=torch.randn(3, 7, 3, dtype=F64)), ValueError, "slots"),
+    (lambda a: a.update(cache_seqlens=torch.tensor([1, -2])), ValueError, "cache_seqlens"),
+    (lambda a: a.update(cache_seqlens=torch.tensor([1, 2, 3])), ValueError, "cache_seqlens"),
+    (lambda a: a.update(conv_state_indices=torch.tensor([0, 2])), ValueError,
+     "conv_state_indices"),
+    (lambda a: a.update(conv_state_indices=torch.tensor([1, 1])), ValueError, "distinct"),
+    (lambda a: a.update(conv_state_indices=torch.tensor([0.0, 1.0])), TypeError,
+     "conv_state_indices"),
+])
+def test_update_errors_name_the_argument(change, exc, match):
+    gen = torch.Generator().manual_seed(0)
+    args = dict(x=torch.randn(2, 7, dtype=F64, generator=gen),
+                conv_state=torch.randn(2, 7, 3, dtype=F64, generator=gen),
+                weight=torch.randn(7, 4, dtype=F64, generator=gen))
+    change(args)
+    with pytest.raises(exc, match=match):
+        causal_conv1d_update(**args)
+
+
+def test_padding_slots_may_repeat():
+    gen = torch.Generator().manual_seed(0)
+    st = torch.randn(2, 3, 3, dtype=F64, generator=gen)
+    out = causal_conv1d_update(torch.randn(3, 3, dtype=F64, generator=gen), st.clone(),
+                               torch.randn(3, 4, dtype=F64, generator=gen),
+                               conv_state_indices=torch.tensor([-1, 1, -1]))
+    assert torch.equal(out[0], torch.zeros(3, dtype=F64))
+
+
+# ------------------------------------------------------------------------ custom ops / compile
+
+def test_opcheck_forward_op():
+    x, w, kw = problem(layout="channel_last", init=True, seq=True)
+    x, w = x.float().requires_grad_(), w.float().requires_grad_()
+    torch.library.opcheck(torch.ops.mamba2_cutile.causal_conv1d_fwd.default,
+                          (x, w, kw["bias"].float(), kw["seq_idx"],
+                           kw["initial_states"].float(), True, True),
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_autograd_registration"))
+
+
+def test_torch_compile_fullgraph_forward_backward():
+    x, w, kw = problem(layout="channel_last", init=True, seq=True)
+    x, w, b = (t.float().requires_grad_() for t in (x, w, kw["bias"]))
+
+    def layer(x_, w_, b_):
+        return causal_conv1d_fn(x_, w_, b_, seq_idx=kw["seq_idx"], activation="silu").sum()
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(x, w, b), (x, w, b))
+    want = torch.autograd.grad(layer(x, w, b), (x, w, b))
+    for g, r in zip(got, want):
+        assert torch.allclose(g, r, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the kernels, emulated
+
+EMU_CFG = plan.Conv1dConfig(block_l=8, block_d=16, tiles=2, bwd_block_l=8, bwd_block_d=16,
+                            bwd_tiles=2)
+#: the emulation runs the kernels in float64: only summation-order rounding differs
+TOL_EMU = 1e-13
+
+
+def _emu_problem(layout, w, seed):
+    b, d, l = 2, 40, 37          # several token and channel blocks, neither a multiple
+    x, weight, kw = problem(b=b, d=d, l=l, w=w, layout=layout, init=True, seq=True, seed=seed)
+    return x, weight, kw
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
+@pytest.mark.parametrize("w,silu,opts", [(4, True, "all"), (2, False, "none"), (8, True, "all"),
+                                         (3, True, "seq"), (5, False, "init")])
+def test_kernels_emulated_forward_backward(layout, w, silu, opts):
+    from conv1d_emulator import run_calls
+    x, weight, kw = _emu_problem(layout, w, w)
+    bias = kw["bias"] if opts == "all" else None
+    init = kw["initial_states"] if opts in ("all", "init") else None
+    seq = kw["seq_idx"] if opts in ("all", "seq") else None
+    cl = plan.is_channel_last(x)
+    b, d, l = x.shape
+    act = "silu" if silu else None
+    out = plan.empty_like_layout(x, cl)
+    final = torch.empty(b, d, w - 1, dtype=F64)
+    run_calls(plan.forward_plan(x, weight.t().contiguous(), bias, init, seq, out, final, silu,
+                                EMU_CFG))
+    leaves = [t.clone().requires_grad_() if t is not None else None
+              for t in (x, weight, bias, init)]
+    ref, ref_final = causal_conv1d_ref(leaves[0], leaves[1], leaves[2], seq, leaves[3], act)
+    assert (out - ref).abs().max() < TOL_EMU
+    assert (final - ref_final).abs().max() < TOL_EMU
+    gen = torch.Generator().manual_seed(9)
+    dout = torch.randn(b, d, l, dtype=F64, generator=gen)
+    dfinal = torch.randn(b, d, w - 1, dtype=F64, generator=gen)
+    want = torch.autograd.grad((ref * dout).sum() + (ref_final * dfinal).sum(),
+                               [t for t in leaves if t is not None])
+    dx = plan.empty_like_layout(x, cl)
+    parts = b * plan.backward_grid(x, EMU_CFG)[1]
+    dw_part = torch.full((parts, w, d), float("nan"), dtype=F64)   # each row written once
+    db_part = torch.full((parts, d), float("nan"), dtype=F64)
+    dinit = torch.full((b, d, w - 1), float("nan"), dtype=F64) if init is not None else None
+    run_calls(plan.backward_plan(x, weight.t().contiguous(), bias, init, seq,
+                                 plan.in_layout(dout, cl), dfinal, dx, dw_part, db_part, dinit,
+                                 silu, EMU_CFG))
+    got = [dx, dw_part.sum(0).t()] + ([db_part.sum(0)] if bias is not None else []) + \
+        ([dinit] if init is not None else [])
+    for g, r in zip(got, want):
+        assert (g - r).abs().max() < TOL_EMU
+
+
+@pytest.mark.parametrize("circular", [False, True])
+@pytest.mark.parametrize("k", [1, 3, 9])
+def test_kernels_emulated_update(circular, k):
+    from conv1d_emulator import run_calls
+    b, d, w, S, nslots = 3, 40, 4, 5, 6
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(b, d, k, dtype=F64, generator=gen)
+    state = torch.randn(nslots, d, S, dtype=F64, generator=gen)
+    weight = torch.randn(d, w, dtype=F64, generator=gen)
+    bias = torch.randn(d, dtype=F64, generator=gen)
+    cache = torch.tensor([0, 7, 3], dtype=torch.int32) if circular else None
+    slots = torch.tensor([4, -1, 1], dtype=torch.int32)
+    want, want_state = causal_conv1d_update_ref(x, state, weight, bias, "silu", cache, slots)
+    out = torch.empty(b, d, k, dtype=F64)
+    scratch = torch.empty(b, d, S, dtype=F64)
+    run_calls(plan.update_plan(x, state, weight.t().contiguous(), bias, cache, slots, out,
+                               scratch, True))
+    assert (out - want).abs().max() < TOL_EMU
+    assert torch.equal(state, want_state)
