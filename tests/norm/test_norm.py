@@ -287,3 +287,28 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(out, out_e, rtol=0, atol=0)
     for a, e in zip(g, g_e):
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- benchmark
+
+def test_bench_helpers():
+    """The benchmark's byte counts and its sweep space (every override a valid config)."""
+    from dataclasses import replace
+
+    from mamba2_cutile.bench import norm as bench
+    from mamba2_cutile.norm.plan import norm_shape_config
+    fwd, bwd = bench.norm_bytes(16384, 4096, 8, elem=2, has_z=True)
+    assert fwd == 16384 * 4096 * 2 * 3 + 4096 * 4 + 16384 * 8 * 4
+    assert bwd == 16384 * 4096 * 2 * 5 + 16384 * 8 * 4 + 2 * 4096 * 4
+    for gs in (1, 320, 1536, 8192, 16384):
+        rule = norm_shape_config(gs)
+        f, b = bench.sweep_space(rule)
+        assert len(f) >= 6 and len(b) >= 12
+        for over in f + b:
+            replace(rule, **over)
+    rows = [dict(tokens=1, hidden=2, ngroups=1, kind="fwd", overrides={}, ms=2.0, gb_s=1.0,
+                 rel_err_vs_rule=0.0),
+            dict(tokens=1, hidden=2, ngroups=1, kind="fwd", overrides={"block_m": 2}, ms=1.0,
+                 gb_s=2.0, rel_err_vs_rule=0.0)]
+    assert bench.best_of_sweep(rows) == [rows[1]]
+    assert "block_m" in bench.format_rows(rows)
