@@ -1,0 +1,147 @@
+"""Every conv1d kernel variant the dispatcher can pick compiles for sm_90 on the CPU (tileiras,
+no GPU), from the same plans the GPU path launches (on meta tensors). The forward and update
+variants are cheap (1-6 s each); a backward variant takes 30-60 s on 2 cores, so only its
+all-options channel-last variant runs by default, the others are marked slow
+(MAMBA2_TEST_SLOW=1). Registers and spills are printed when pyelftools is installed."""
+
+import pytest
+import torch
+
+pytest.importorskip("cuda.tile")
+
+from mamba2_cutile.conv1d import plan  # noqa: E402
+
+META = torch.device("meta")
+BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _x(b, d, l, dtype, layout):
+    if layout == "channel_last":
+        # a channel slice of a wider projection, as the Mamba-2 layer passes it
+        return torch.empty(b, l, d + 64, dtype=dtype, device=META)[..., 32:32 + d].transpose(1, 2)
+    return torch.empty(b, d, l, dtype=dtype, device=META)
+
+
+def forward_call(dtype=BF, layout="channel_last", w=4, opts=("bias", "init", "seq", "silu",
+                                                             "final"), int64=False):
+    b, d, l = (1, 1536, 2**21 + 3) if int64 else (2, 1600, 1000)
+    x = _x(b, d, l, dtype, layout)
+    cl = plan.is_channel_last(x)
+    out = plan.empty_like_layout(x, cl)
+    wt = torch.empty(w, d, dtype=FP32, device=META)
+    return plan.forward_plan(
+        x, wt, torch.empty(d, dtype=FP32, device=META) if "bias" in opts else None,
+        torch.empty(b, d, w - 1, dtype=dtype, device=META) if "init" in opts else None,
+        torch.empty(b, l, dtype=torch.int32, device=META) if "seq" in opts else None,
+        out, torch.empty(b, d, w - 1, dtype=dtype, device=META) if "final" in opts else None,
+        "silu" in opts)[0]
+
+
+def backward_call(dtype=BF, layout="channel_last", w=4, opts=("bias", "init", "seq", "silu",
+                                                              "dfinal"), int64=False):
+    b, d, l = (1, 1536, 2**21 + 3) if int64 else (2, 1600, 1000)
+    x = _x(b, d, l, dtype, layout)
+    cl = plan.is_channel_last(x)
+    cfg = plan.conv1d_config(b, d, l, cl)
+    parts = b * plan.backward_grid(x, cfg)[1]
+    init = torch.empty(b, d, w - 1, dtype=dtype, device=META) if "init" in opts else None
+    return plan.backward_plan(
+        x, torch.empty(w, d, dtype=FP32, device=META),
+        torch.empty(d, dtype=FP32, device=META) if "bias" in opts else None, init,
+        torch.empty(b, l, dtype=torch.int32, device=META) if "seq" in opts else None,
+        plan.empty_like_layout(x, cl),
+        torch.empty(b, d, w - 1, dtype=dtype, device=META) if "dfinal" in opts else None,
+        plan.empty_like_layout(x, cl), torch.empty(parts, w, d, dtype=FP32, device=META),
+        torch.empty(parts, d, dtype=FP32, device=META),
+        None if init is None else torch.empty_like(init), "silu" in opts, cfg)[0]
+
+
+def update_calls(dtype=BF, w=4, k=1, opts=("bias", "silu", "circular", "idx"), int64=False):
+    b, d = 8, 1600
+    nslots, state_len = (2**31 // (d * 4) + 1, 4) if int64 else (16, w - 1 + 2)
+    x = torch.empty(b, d, k, dtype=dtype, device=META)
+    state = torch.empty(nslots, d, state_len, dtype=dtype, device=META)
+    return plan.update_plan(
+        x, state, torch.empty(w, d, dtype=FP32, device=META),
+        torch.empty(d, dtype=FP32, device=META) if "bias" in opts else None,
+        torch.empty(b, dtype=torch.int32, device=META) if "circular" in opts else None,
+        torch.empty(b, dtype=torch.int32, device=META) if "idx" in opts else None,
+        torch.empty(b, d, k, dtype=dtype, device=META),
+        torch.empty(b, d, state_len, dtype=dtype, device=META), "silu" in opts)
+
+
+FAST = [
+    ("fwd-bf16-cl-all", lambda: forward_call()),
+    ("fwd-fp16-contig-all", lambda: forward_call(FP16, "contiguous")),
+    ("fwd-fp32-cl-none-w2", lambda: forward_call(FP32, w=2, opts=())),
+    ("fwd-bf16-cl-w8-int64", lambda: forward_call(w=8, opts=("bias", "silu"), int64=True)),
+    ("update-bf16-all", lambda: update_calls()[0]),
+    ("state-copy-bf16", lambda: update_calls()[1]),
+    ("update-fp32-plain-k4-w8", lambda: update_calls(FP32, w=8, k=4, opts=())[0]),
+    ("update-bf16-int64", lambda: update_calls(int64=True)[0]),
+    ("state-copy-int64", lambda: update_calls(int64=True)[1]),
+    ("bwd-bf16-cl-all", lambda: backward_call()),
+]
+SLOW = [
+    ("fwd-bf16-contig-w3-seq", lambda: forward_call(layout="contiguous", w=3, opts=("seq",))),
+    ("bwd-bf16-contig-all", lambda: backward_call(layout="contiguous")),
+    ("bwd-fp32-cl-none-w2", lambda: backward_call(FP32, w=2, opts=())),
+    ("bwd-fp16-cl-w8-silu-init", lambda: backward_call(FP16, w=8, opts=("silu", "init"))),
+    ("bwd-bf16-cl-int64", lambda: backward_call(opts=("bias", "silu"), int64=True)),
+]
+
+
+def _compile(make):
+    from mamba2_cutile.bench.compile import compile_cubin
+    cubin = compile_cubin(make(), "sm_90")
+    assert len(cubin) > 0
+    try:
+        from mamba2_cutile.bench.resources import resources
+        print(resources(cubin))
+    except ImportError:        # pyelftools (the dev extra) is optional
+        pass
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,make", FAST, ids=[n for n, _ in FAST])
+def test_variant_compiles(name, make):
+    _compile(make)
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+@pytest.mark.parametrize("name,make", SLOW, ids=[n for n, _ in SLOW])
+def test_less_common_variant_compiles(name, make):
+    _compile(make)
+
+
+def test_int64_variants_are_picked():
+    assert forward_call(int64=True).kernel is not forward_call().kernel
+    assert backward_call(int64=True).kernel is not backward_call().kernel
+    assert update_calls(int64=True)[0].kernel is not update_calls()[0].kernel
+
+
+def test_default_config_and_env(monkeypatch):
+    cfg = plan.conv1d_config(1, 4096, 16384, True)
+    assert (cfg.block_l, cfg.block_d) == (32, 128) and cfg.bwd_tiles == 8
+    assert plan.conv1d_config(1, 64, 64, True).bwd_tiles == 1   # few blocks: one per program
+    monkeypatch.setenv(plan.ENV_CONV1D, "block_l=64,shift_tma=1")
+    cfg = plan.conv1d_config(1, 4096, 16384, True)
+    assert (cfg.block_l, cfg.shift_tma) == (64, 1)
+    monkeypatch.setenv(plan.ENV_CONV1D, "block_l=4")
+    with pytest.raises(ValueError, match="block_l"):
+        plan.conv1d_config(1, 4096, 16384, True)
+    monkeypatch.setenv(plan.ENV_CONV1D, "nonsense=1")
+    with pytest.raises(ValueError, match=plan.ENV_CONV1D):
+        plan.conv1d_config(1, 4096, 16384, True)
+
+
+def test_layouts():
+    proj = torch.empty(2, 100, 300)
+    x = proj[..., 10:110].transpose(1, 2)
+    assert plan.kernel_layout(x) == (x, True)
+    c = torch.empty(2, 100, 50)
+    assert plan.kernel_layout(c)[1] is False
+    odd = torch.empty(2, 50, 100, 3)[..., 0].transpose(1, 2)     # no unit stride: copied
+    y, cl = plan.kernel_layout(odd)
+    assert y.is_contiguous() and cl is False
