@@ -262,10 +262,17 @@ def test_config_validates_itself(monkeypatch):
 # ---------------------------------------------------------------------------- ops and compile
 
 def test_opcheck():
-    x, w, b, z = make((4,), 12, torch.float32)
-    for bb, zz in ((b, z), (None, None)):
-        torch.library.opcheck(torch.ops.mamba2_cutile.rmsnorm_gated_fwd,
-                              (x.requires_grad_(), w.requires_grad_(), bb, zz, 1e-6, 4, False))
+    """Both ops (fake impls, autograd registration, AOT dispatch), x and z as strided rows."""
+    wide = torch.randn(5, 40)
+    x, z = wide[:, :12], wide[:, 20:32]
+    _, w, b, _ = make((5,), 12, torch.float32)
+    ops = torch.ops.mamba2_cutile
+    for bb, zz, nbg in ((b, z, False), (None, None, True)):
+        args = (x.clone().requires_grad_(), w.clone().requires_grad_(), bb, zz, 1e-6, 4, nbg)
+        torch.library.opcheck(ops.rmsnorm_gated_fwd, args)
+        _, rstd = ops.rmsnorm_gated_fwd(x, w, bb, zz, 1e-6, 4, nbg)
+        torch.library.opcheck(ops.rmsnorm_gated_bwd,
+                              (torch.randn(5, 12), x, w, bb, zz, rstd, 4, nbg))
 
 
 def test_torch_compile_fullgraph():
