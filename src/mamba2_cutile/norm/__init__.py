@@ -18,6 +18,13 @@ Contract for callers such as the fused Mamba-2 layer:
   of the backward's per-program dweight / dbias partials: deterministic, no host
   synchronization (CUDA-graph safe). The gradient of a strided z reaches the projection
   through autograd's view tracking.
+- The ops themselves, for callers that keep their own autograd (both take (M, hidden) rows;
+  a unit channel stride is read in place, anything else is copied on the GPU):
+  `rmsnorm_gated_fwd(x, weight, bias, z, eps, group_size, norm_before_gate) -> (out, rstd)`
+  with out (M, hidden) contiguous in x's dtype and rstd (hidden // group_size, M) float32
+  (float64 for float64 inputs); `rmsnorm_gated_bwd(dout, x, weight, bias, z, rstd,
+  group_size, norm_before_gate) -> [dx, dweight, dbias, dz]`, contiguous, in the dtypes of
+  x, weight, bias, z, with an empty tensor for an absent bias or z.
 - GPU limits: group_size <= 16384 and at most 65535 groups; bad arguments raise ValueError
   or TypeError naming the argument.
 """
