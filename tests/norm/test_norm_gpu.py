@@ -18,8 +18,6 @@ must carry; every check logs its error (support.gpu.log_result) so that a GPU ru
   programs): the CPU path measured at most 2.6e-7; the bound is 2e-6.
 """
 
-import os
-
 import pytest
 import torch
 
