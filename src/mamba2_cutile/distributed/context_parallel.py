@@ -76,7 +76,10 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         world = dist.get_world_size(group)
         out = piece.new_empty((world,) + tuple(piece.shape))
-        dist.all_gather(list(out.unbind(0)), piece.contiguous(), group=group)
+        if dist.get_backend(group) == "nccl":
+            dist.all_gather_into_tensor(out, piece.contiguous(), group=group)
+        else:
+            dist.all_gather(list(out.unbind(0)), piece.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -94,7 +97,7 @@ class _AllGather(torch.autograd.Function):
 
 class _Anchor(torch.autograd.Function):
     """A scalar 0 whose backward gives the gathered tensor a zero gradient. Added to a rank's
-    outputs, it puts the gather's backward (a collective the other ranks wait in) in the graph
+    end state (and, through `_AddPrefix`, to its out), it puts the gather's backward (a collective the other ranks wait in) in the graph
     of every rank, also of one whose outputs do not otherwise depend on the gathered states
     (the first rank, a slice the carried state never reaches)."""
 
@@ -267,28 +270,30 @@ def finish(local: LocalScan, gathered, seq_infos, rank, world, C, z=None, anchor
     H = None
     for q in range(rank):
         H = states[q] if H is None else carry(q) * H + states[q]
+    term = None
     if H is None:      # the first rank: nothing arrives
         final = S
     else:
         final = S + carry(rank) * H
         if l > 0:
-            out = _correct(out, local, H, C, z, enters, rank, full_prefix)
+            term = carried_term(local, H, C, z, enters, rank, full_prefix)
     if anchor is not None:
-        zero = _Anchor.apply(anchor)
-        final = final + zero
-        if l == 0:
-            out = out + zero.to(out.dtype)
-        else:        # in place on one token: adding 0 leaves the values as they are
-            out[:, :1] += zero.to(out.dtype)
+        final = final + _Anchor.apply(anchor)
+    if term is not None or anchor is not None:
+        if term is None:
+            term = out.new_zeros((b, 0, h, p), dtype=cdt)
+        out = _AddPrefix.apply(out, term, anchor)
     return out, final
 
 
-def _correct(out, local, H, C, z, enters, rank, full_prefix):
-    """out[:, :K] += silu?(z) * exp(G_t) C_t . H over the live prefix [0, K)."""
+def carried_term(local, H, C, z, enters, rank, full_prefix):
+    """silu?(z_t) exp(G_t) C_t . H over the live prefix [0, K) of the slice: (b, K, h, p) in
+    the compute dtype (K = 0: nothing left to correct)."""
     G = local.decay_log
     cdt = G.dtype
-    b, l, h, p = out.shape
+    b, l, h = G.shape
     g, n = C.shape[2], C.shape[3]
+    p = H.shape[2]
     live = torch.ones_like(G, dtype=torch.bool)
     if local.same_as_first is not None:
         live = live & local.same_as_first[:, :, None] & enters[rank][:, None, None]
@@ -300,17 +305,38 @@ def _correct(out, local, H, C, z, enters, rank, full_prefix):
         live_any = (live & (G >= math.log(torch.finfo(cdt).tiny))).any(dim=2).any(dim=0)
         idx = torch.arange(1, l + 1, device=G.device)
         K = int((live_any * idx).max())
-    if K == 0:
-        return out
     w = torch.exp(G[:, :K]) * live[:, :K].to(cdt)                          # (b, K, h)
     Ck = C[:, :K].to(cdt)                                                   # (b, K, g, n)
     Hg = H.reshape(b, g, h // g, p, n)
     term = torch.einsum("bkgn,bgjpn->bkgjp", Ck, Hg).reshape(b, K, h, p) * w[..., None]
     if z is not None:
         term = term * F.silu(z[:, :K].to(cdt))
-    out = out.clone() if out._base is not None else out
-    out[:, :K] += term.to(out.dtype)
-    return out
+    return term
+
+
+class _AddPrefix(torch.autograd.Function):
+    """out[:, :K] += term in place (term: (b, K, h, p)), with a backward that passes out's
+    gradient through as it is (autograd's own in-place-on-a-slice would copy the whole
+    gradient of out). `anchor` (the gathered states, or None) gets a zero gradient: it puts the
+    gather's backward, a collective, in the graph of every rank's out."""
+
+    @staticmethod
+    def forward(ctx, out, term, anchor):
+        K = term.shape[1]
+        if K:
+            out[:, :K] += term.to(out.dtype)
+        ctx.mark_dirty(out)
+        ctx.K, ctx.term_dtype = K, term.dtype
+        ctx.anchor_meta = None if anchor is None else (anchor.shape, anchor.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        d_term = grad[:, :ctx.K].to(ctx.term_dtype) if ctx.needs_input_grad[1] else None
+        d_anchor = None
+        if ctx.anchor_meta is not None and ctx.needs_input_grad[2]:
+            d_anchor = grad.new_zeros(ctx.anchor_meta[0], dtype=ctx.anchor_meta[1])
+        return grad, d_term, d_anchor
 
 
 # ----------------------------------------------------------------------------------------------
