@@ -1,0 +1,216 @@
+"""Causal conv1d on the GPU (cuTile kernels) against the float64 definition, on shapes that are
+not multiples of the tiles: forward, backward, decode update, determinism, 64-bit indexing,
+and (when importable) causal-conv1d itself as a baseline.
+
+Tolerances (max|ours - ref| / max|ref|, `rel_err`): the reference runs in float64 on the same
+(already rounded) inputs, and the kernels accumulate in float32, so the error is the final
+rounding to the output dtype, at most half an ulp: 2^-9 (bf16), 2^-12 (fp16), and a few float32
+ulps of the W-term sums (~1e-6) for fp32. The tolerances are 2x those bounds for outputs
+(bf16 4e-3, fp16 5e-4, fp32 1e-5); gradients that are float32 sums over all tokens (dweight,
+dbias) and dx (W terms, each a product of rounded inputs) get 3x (bf16 6e-3, fp16 8e-4,
+fp32 3e-5). Every check logs its measured error (MAMBA2_TEST_LOG)."""
+
+import os
+
+import pytest
+import torch
+
+from mamba2_cutile.conv1d import causal_conv1d_fn, causal_conv1d_update
+from mamba2_cutile.reference.conv1d import causal_conv1d_ref, causal_conv1d_update_ref
+from support.gpu import log_result, rel_err
+
+pytestmark = pytest.mark.gpu
+
+F64 = torch.float64
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+TOL_OUT = {torch.bfloat16: 4e-3, torch.float16: 5e-4, torch.float32: 1e-5}
+TOL_GRAD = {torch.bfloat16: 6e-3, torch.float16: 8e-4, torch.float32: 3e-5}
+#: (batch, dim, seqlen): dims and lengths that no tile divides, one long sequence
+SHAPES = [(2, 1544, 1000), (1, 264, 333), (3, 72, 17), (1, 3352, 4097)]
+
+
+def _x(b, d, l, dtype, layout, gen):
+    if layout == "channel_last":
+        # the Mamba-2 layer's case: a channel slice of the in_proj output
+        proj = torch.randn(b, l, d + 2 * 24, device="cuda", generator=gen).to(dtype)
+        return proj[..., 24:24 + d].transpose(1, 2)
+    return torch.randn(b, d, l, device="cuda", generator=gen).to(dtype)
+
+
+def _seq_idx(b, l):
+    seq = torch.zeros(b, l, dtype=torch.int32)
+    for r in range(b):
+        for k, pos in enumerate((1, l // 3, l // 3 + 1, l - 1)):
+            if 0 < pos < l:
+                seq[r, pos:] = 2 * (k + 1) + r
+    if b > 1:
+        seq[1, :3] = -1
+    return seq.cuda()
+
+
+def _problem(shape, dtype, layout, w, opts, seed=0):
+    b, d, l = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = _x(b, d, l, dtype, layout, gen)
+    weight = (torch.randn(d, w, device="cuda", generator=gen) / w ** 0.5).to(dtype)
+    kw = dict(
+        bias=torch.randn(d, device="cuda", generator=gen).to(dtype) if "bias" in opts else None,
+        initial_states=torch.randn(b, d, w - 1, device="cuda", generator=gen).to(dtype)
+        if "init" in opts else None,
+        seq_idx=_seq_idx(b, l) if "seq" in opts else None)
+    return x, weight, kw
+
+
+OPTS = {"all": ("bias", "init", "seq", "silu"), "none": (), "bias_silu": ("bias", "silu"),
+        "init_seq": ("init", "seq")}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("layout", ["channel_last", "contiguous"])
+@pytest.mark.parametrize("w", [2, 3, 4, 8])
+@pytest.mark.parametrize("opts", list(OPTS))
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_forward(dtype, layout, w, opts, shape):
+    x, weight, kw = _problem(shape, dtype, layout, w, OPTS[opts])
+    act = "silu" if "silu" in OPTS[opts] else None
+    out, final = causal_conv1d_fn(x, weight, return_final_states=True, activation=act, **kw)
+    ref, ref_final = causal_conv1d_ref(x, weight, kw["bias"], kw["seq_idx"],
+                                       kw["initial_states"], act)
+    err, err_final = rel_err(out, ref), rel_err(final, ref_final)
+    log_result(f"out {err:.3e} final {err_final:.3e}")
+    assert out.dtype == dtype and out.shape == x.shape
+    assert err <= TOL_OUT[dtype] and err_final == 0.0     # final states are copies
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("layout", ["channel_last", "contiguous"])
+@pytest.mark.parametrize("w", [2, 4, 5, 8])
+@pytest.mark.parametrize("opts", ["all", "none", "init_seq"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[3]],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_backward(dtype, layout, w, opts, shape):
+    x, weight, kw = _problem(shape, dtype, layout, w, OPTS[opts], seed=w)
+    act = "silu" if "silu" in OPTS[opts] else None
+    b, d, l = shape
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    dout = torch.randn(b, d, l, device="cuda", generator=gen).to(dtype)
+    dfinal = torch.randn(b, d, w - 1, device="cuda", generator=gen).to(dtype)
+    names = ["x", "weight", "bias", "initial_states"]
+    leaves = [t for t in (x, weight, kw["bias"], kw["initial_states"])]
+
+    def grads(fn, cast):
+        ins = [None if t is None else cast(t).detach().requires_grad_() for t in leaves]
+        out, final = fn(*ins)
+        loss = (out.to(F64) * dout.to(F64)).sum() + (final.to(F64) * dfinal.to(F64)).sum()
+        live = [t for t in ins if t is not None]
+        return dict(zip([n for n, t in zip(names, ins) if t is not None],
+                        torch.autograd.grad(loss, live)))
+
+    ours = grads(lambda a, w_, c, h: causal_conv1d_fn(
+        a, w_, c, seq_idx=kw["seq_idx"], initial_states=h, return_final_states=True,
+        activation=act), lambda t: t)
+    ref = grads(lambda a, w_, c, h: causal_conv1d_ref(a, w_, c, kw["seq_idx"], h, act),
+                lambda t: t.to(F64))
+    errs = {k: rel_err(ours[k], ref[k]) for k in ref}
+    log_result(" ".join(f"d{k} {v:.3e}" for k, v in errs.items()))
+    for k, v in errs.items():
+        assert v <= TOL_GRAD[dtype], (k, v)
+
+
+def test_backward_is_deterministic():
+    x, weight, kw = _problem(SHAPES[3], torch.bfloat16, "channel_last", 4, OPTS["all"])
+    dout = torch.randn(x.shape, device="cuda").to(torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        ins = [t.detach().requires_grad_() for t in (x, weight, kw["bias"],
+                                                     kw["initial_states"])]
+        out = causal_conv1d_fn(ins[0], ins[1], ins[2], seq_idx=kw["seq_idx"],
+                               initial_states=ins[3], activation="silu")
+        runs.append(torch.autograd.grad(out, ins, dout))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("circular", [False, True])
+@pytest.mark.parametrize("w", [2, 4, 8])
+def test_update(dtype, k, circular, w):
+    b, d, nslots = 5, 1544, 9
+    state_len = w - 1 + (3 if circular else 0)
+    gen = torch.Generator(device="cuda").manual_seed(k + w)
+    x = torch.randn(b, d, k, device="cuda", generator=gen).to(dtype)
+    state = torch.randn(nslots, d, state_len, device="cuda", generator=gen).to(dtype)
+    weight = torch.randn(d, w, device="cuda", generator=gen).to(dtype)
+    bias = torch.randn(d, device="cuda", generator=gen).to(dtype)
+    cache = torch.tensor([0, 5, 2, 17, 1], dtype=torch.int32, device="cuda") if circular \
+        else None
+    slots = torch.tensor([3, -1, 0, 8, 6], dtype=torch.int32, device="cuda")
+    want, want_state = causal_conv1d_update_ref(x, state, weight, bias, "silu", cache, slots)
+    st = state.clone()
+    out = causal_conv1d_update(x if k > 1 else x[..., 0], st, weight, bias, activation="silu",
+                               cache_seqlens=cache, conv_state_indices=slots)
+    out = out if k > 1 else out.unsqueeze(-1)
+    err = rel_err(out, want)
+    log_result(f"out {err:.3e}")
+    assert err <= TOL_OUT[dtype]
+    assert torch.equal(st.to(F64), want_state)        # the state moves values, never rounds
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_update_matches_forward_continuation():
+    """Decoding token by token from the prefill's final states gives the prefill-of-the-whole
+    sequence outputs (bf16, channel-last prefill)."""
+    b, d, l0, steps, w = 2, 1544, 300, 4, 4
+    x, weight, kw = _problem((b, d, l0 + steps), torch.bfloat16, "channel_last", w,
+                             ("bias",))
+    full = causal_conv1d_fn(x, weight, kw["bias"], activation="silu")
+    _, state = causal_conv1d_fn(x[..., :l0], weight, kw["bias"], return_final_states=True,
+                                activation="silu")
+    state = state.contiguous()
+    for s in range(steps):
+        out = causal_conv1d_update(x[..., l0 + s], state, weight, kw["bias"], activation="silu")
+        err = rel_err(out, full[..., l0 + s])
+        log_result(f"step {s} {err:.3e}")
+        assert err <= TOL_OUT[torch.bfloat16]
+
+
+def test_int64_indexing():
+    """x of 2^31+ elements (4.3 GB in bf16): the 64-bit kernel variant; the tail checked
+    against the definition on the tail's window."""
+    b, d, l, w = 1, 1024, 2**21 + 5, 4
+    x = torch.randn(b, d, l, device="cuda").to(torch.bfloat16)
+    weight = torch.randn(d, w, device="cuda").to(torch.bfloat16)
+    out = causal_conv1d_fn(x, weight, activation="silu")
+    tail = x[..., -(100 + w - 1):]
+    ref, _ = causal_conv1d_ref(tail, weight, activation="silu")
+    err = rel_err(out[..., -100:], ref[..., w - 1:])
+    log_result(f"tail {err:.3e}")
+    assert err <= TOL_OUT[torch.bfloat16]
+
+
+def _baseline():
+    if os.environ.get("MAMBA2_TEST_COMPARE_MAMBA", "1") == "0":
+        pytest.skip("MAMBA2_TEST_COMPARE_MAMBA=0: the baseline comparison is off")
+    try:
+        from causal_conv1d import causal_conv1d_fn as theirs
+    except Exception:  # noqa: BLE001
+        pytest.skip("causal_conv1d is not importable: no baseline to compare with")
+    return theirs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+def test_against_causal_conv1d(dtype):
+    """No worse than 1.5x causal-conv1d's own error against the float64 definition (on the
+    options it supports: channel-last x, initial states, final states)."""
+    theirs = _baseline()
+    x, weight, kw = _problem(SHAPES[0], dtype, "channel_last", 4, ("bias", "init"))
+    ref, ref_final = causal_conv1d_ref(x, weight, kw["bias"], None, kw["initial_states"],
+                                       "silu")
+    ours, _ = causal_conv1d_fn(x, weight, kw["bias"], initial_states=kw["initial_states"],
+                               return_final_states=True, activation="silu")
+    base, _ = theirs(x, weight, kw["bias"], initial_states=kw["initial_states"],
+                     return_final_states=True, activation="silu")
+    e_ours, e_base = rel_err(ours, ref), rel_err(base, ref)
+    log_result(f"ours {e_ours:.3e} causal_conv1d {e_base:.3e}")
+    assert e_ours <= max(1.5 * e_base, TOL_OUT[dtype] / 4)
