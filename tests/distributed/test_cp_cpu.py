@@ -127,6 +127,18 @@ def test_bytes_sent_per_rank():
     piece = 4 * 80 * (64 * 128 + 1)
     assert got == {"forward": piece, "backward": piece}
     assert bytes_sent_per_rank(2, 8, 4, 4, 4, seq_idx=True)["forward"] == 3 * (
-        4 * 2 * 8 * 17 + 32)
+        4 * 2 * 8 * 17 + 48)
     assert bytes_sent_per_rank(1, 8, 4, 4, 1) == {"forward": 0, "backward": 0}
     assert math.isclose(piece / 2**20, 2.5, rel_tol=1e-3)    # 2.5 MiB at the 2.7B layer
+
+
+def test_torch_compile_runs_it_eagerly():
+    """chunk_scan_cp is excluded from compilation (eager collectives, a host read): a
+    compiled function that calls it gives the eager result."""
+    inp, _ = cp_cases.problem("D_chan_z")
+
+    def f(x, dt):
+        return chunk_scan_cp(**dict(inp, x=x, dt=dt), chunk_size=64) * 2
+
+    got = torch.compile(f, backend="eager")(inp["x"], inp["dt"])
+    assert torch.equal(got, f(inp["x"], inp["dt"]))

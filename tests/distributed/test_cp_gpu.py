@@ -134,8 +134,11 @@ def _nccl_worker(rank, world, port, outdir):
             dims, Q, dtype, opts, cuts, _ = CASES[case]
             lo = sum(lengths[:rank])
             hi = lo + lengths[rank]
-            args, dout, dfinal = cases.make_problem(*dims, dtype, opts, cuts,
-                                                    device=f"cuda:{rank}")
+            # drawn on the CPU: the same inputs in every process, whatever the GPU
+            args, dout, dfinal = cases.make_problem(*dims, dtype, opts, cuts, device="cpu")
+            dev = torch.device("cuda", rank)
+            args = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+            dout, dfinal = dout.to(dev), dfinal.to(dev)
             lv = cases.leaves(cases.slice_of(args, lo, hi, rank == 0))
             out, fin = chunk_scan_cp(**lv, chunk_size=Q, return_final_states=True)
             names = [k for k in cases.NAMES if isinstance(lv.get(k), torch.Tensor)]

@@ -41,7 +41,7 @@ tensor (through an exact zero where nothing else connects them), so that each ra
 joins the collective.
 
 Bytes each rank sends (ring algorithms): forward (W - 1) x 4 x b x h x (p n + 1), plus
-(W - 1) x 16 x b with seq_idx; backward the same again for the states (`bytes_sent_per_rank`).
+(W - 1) x 24 x b with seq_idx; backward the same again for the states (`bytes_sent_per_rank`).
 """
 
 from __future__ import annotations
@@ -151,12 +151,12 @@ def bytes_sent_per_rank(batch, nheads, headdim, dstate, world, seq_idx=False,
     """Bytes one rank sends with ring collectives: {"forward": ..., "backward": ...}.
 
     Forward: the all-gather of (end state, total decay) per (row, head), state_bytes each, and
-    with seq_idx the (first id, last id) pairs as int64; backward: the reduce-scatter of the
+    with seq_idx the (non-empty, first id, last id) triples as int64; backward: the reduce-scatter of the
     states' gradients, the same size as the forward's states. NCCL's ring all-gather and
     reduce-scatter each send (world - 1) pieces per rank.
     """
     piece = state_bytes * batch * nheads * (headdim * dstate + 1)
-    ints = 16 * batch if seq_idx else 0
+    ints = 24 * batch if seq_idx else 0
     return {"forward": (world - 1) * (piece + ints), "backward": (world - 1) * piece}
 
 
