@@ -24,8 +24,8 @@ import torch
 from .. import config as _config
 from ..kernels.rmsnorm_gated_bwd import rmsnorm_gated_bwd, rmsnorm_gated_bwd_i64
 from ..kernels.rmsnorm_gated_fwd import rmsnorm_gated_fwd, rmsnorm_gated_fwd_i64
-from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, launch_calls, needs_int64,
-                       next_pow2, num_sms, with_hints)
+from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, launch_calls,
+                       narrow_unit_strides, needs_int64, next_pow2, num_sms, with_hints)
 
 #: the largest group the kernels take: a group is one register tile, and past this size the
 #: backward's tiles no longer fit in registers
@@ -106,9 +106,10 @@ def bwd_programs(rows: int, ngroups: int, cfg: NormConfig, sms: int = DEFAULT_SM
 
 
 def rows_view(t, group_size):
-    """(M, hidden) rows with a unit channel stride -> the kernels' (M, G, S) view (no copy)."""
+    """(M, hidden) rows with a unit channel stride -> the kernels' (M, G, S) view (no copy;
+    size-1 dimensions get strides that fit int32, `runtime.narrow_unit_strides`)."""
     m, hidden = t.shape
-    return t.view(m, hidden // group_size, group_size)
+    return narrow_unit_strides(t.view(m, hidden // group_size, group_size))
 
 
 def forward_plan(x3, z3, w2, b2, out3, rstd, eps, norm_before_gate, cfg: NormConfig):
@@ -122,7 +123,7 @@ def forward_plan(x3, z3, w2, b2, out3, rstd, eps, norm_before_gate, cfg: NormCon
         kernel, (-(-m // cfg.block_m), g, 1),
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, out3, rstd,
          float(eps), cfg.block_m, cfg.block_g, z3 is not None, b2 is not None,
-         bool(norm_before_gate)), int64=int64)]
+         bool(norm_before_gate)))]
 
 
 def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_before_gate,
@@ -138,7 +139,7 @@ def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, rstd, dout3, dx3,
          dz3 if dz3 is not None else dx3, dw_part, db_part if db_part is not None else dw_part,
          cfg.bwd_block_m, cfg.block_g, z3 is not None, b2 is not None,
-         bool(norm_before_gate)), int64=int64)]
+         bool(norm_before_gate)))]
 
 
 def _params(weight, bias, ngroups, group_size):
