@@ -142,3 +142,25 @@ def test_torch_compile_runs_it_eagerly():
 
     got = torch.compile(f, backend="eager")(inp["x"], inp["dt"])
     assert torch.equal(got, f(inp["x"], inp["dt"]))
+
+
+def test_whole_slice_correction_equals_live_prefix():
+    """Under CUDA-graph capture the correction covers the whole slice (no host read of the
+    live prefix's length): the same result, the skipped tokens' term being below the
+    smallest normal number."""
+    from mamba2_cutile.distributed import context_parallel as cp
+    inp, _ = cp_cases.problem("D_head_z_seq")
+    lengths = (40, 110)
+    locs = [cp.local_scan(**{k: (v[:, a:b] if k in cp_cases.PER_TOKEN + ("seq_idx",) and
+                                 v is not None else v) for k, v in inp.items()}, chunk_size=64)
+            for a, b in ((0, 40), (40, 150))]
+    gathered = torch.stack([loc.piece() for loc in locs])
+    infos = torch.stack([loc.seq_info for loc in locs])
+    C, z = inp["C"][:, 40:], inp["z"][:, 40:]
+    term = cp.carried_term(locs[1], gathered[0, :-8].reshape(2, 4, 5, 6), C, z,
+                           cp.crossing(infos, 2)[0], 1, full_prefix=False)
+    assert 0 < term.shape[1] < lengths[1]        # the live prefix ends inside the slice
+    got = [cp.finish(locs[1], gathered, infos, 1, 2, C, z=z, full_prefix=full)
+           for full in (False, True)]
+    assert torch.equal(got[0][1], got[1][1])
+    assert _rel(got[1][0], got[0][0]) <= 1e-15
