@@ -381,7 +381,15 @@ def chunk_scan_cp(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
 
     Gradients: those of the rank's slice; for A, D, dt_bias this rank's partial sums. Every
     rank must call this function (and backpropagate through its outputs) the same number of
-    times in the same order. cu_seqlens / varlen states are not supported.
+    times in the same order. Next to DDP/FSDP, give the context-parallel ranks their own
+    group (`torch.distributed.new_group`): the backward's collective runs when the autograd
+    engine reaches it, and its order relative to the data-parallel all-reduces on one shared
+    group could differ between ranks. cu_seqlens / varlen states are not supported.
+
+    Checks: the arguments of each rank as `mamba_chunk_scan_combined` checks them; where that
+    function reads values (CPU tensors, or MAMBA2_CUTILE_CHECK=1) also that all ranks pass
+    the same problem and that seq_idx does not decrease across slice edges (one small
+    all-gather and a host synchronization), raising the same ValueError on every rank.
     """
     if cu_seqlens is not None or return_varlen_states:
         raise ValueError("chunk_scan_cp does not support cu_seqlens / return_varlen_states: "
