@@ -9,6 +9,7 @@ the bound is 1e-6 as the spec states. Plus the one-process simulation of the sam
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -164,3 +165,22 @@ def test_whole_slice_correction_equals_live_prefix():
            for full in (False, True)]
     assert torch.equal(got[0][1], got[1][1])
     assert _rel(got[1][0], got[0][0]) <= 1e-15
+
+
+def test_bench_script_simulate_mode_runs(monkeypatch, tmp_path):
+    """scripts/cp_bench.py's one-GPU simulation, run on the CPU (its hidden --device cpu puts
+    wall-clock stand-ins in place of the CUDA events): the rows it writes."""
+    import json
+    import runpy
+    for name in ("Event", "synchronize", "empty_cache", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, getattr(torch.cuda, name))   # restored after
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "cp_bench.py")
+    bench = runpy.run_path(path)
+    out = tmp_path / "sim.json"
+    bench["main"](["--device", "cpu", "--simulate", "2", "--tokens", "300", "--heads", "2",
+                   "--headdim", "8", "--dstate", "8", "--chunk", "64", "--dtype", "fp32",
+                   "--warmup", "0", "--reps", "1", "--json", str(out)])
+    row, = json.loads(out.read_text())["results"]
+    assert row["world"] == 2 and len(row["per_rank_ms"]) == 2
+    assert row["out_rel_err_vs_whole"] <= 1e-5
+    assert row["bytes_sent_per_rank"]["forward"] == 4 * 2 * (8 * 8 + 1)
