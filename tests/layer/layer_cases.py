@@ -41,7 +41,8 @@ class Case:
 
 
 def make_inputs(c: Case, dtype=torch.float64, device="cpu", seed=0):
-    """Tensors of TENSORS (None where the option is off) plus seq_idx."""
+    """Tensors of TENSORS (None where the option is off) in dtype (A and D float32 for half
+    dtypes) plus seq_idx."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     conv_dim = c.dim + 2 * c.g * c.n
@@ -59,7 +60,10 @@ def make_inputs(c: Case, dtype=torch.float64, device="cpu", seed=0):
         if c.out_dim else None,
         outproj_bias=r(c.out_dim) if (c.out_dim and c.proj_bias) else None,
     )
-    t = {k: None if v is None else v.to(device=device, dtype=dtype) for k, v in t.items()}
+    # A and D stay float32 beside half-precision activations, as Mamba2 passes them
+    small = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    t = {k: None if v is None else v.to(device=device, dtype=small if k in ("A", "D") else dtype)
+         for k, v in t.items()}
     seq_idx = None
     if c.seq:
         seq_idx = torch.zeros(c.b, c.l, dtype=torch.int32)
@@ -98,9 +102,10 @@ def cotangents(out_shape, final_shape, seed=1, device="cpu"):
 
 
 def reference(c: Case, t, seq_idx, dout=None, dfin=None):
-    """The float64 definition's (out, final, {name: gradient}) on t (cast to float64)."""
-    ref = leaves({k: None if v is None else v.double().cpu() for k, v in t.items()})
-    seq = None if seq_idx is None else seq_idx.cpu()
+    """The float64 definition's (out, final, {name: gradient}) on t (cast to float64, on t's
+    device)."""
+    ref = leaves({k: None if v is None else v.double() for k, v in t.items()})
+    seq = seq_idx
     kw = kwargs_of(c, ref, seq)
     kw.pop("initial_states")
     out, final = mamba_split_conv1d_scan_ref(
@@ -110,6 +115,6 @@ def reference(c: Case, t, seq_idx, dout=None, dfin=None):
     if dout is not None:
         names = [k for k in TENSORS if ref[k] is not None]
         gs = torch.autograd.grad([out, final], [ref[k] for k in names],
-                                 [dout.cpu().double(), dfin.cpu().double()])
+                                 [dout.double(), dfin.double()])
         grads = dict(zip(names, gs))
     return out.detach(), final.detach(), grads
