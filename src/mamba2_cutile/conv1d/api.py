@@ -101,6 +101,8 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None,
     check_same_device(tensors)
     check_gpu_dtypes({k: v for k, v in tensors.items() if k != "seq_idx"})
     seq_idx = _int32("seq_idx", seq_idx, x.is_cuda)
+    if seq_idx is not None:
+        seq_idx = seq_idx.contiguous()
     out, final = custom_ops.conv1d_fwd(x, weight, bias, seq_idx, initial_states, silu,
                                        bool(return_final_states))
     if not return_final_states:

@@ -40,7 +40,7 @@ class Conv1dConfig:
     block_l: int = 32
     block_d: int = 128
     tiles: int = 1
-    bwd_block_l: int = 32
+    bwd_block_l: int = 16
     bwd_block_d: int = 64
     bwd_tiles: int = 8
     shift_tma: int = 0
@@ -65,15 +65,18 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS) -> Conv1dCo
     """The dispatcher's tiles, from the shape alone (no search, no sync).
 
     Channel-last tiles are wide along the channels (contiguous: 128 bf16 channels are 256-byte
-    rows), contiguous-layout tiles long along the tokens. The backward keeps about 3x the live
-    tiles of the forward, so its tiles are half as large; its programs walk up to 8 blocks (so
-    that the dweight partials stay ~1% of the traffic) but keep at least 4 programs per SM.
-    Untuned: `MAMBA2_CUTILE_CONV1D_CONFIG="field=value,..."` overrides any field.
+    rows), contiguous-layout tiles long along the tokens. The sizes are the largest whose sm_90
+    compile does not spill (`mamba2-cutile`'s resources reader on the CPU compile: forward
+    32x128 channel-last at 245 registers, 64x32 contiguous at 255; backward 16x64 at 255,
+    where 32x64 spills 224 bytes); occupancy hints of 2-4 force spills at these sizes. The
+    backward's programs walk up to 8 token blocks (so that the dweight partials stay ~1% of
+    the traffic) but keep at least 4 programs per SM. Untuned on the GPU:
+    `MAMBA2_CUTILE_CONV1D_CONFIG="field=value,..."` overrides any field.
     """
     if channel_last:
-        cfg = dict(block_l=32, block_d=128, bwd_block_l=32, bwd_block_d=64)
+        cfg = dict(block_l=32, block_d=128, bwd_block_l=16, bwd_block_d=64)
     else:
-        cfg = dict(block_l=64, block_d=64, bwd_block_l=64, bwd_block_d=32)
+        cfg = dict(block_l=64, block_d=32, bwd_block_l=32, bwd_block_d=32)
     blocks = -(-seqlen // cfg["bwd_block_l"]) * -(-dim // cfg["bwd_block_d"]) * batch
     tiles = 8
     while tiles > 1 and blocks // tiles < 4 * sms:
@@ -291,7 +294,7 @@ def conv1d_backward_cuda(x, weight, bias, seq_idx, initial_states, dout, dfinal,
                           silu, cfg)
     launch_calls(calls, x.device)
     # the partials summed in a fixed order: deterministic
-    dweight = dw_part.sum(0).t().to(weight.dtype)
+    dweight = dw_part.sum(0).t().to(weight.dtype).contiguous()
     dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
     return dx, dweight, dbias, dinit
 
