@@ -237,3 +237,25 @@ def test_good_call_passes():
     _, kw = _good()
     out = _call_kw(kw)
     assert torch.isfinite(out).all() and not math.isnan(out.sum().item())
+
+
+def test_cuda_backward_branch_plumbing(monkeypatch):
+    """The backward op's CUDA branch on the CPU: `backward_impl` says "cutile" and the scan's
+    cuTile entry point is replaced by its PyTorch stages (the same math), so the call into
+    `ssd.backward.ssd_backward_cuda` (arguments, cotangents, gradient dict) runs here."""
+    from mamba2_cutile.reference import chunked_backward
+    from mamba2_cutile.ssd import backward, custom_ops as ssd_ops
+
+    calls = []
+
+    def stages(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, **kw):
+        calls.append(chunk_size)
+        return chunked_backward.ssd_chunked_backward(x, dt, A, B, C, chunk_size, dout,
+                                                     dfinal_states, dtype=torch.float64, **kw)
+    monkeypatch.setattr(ssd_ops, "backward_impl", lambda x: "cutile")
+    monkeypatch.setattr(backward, "ssd_backward_cuda", stages)
+    c = CASES["norm-after-gate-mlp-seq-init-limit-Dp"]
+    out, final, grads, _, _, ref_grads = run_case(c, torch.float64)
+    assert calls == [c.chunk_size]
+    for k, g in grads.items():
+        assert rel(g, ref_grads[k]) < F64_TOL, k
