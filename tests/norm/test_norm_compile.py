@@ -1,12 +1,16 @@
 """CPU: every gated-RMSNorm kernel variant the dispatcher picks compiles for sm_90, from the same
 plans the GPU path launches (on `meta` tensors): every dtype, each gate order and no gate,
-bias or not, 64-bit indexing, mixed z / parameter dtypes, and the channel-tile buckets of the
-shape rule from a group of 1 to the largest group (16384). A launch whose machine code an
-earlier one already decides (`support.variants.signature_key`) is compiled once.
+bias or not, 64-bit indexing, mixed z / parameter dtypes, the channel-tile buckets of the
+shape rule from a group of 1 to the largest group (16384), and the config's tma=0 option. A
+launch whose machine code an earlier one already decides (`support.variants.signature_key`)
+is compiled once.
 
 Each compile also reads the cubin's registers and spills (`bench.resources`, when pyelftools
-is there); groups up to 2048 channels must not spill (measured: none), larger ones log theirs.
+is there); the shape rule's configs must not spill up to 2048-channel groups (measured:
+none), larger groups and other configs log theirs.
 """
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +18,7 @@ import torch
 pytest.importorskip("cuda.tile")
 
 from mamba2_cutile.bench import compile as cpu_compile  # noqa: E402
-from mamba2_cutile.norm.plan import problem_plans  # noqa: E402
+from mamba2_cutile.norm.plan import norm_shape_config, problem_plans  # noqa: E402
 from support import variants  # noqa: E402
 from support.gpu import log_result  # noqa: E402
 
@@ -39,6 +43,9 @@ PROBLEMS = [
                                              z_dtype=F32, param_dtype=BF)),
     ("bf16-h1536-strided-rows", dict(hidden=1536, dtype=BF, row_stride=4000)),
     ("bf16-h1536-int64", dict(hidden=1536, dtype=BF, int64=True)),
+    # the config's tma=0 option (plain loads and stores), at a large group
+    ("bf16-h8192-no-tma", dict(hidden=8192, dtype=BF, config=replace(
+        norm_shape_config(8192), tma=0, bwd_tma=0))),
 ]
 
 
@@ -71,7 +78,7 @@ def test_launch_compiles(name, kind):
     log_result(f"{name} {kind}: regs {res['regs']}, spill stack {res['stack']} B, "
                f"smem {res['smem']} B, threads {res['threads']}")
     assert res["regs"] and res["regs"] <= 255
-    if group <= 2048:
+    if group <= 2048 and "config" not in problem:     # the shape rule's configs
         assert res["stack"] == 0, res
 
 

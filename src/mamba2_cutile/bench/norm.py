@@ -118,9 +118,10 @@ def bench_norm(shapes=None, dtype=torch.bfloat16, has_z=True, norm_before_gate=T
     return rows
 
 
-#: config overrides the sweep times, relative to the shape rule: forward row blocks and
-#: occupancy; backward row blocks, programs per SM and occupancy
 def sweep_space(rule):
+    """(forward, backward) config overrides the sweep times, relative to the shape rule
+    `rule`: forward row blocks and occupancy; backward row blocks, programs per SM and
+    occupancy; each pass's rule without TMA."""
     half = lambda v: max(1, v // 2)  # noqa: E731
     fwd = [dict(block_m=bm, occupancy=occ) for bm in sorted({half(rule.block_m), rule.block_m,
                                                              min(256, rule.block_m * 2)})
@@ -129,6 +130,9 @@ def sweep_space(rule):
            for bm in sorted({half(rule.bwd_block_m), rule.bwd_block_m,
                              min(256, rule.bwd_block_m * 2)})
            for c in (2, 4, 8) for occ in (1, 2)]
+    # the rule's tiles with plain loads and stores instead of TMA
+    fwd.append(dict(block_m=rule.block_m, occupancy=rule.occupancy, tma=0))
+    bwd.append(dict(bwd_block_m=rule.bwd_block_m, bwd_occupancy=rule.bwd_occupancy, bwd_tma=0))
     return fwd, bwd
 
 

@@ -21,6 +21,7 @@ S = group_size, in float32:
 Rows past M load as zeros (x, dout and rstd alike), so they add nothing to dw and db; channels
 past S have w = 0 and x = 0, so they add nothing to c. Layout as the forward kernel's: x, z,
 dout, dx, dz (M, G, S); weight, bias (G, S); rstd (G, M); dw_part, db_part (P, G, S) float32.
+TMA=False: plain loads and stores of the row tiles, as in the forward kernel.
 Grid: (P, G).
 """
 
@@ -45,6 +46,7 @@ def rmsnorm_gated_bwd_fn(
     HAS_Z: ct.Constant[bool],
     HAS_BIAS: ct.Constant[bool],
     NORM_BEFORE_GATE: ct.Constant[bool],
+    TMA: ct.Constant[bool],
 ):
     prog, group = ct.bid(0), ct.bid(1)
     nprogs = ct.num_blocks(0)
@@ -63,9 +65,9 @@ def rmsnorm_gated_bwd_fn(
     db_acc = ct.full((1, BLOCK_G), 0.0, dtype=ct.float32)
     for row_blk in range(prog, row_blocks, nprogs):
         xt = ct.load(x, index=(row_blk, group, 0), shape=tile3,
-                     padding_mode=zero).reshape(tile2).astype(ct.float32)
+                     padding_mode=zero, allow_tma=TMA).reshape(tile2).astype(ct.float32)
         dy = ct.load(dout, index=(row_blk, group, 0), shape=tile3,
-                     padding_mode=zero).reshape(tile2).astype(ct.float32)
+                     padding_mode=zero, allow_tma=TMA).reshape(tile2).astype(ct.float32)
         r = ct.load(rstd, index=(group, row_blk), shape=(1, BLOCK_M),
                     padding_mode=zero).reshape((BLOCK_M, 1))
         u = xt
@@ -73,7 +75,7 @@ def rmsnorm_gated_bwd_fn(
         dgate = xt
         if HAS_Z:
             zt = ct.load(z, index=(row_blk, group, 0), shape=tile3,
-                         padding_mode=zero).reshape(tile2).astype(ct.float32)
+                         padding_mode=zero, allow_tma=TMA).reshape(tile2).astype(ct.float32)
             sg = 1.0 / (1.0 + ct.exp(-zt))
             gate = zt * sg
             dgate = sg * (1.0 + zt * (1.0 - sg))
@@ -86,7 +88,8 @@ def rmsnorm_gated_bwd_fn(
                 if HAS_BIAS:
                     y = y + b
                 ct.store(dz, index=(row_blk, group, 0),
-                         tile=(dy * y * dgate).reshape(tile3).astype(dz.dtype))
+                         tile=(dy * y * dgate).reshape(tile3).astype(dz.dtype),
+                         allow_tma=TMA)
                 dy = dy * gate
         dw_acc = dw_acc + ct.sum(dy * xhat, axis=0, keepdims=True)
         if HAS_BIAS:
@@ -97,9 +100,11 @@ def rmsnorm_gated_bwd_fn(
         if HAS_Z:
             if not NORM_BEFORE_GATE:
                 ct.store(dz, index=(row_blk, group, 0),
-                         tile=(du * xt * dgate).reshape(tile3).astype(dz.dtype))
+                         tile=(du * xt * dgate).reshape(tile3).astype(dz.dtype),
+                         allow_tma=TMA)
                 du = du * gate
-        ct.store(dx, index=(row_blk, group, 0), tile=du.reshape(tile3).astype(dx.dtype))
+        ct.store(dx, index=(row_blk, group, 0), tile=du.reshape(tile3).astype(dx.dtype),
+                 allow_tma=TMA)
     ct.store(dw_part, index=(prog, group, 0), tile=dw_acc.reshape((1, 1, BLOCK_G)))
     if HAS_BIAS:
         ct.store(db_part, index=(prog, group, 0), tile=db_acc.reshape((1, 1, BLOCK_G)))

@@ -14,6 +14,8 @@ Layout: x, z and out are (M, G, S) views of (M, hidden) rows (any row stride, un
 stride), weight and bias (G, S), rstd (G, M). A tile is (BLOCK_M, 1, BLOCK_G) with BLOCK_G the
 power of two >= S; the channels past S and the rows past M load as zeros, so they add nothing
 to the sum of squares, and their part of the store is dropped.
+TMA=False makes the row tiles plain loads and stores (no shared-memory staging: a choice for
+large groups, where the staging buffers limit the CTAs per SM).
 Grid: (cdiv(M, BLOCK_M), G).
 """
 
@@ -35,16 +37,18 @@ def rmsnorm_gated_fwd_fn(
     HAS_Z: ct.Constant[bool],
     HAS_BIAS: ct.Constant[bool],
     NORM_BEFORE_GATE: ct.Constant[bool],
+    TMA: ct.Constant[bool],
 ):
     row_blk, group = ct.bid(0), ct.bid(1)
     size = x.shape[2]
     zero = ct.PaddingMode.ZERO
-    u = ct.load(x, index=(row_blk, group, 0), shape=(BLOCK_M, 1, BLOCK_G),
-                padding_mode=zero).reshape((BLOCK_M, BLOCK_G)).astype(ct.float32)
+    tile3, tile2 = (BLOCK_M, 1, BLOCK_G), (BLOCK_M, BLOCK_G)
+    u = ct.load(x, index=(row_blk, group, 0), shape=tile3, padding_mode=zero,
+                allow_tma=TMA).reshape(tile2).astype(ct.float32)
     gate = u                        # replaced below when HAS_Z (read only then)
     if HAS_Z:
-        zt = ct.load(z, index=(row_blk, group, 0), shape=(BLOCK_M, 1, BLOCK_G),
-                     padding_mode=zero).reshape((BLOCK_M, BLOCK_G)).astype(ct.float32)
+        zt = ct.load(z, index=(row_blk, group, 0), shape=tile3, padding_mode=zero,
+                     allow_tma=TMA).reshape(tile2).astype(ct.float32)
         gate = zt / (1.0 + ct.exp(-zt))
         if not NORM_BEFORE_GATE:
             u = u * gate
@@ -59,8 +63,8 @@ def rmsnorm_gated_fwd_fn(
     if HAS_Z:
         if NORM_BEFORE_GATE:
             y = y * gate
-    ct.store(out, index=(row_blk, group, 0),
-             tile=y.reshape((BLOCK_M, 1, BLOCK_G)).astype(out.dtype))
+    ct.store(out, index=(row_blk, group, 0), tile=y.reshape(tile3).astype(out.dtype),
+             allow_tma=TMA)
     ct.store(rstd, index=(group, row_blk), tile=r.reshape((1, BLOCK_M)))
 
 

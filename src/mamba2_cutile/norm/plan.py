@@ -44,6 +44,8 @@ class NormConfig:
     bwd_ctas_per_sm: the backward's grid holds about this many programs per SM over all groups
     (each walks its share of the row blocks and writes one row of partial sums).
     occupancy, warps (forward) and bwd_occupancy, bwd_warps: kernel hints, 0 = the compiler's.
+    tma / bwd_tma: 1 lets the row tiles load and store through TMA (staged in shared memory),
+    0 makes them plain loads and stores.
     """
     block_g: int
     block_m: int
@@ -53,6 +55,8 @@ class NormConfig:
     warps: int = 0
     bwd_occupancy: int = 0
     bwd_warps: int = 0
+    tma: int = 1
+    bwd_tma: int = 1
 
     FIXED = ("block_g",)
 
@@ -68,6 +72,8 @@ class NormConfig:
         c.check_range(self, "bwd_occupancy", 0, 32)
         c.check_choice(self, "warps", (0, 4, 8))
         c.check_choice(self, "bwd_warps", (0, 4, 8))
+        c.check_choice(self, "tma", (0, 1))
+        c.check_choice(self, "bwd_tma", (0, 1))
 
 
 def norm_shape_config(group_size: int) -> NormConfig:
@@ -123,7 +129,7 @@ def forward_plan(x3, z3, w2, b2, out3, rstd, eps, norm_before_gate, cfg: NormCon
         kernel, (-(-m // cfg.block_m), g, 1),
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, out3, rstd,
          float(eps), cfg.block_m, cfg.block_g, z3 is not None, b2 is not None,
-         bool(norm_before_gate)))]
+         bool(norm_before_gate), bool(cfg.tma)))]
 
 
 def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_before_gate,
@@ -139,7 +145,7 @@ def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, rstd, dout3, dx3,
          dz3 if dz3 is not None else dx3, dw_part, db_part if db_part is not None else dw_part,
          cfg.bwd_block_m, cfg.block_g, z3 is not None, b2 is not None,
-         bool(norm_before_gate)))]
+         bool(norm_before_gate), bool(cfg.bwd_tma)))]
 
 
 def _params(weight, bias, ngroups, group_size):
