@@ -84,6 +84,8 @@ FAST = [
 ]
 SLOW = [
     ("fwd-bf16-contig-w3-seq", lambda: forward_call(layout="contiguous", w=3, opts=("seq",))),
+    ("fwd-bf16-contig-w2-all", lambda: forward_call(layout="contiguous", w=2)),
+    ("fwd-fp16-cl-w2-all", lambda: forward_call(FP16, w=2)),
     ("bwd-bf16-contig-all", lambda: backward_call(layout="contiguous")),
     ("bwd-fp32-cl-none-w2", lambda: backward_call(FP32, w=2, opts=())),
     ("bwd-fp16-cl-w8-silu-init", lambda: backward_call(FP16, w=8, opts=("silu", "init"))),

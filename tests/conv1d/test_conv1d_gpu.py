@@ -227,3 +227,47 @@ def test_against_causal_conv1d(dtype):
     e_ours, e_base = rel_err(ours, ref), rel_err(base, ref)
     log_result(f"ours {e_ours:.3e} causal_conv1d {e_base:.3e}")
     assert e_ours <= max(1.5 * e_base, TOL_OUT[dtype] / 4)
+
+
+def test_cuda_graph_capture_forward_backward():
+    """No host synchronization: forward + backward capture in a CUDA graph and replay to the
+    eager results."""
+    x, weight, kw = _problem(SHAPES[1], torch.bfloat16, "channel_last", 4, OPTS["all"])
+    dout = torch.randn(x.shape, device="cuda").to(torch.bfloat16)
+    ins = [t.detach().requires_grad_() for t in (x, weight, kw["bias"], kw["initial_states"])]
+
+    def step():
+        out = causal_conv1d_fn(ins[0], ins[1], ins[2], seq_idx=kw["seq_idx"],
+                               initial_states=ins[3], activation="silu")
+        return (out,) + torch.autograd.grad(out, ins, dout)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager):
+        assert torch.equal(a, b)
+
+
+def test_torch_compile_fullgraph_training_step():
+    """torch.compile(fullgraph=True) (inductor) traces the custom ops; the gradients equal
+    the eager ones."""
+    x, weight, kw = _problem(SHAPES[1], torch.bfloat16, "channel_last", 4, ("bias", "seq"))
+
+    def loss(x_, w_, b_):
+        return causal_conv1d_fn(x_, w_, b_, seq_idx=kw["seq_idx"],
+                                activation="silu").float().square().sum()
+
+    ins = [t.detach().requires_grad_() for t in (x, weight, kw["bias"])]
+    want = torch.autograd.grad(loss(*ins), ins)
+    got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(*ins), ins)
+    for g, r in zip(got, want):
+        err = rel_err(g, r)     # same kernels; only inductor's elementwise rounding may differ
+        log_result(f"compiled vs eager {err:.3e}")
+        assert err <= TOL_GRAD[torch.bfloat16]
