@@ -82,7 +82,7 @@ def norm_shape_config(group_size: int) -> NormConfig:
     A forward tile holds about 4096 channels (block_m rows of the padded group), a backward
     tile about 2048 (it keeps some six tiles live: x, dout, z, its gate and derivative, xhat).
     The occupancy hints cap the registers per thread where the tiles still fit without spills
-    (CPU compiles for sm_90, `mamba2-cutile`'s resources reader: forward 64 registers at
+    (CPU compiles for sm_90 read by `bench.resources`: forward 64 registers at
     occupancy 4 up to 2048-channel groups; backward 128 at occupancy 2 up to 4096; a group of
     8192 needs 8 warps at occupancy 1 in the backward, 168 registers). Not yet timed on a GPU:
     `MAMBA2_CUTILE_NORM_CONFIG` overrides any field and `bench.norm.sweep_norm` times a few.
