@@ -81,6 +81,10 @@ def test_strided_inputs_are_read_in_place():
     proj = torch.randn(2, 9, 100, generator=gen, dtype=F64)
     z, x = proj[..., :40], proj[..., 50:90]
     w = torch.randn(40, generator=gen, dtype=F64)
+    from mamba2_cutile.norm.api import _rows
+    for t in (x, z):                                 # the rows the op gets are views of proj
+        rows = _rows(t, 40)
+        assert rows.data_ptr() == t.data_ptr() and rows.stride() == (100, 1)
     ref = rmsnorm_gated_ref(x, w, None, z, group_size=10)
     torch.testing.assert_close(rmsnorm_fn(x, w, z=z, group_size=10), ref, rtol=1e-14, atol=0)
     xt = x.contiguous().transpose(0, 1).contiguous().transpose(0, 1)       # leading dims swapped
