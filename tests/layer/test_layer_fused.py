@@ -259,3 +259,10 @@ def test_cuda_backward_branch_plumbing(monkeypatch):
     assert calls == [c.chunk_size]
     for k, g in grads.items():
         assert rel(g, ref_grads[k]) < F64_TOL, k
+
+
+def test_int64_seq_idx_same_result():
+    c = CASES["z-in-scan-seq-init"]
+    t, seq = make_inputs(c)
+    torch.testing.assert_close(call(fused, c, t, seq.long(), chunk_size=64),
+                               call(fused, c, t, seq, chunk_size=64), rtol=0, atol=0)

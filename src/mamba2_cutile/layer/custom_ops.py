@@ -52,10 +52,13 @@ def _conv_impl(t):
 
 
 def _int32(seq_idx):
-    """seq_idx as the convolution's int32 (validated non-decreasing ids)."""
-    if seq_idx is None or seq_idx.dtype == torch.int32:
-        return seq_idx
-    return seq_idx.to(torch.int32)
+    """seq_idx as the convolution's contiguous int32 ids (an int64 id past int32 saturates
+    instead of wrapping onto another sequence's id)."""
+    if seq_idx is None:
+        return None
+    if seq_idx.dtype == torch.int64:
+        seq_idx = seq_idx.clamp(-2**31, 2**31 - 1)
+    return seq_idx.to(torch.int32).contiguous()
 
 
 class Sizes:
