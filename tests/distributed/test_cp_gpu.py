@@ -59,12 +59,14 @@ def _whole_run(args, Q, dout, dfinal):
     return out.detach(), fin.detach(), dict(zip(names, grads))
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_simulated_ranks(case):
+@pytest.mark.parametrize("case,full_prefix", [(c, False) for c in CASES] +
+                         [("all-bf16-Q128", True), ("slow-decay-z-fp32", True)])
+def test_simulated_ranks(case, full_prefix):
+    """full_prefix: the correction over whole slices (the CUDA-graph-capture path)."""
     dims, Q, dtype, opts, cuts, lengths = CASES[case]
     args, dout, dfinal = cases.make_problem(*dims, dtype, opts, cuts)
     lv = cases.leaves(args)
-    out, finals = simulate_ranks(lengths, **lv, chunk_size=Q)
+    out, finals = simulate_ranks(lengths, **lv, chunk_size=Q, full_prefix=full_prefix)
     assert out.dtype == dtype and out.shape == args["x"].shape
     names = [k for k in cases.NAMES if isinstance(lv.get(k), torch.Tensor)]
     got = torch.autograd.grad([out, finals[-1]], [lv[k] for k in names], [dout, dfinal])

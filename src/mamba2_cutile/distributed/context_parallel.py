@@ -430,12 +430,13 @@ def chunk_scan_cp(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
 
 def simulate_ranks(lengths, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                    initial_states=None, seq_idx=None, dt_softplus=False,
-                   dt_limit=(0.0, float("inf"))):
+                   dt_limit=(0.0, float("inf")), full_prefix=False):
     """The whole sequence cut into slices of `lengths` (summing to x.shape[1]), each slice
     through the same two stages as `chunk_scan_cp`, the all-gather done by hand (a stack, whose
     autograd adjoint is the reduce-scatter). Returns (out of the whole sequence, [true end state
     of each slice]); differentiable like the real thing (the replicated tensors' gradients are
-    then the sums over ranks)."""
+    then the sums over ranks). `full_prefix`: the correction over whole slices, as under
+    CUDA-graph capture."""
     if sum(lengths) != x.shape[1] or any(k < 0 for k in lengths):
         raise ValueError(f"lengths must be >= 0 and sum to seqlen ({x.shape[1]}), got {lengths}")
     world = len(lengths)
@@ -452,7 +453,8 @@ def simulate_ranks(lengths, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=
     seq_infos = None if seq_idx is None else torch.stack([loc.seq_info for loc in locals_])
     outs, finals = [], []
     for r in range(world):
-        o, f = finish(locals_[r], gathered, seq_infos, r, world, part(C, r), z=part(z, r))
+        o, f = finish(locals_[r], gathered, seq_infos, r, world, part(C, r), z=part(z, r),
+                      full_prefix=full_prefix)
         outs.append(o)
         finals.append(f.to(torch.float32))
     return torch.cat(outs, dim=1), finals
