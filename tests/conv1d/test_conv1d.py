@@ -174,6 +174,24 @@ def test_gradients_match_reference_autograd(layout, w, seq, init):
         assert (g.double() - r).abs().max() <= TOL_F32 * max(1.0, float(r.abs().max()))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
+def test_gradients_without_bias_or_initial_states(layout):
+    """The backward op's absent gradients are distinct empty tensors (custom-op outputs may
+    not alias); through autograd and through the op directly under opcheck."""
+    x, w, _ = problem(layout=layout, bias=False)
+    xs, ws = x.float().requires_grad_(), w.float().requires_grad_()
+    got = torch.autograd.grad(causal_conv1d_fn(xs, ws, activation="silu").square().sum(),
+                              (xs, ws))
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = torch.autograd.grad(causal_conv1d_ref(xr, wr, activation="silu")[0].square().sum(),
+                               (xr, wr))
+    for g, r in zip(got, want):
+        assert (g.double() - r).abs().max() <= TOL_F32 * r.abs().max()
+    torch.library.opcheck(torch.ops.mamba2_cutile.causal_conv1d_bwd.default,
+                          (x.float(), w.float(), None, None, None, torch.randn(x.shape),
+                           None, True), test_utils=("test_schema", "test_faketensor"))
+
+
 def test_seq_idx_with_int64_dtype():
     x, w, kw = problem(seq=True)
     a = causal_conv1d_fn(x, w, seq_idx=kw["seq_idx"].long())

@@ -71,17 +71,17 @@ def conv1d_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optio
         dx.copy_(res)
         dw = dw.contiguous()
         dinit = None if dinit is None else dinit.contiguous()
-    empty = x.new_empty((0,))
-    return [dx, dw, empty if db is None else db, empty if dinit is None else dinit]
+    # a fresh empty tensor per absent gradient: outputs of a custom op may not alias
+    return [dx, dw, x.new_empty((0,)) if db is None else db,
+            x.new_empty((0,)) if dinit is None else dinit]
 
 
 @conv1d_bwd.register_fake
 def _(x, weight, bias, seq_idx, initial_states, dout, dfinal, silu):
-    empty = x.new_empty((0,))
     return [empty_like_layout(x, _layout_of(x)), torch.empty_like(weight,
             memory_format=torch.contiguous_format),
-            empty if bias is None else torch.empty_like(bias),
-            empty if initial_states is None else torch.empty_like(
+            x.new_empty((0,)) if bias is None else torch.empty_like(bias),
+            x.new_empty((0,)) if initial_states is None else torch.empty_like(
                 initial_states, memory_format=torch.contiguous_format)]
 
 
