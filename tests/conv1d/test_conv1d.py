@@ -367,10 +367,13 @@ def _emu_problem(layout, w, seed):
     return x, weight, kw
 
 
+@pytest.mark.parametrize("tiles", ["small", "default"])
 @pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
 @pytest.mark.parametrize("w,silu,opts", [(4, True, "all"), (2, False, "none"), (8, True, "all"),
                                          (3, True, "seq"), (5, False, "init")])
-def test_kernels_emulated_forward_backward(layout, w, silu, opts):
+def test_kernels_emulated_forward_backward(layout, w, silu, opts, tiles):
+    """small: 8x16 tiles, 2 token blocks per program (many blocks, partial ones on both
+    axes); default: the dispatcher's tiles (one partial channel block, 2-3 token blocks)."""
     from conv1d_emulator import run_calls
     x, weight, kw = _emu_problem(layout, w, w)
     bias = kw["bias"] if opts == "all" else None
@@ -378,11 +381,12 @@ def test_kernels_emulated_forward_backward(layout, w, silu, opts):
     seq = kw["seq_idx"] if opts in ("all", "seq") else None
     cl = plan.is_channel_last(x)
     b, d, l = x.shape
+    cfg = EMU_CFG if tiles == "small" else plan.conv1d_config(b, d, l, cl)
     act = "silu" if silu else None
     out = plan.empty_like_layout(x, cl)
     final = torch.empty(b, d, w - 1, dtype=F64)
     run_calls(plan.forward_plan(x, weight.t().contiguous(), bias, init, seq, out, final, silu,
-                                EMU_CFG))
+                                cfg))
     leaves = [t.clone().requires_grad_() if t is not None else None
               for t in (x, weight, bias, init)]
     ref, ref_final = causal_conv1d_ref(leaves[0], leaves[1], leaves[2], seq, leaves[3], act)
@@ -394,27 +398,32 @@ def test_kernels_emulated_forward_backward(layout, w, silu, opts):
     want = torch.autograd.grad((ref * dout).sum() + (ref_final * dfinal).sum(),
                                [t for t in leaves if t is not None])
     dx = plan.empty_like_layout(x, cl)
-    parts = b * plan.backward_grid(x, EMU_CFG)[1]
+    parts = b * plan.backward_grid(x, cfg)[1]
     dw_part = torch.full((parts, w, d), float("nan"), dtype=F64)   # each row written once
     db_part = torch.full((parts, d), float("nan"), dtype=F64)
     dinit = torch.full((b, d, w - 1), float("nan"), dtype=F64) if init is not None else None
     run_calls(plan.backward_plan(x, weight.t().contiguous(), bias, init, seq,
                                  plan.in_layout(dout, cl), dfinal, dx, dw_part, db_part, dinit,
-                                 silu, EMU_CFG))
+                                 silu, cfg))
     got = [dx, dw_part.sum(0).t()] + ([db_part.sum(0)] if bias is not None else []) + \
         ([dinit] if init is not None else [])
     for g, r in zip(got, want):
         assert (g - r).abs().max() < TOL_EMU
 
 
+@pytest.mark.parametrize("state_layout", ["contiguous", "channel_last"])
 @pytest.mark.parametrize("circular", [False, True])
 @pytest.mark.parametrize("k", [1, 3, 9])
-def test_kernels_emulated_update(circular, k):
+def test_kernels_emulated_update(circular, k, state_layout):
+    """channel_last: conv_state as the transpose of a (nslots, state_len, dim) buffer (the
+    layer's decode cache)."""
     from conv1d_emulator import run_calls
     b, d, w, S, nslots = 3, 40, 4, 5, 6
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(b, d, k, dtype=F64, generator=gen)
     state = torch.randn(nslots, d, S, dtype=F64, generator=gen)
+    if state_layout == "channel_last":
+        state = state.transpose(1, 2).contiguous().transpose(1, 2)
     weight = torch.randn(d, w, dtype=F64, generator=gen)
     bias = torch.randn(d, dtype=F64, generator=gen)
     cache = torch.tensor([0, 7, 3], dtype=torch.int32) if circular else None
