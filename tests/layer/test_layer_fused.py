@@ -266,3 +266,23 @@ def test_int64_seq_idx_same_result():
     t, seq = make_inputs(c)
     torch.testing.assert_close(call(fused, c, t, seq.long(), chunk_size=64),
                                call(fused, c, t, seq, chunk_size=64), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_short_and_empty_sequences(norm):
+    """One token (shorter than the convolution) against the definition; no tokens: out is
+    empty, the final state is the initial one and passes its cotangent straight back."""
+    c = Case(l=1, init=True, d_mlp=2, norm=norm)
+    out, final, grads, ref_out, ref_final, ref_grads = run_case(c, torch.float64)
+    assert rel(out, ref_out) < F64_TOL and rel(final, ref_final) < FINAL_F32_TOL
+    for k, g in grads.items():
+        assert rel(g, ref_grads[k]) < F64_TOL, k
+    c = Case(l=0, init=True, d_mlp=2, norm=norm)
+    t = leaves(make_inputs(c)[0])
+    out, final = call(fused, c, t, None, chunk_size=64, return_final_states=True)
+    assert out.shape == (c.b, 0, c.out_dim)
+    torch.testing.assert_close(final, t["initial_states"].detach().float())
+    dfin = torch.randn(final.shape)
+    g_init, g_A = torch.autograd.grad(final, [t["initial_states"], t["A"]], dfin)
+    torch.testing.assert_close(g_init, dfin.double())
+    assert (g_A == 0).all()

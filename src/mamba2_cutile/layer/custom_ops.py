@@ -217,7 +217,7 @@ def split_conv1d_scan_backward(
         d_proj_w = (dout2.t() @ y_in.reshape(-1, y_in.shape[-1])).to(outproj_weight.dtype)
         if outproj_bias is not None:
             d_proj_b = dout2.to(cd).sum(dim=0).to(outproj_bias.dtype)
-        dy = (dout2 @ outproj_weight.to(dtype)).reshape(sz.batch, sz.seqlen, -1)
+        dy = (dout2 @ outproj_weight.to(dtype)).reshape(sz.batch, sz.seqlen, sz.d_mlp + sz.dim)
     else:
         dy = dout.to(dtype)
     dy_mlp, dy = dy.split([sz.d_mlp, sz.dim], dim=-1)
