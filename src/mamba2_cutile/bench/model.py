@@ -165,18 +165,29 @@ def bindings(model, impl):
 # --------------------------------------------------------------------------------------------
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed(fn, reps, warmup=1):
-    """Median seconds of fn() over reps (after warmup calls), device-synchronized."""
+    """Median wall seconds of fn() over reps (after warmup calls: compiles, autotuning),
+    device-synchronized."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def _empty_cache():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _ids(model, batch, seqlen, seed=1):
@@ -223,10 +234,13 @@ def _error(e):
 
 
 def bench_model(name, impls=IMPLS, train_batch=8, train_seqlen=2048, prompt=512,
-                decode_steps=32, batches=(1, 64), reps=5, dtype=torch.bfloat16, emit=None):
-    """Rows (dicts) for one model of MODELS; `emit(row)` is called as each row is ready."""
+                decode_steps=32, batches=(1, 64), reps=5, dtype=torch.bfloat16, emit=None,
+                config=None, device="cuda"):
+    """Rows (dicts) for one model of MODELS (or `config`, labelled `name`); `emit(row)` is
+    called as each row is ready."""
     from ..integrations import transformers as it
-    model = build_model(MODELS[name](), dtype=dtype, device="cuda")
+    model = build_model(config if config is not None else MODELS[name](), dtype=dtype,
+                        device=device)
     rows = []
 
     def add(row):
@@ -252,7 +266,7 @@ def bench_model(name, impls=IMPLS, train_batch=8, train_seqlen=2048, prompt=512,
             except Exception as e:  # noqa: BLE001 - recorded in the row
                 add(dict(base, impl=label, measurement="train", batch=train_batch,
                          seqlen=train_seqlen, status=_error(e)))
-                torch.cuda.empty_cache()
+                _empty_cache()
                 if impl != "transformers":
                     break
         for batch in batches:
@@ -265,9 +279,9 @@ def bench_model(name, impls=IMPLS, train_batch=8, train_seqlen=2048, prompt=512,
             except Exception as e:  # noqa: BLE001
                 add(dict(base, measurement="generate", batch=batch, prompt=prompt,
                          status=_error(e)))
-                torch.cuda.empty_cache()
+                _empty_cache()
     del model
-    torch.cuda.empty_cache()
+    _empty_cache()
     return rows
 
 
