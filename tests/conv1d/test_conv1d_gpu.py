@@ -271,3 +271,12 @@ def test_torch_compile_fullgraph_training_step():
         err = rel_err(g, r)     # same kernels; only inductor's elementwise rounding may differ
         log_result(f"compiled vs eager {err:.3e}")
         assert err <= TOL_GRAD[torch.bfloat16]
+
+
+def test_bench_runs():
+    from mamba2_cutile.bench.conv1d import bench_conv1d, format_rows
+    rows = bench_conv1d(shapes=[(1, 2048, 1544)], reps=3)
+    print(format_rows(rows))
+    ours = [r for r in rows if r["impl"] == "ours"]
+    assert {r["mode"] for r in ours} == {"fwd", "fwdbwd"}
+    assert all(r["ms"] > 0 and r["rel_err"] <= TOL_OUT[torch.bfloat16] for r in ours)

@@ -30,7 +30,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def make_inputs(batch, seqlen, dim, width=4, dtype=torch.bfloat16, layout="channel_last",
                 seed=0):
     """x (batch, dim, seqlen) (channel-last: a channel slice of a wider projection, as in the
-    Mamba-2 layer), weight, bias, dout."""
+    Mamba-2 layer), weight, bias, dout (in x's layout)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     if layout == "channel_last":
         proj = torch.randn(batch, seqlen, dim + 128, device="cuda", generator=gen).to(dtype)
@@ -39,7 +39,12 @@ def make_inputs(batch, seqlen, dim, width=4, dtype=torch.bfloat16, layout="chann
         x = torch.randn(batch, dim, seqlen, device="cuda", generator=gen).to(dtype)
     weight = (torch.randn(dim, width, device="cuda", generator=gen) / width ** 0.5).to(dtype)
     bias = torch.randn(dim, device="cuda", generator=gen).to(dtype)
-    dout = torch.randn(batch, dim, seqlen, device="cuda", generator=gen).to(dtype)
+    # the output gradient in the output's layout (as the next op's backward would give it)
+    if layout == "channel_last":
+        dout = torch.randn(batch, seqlen, dim, device="cuda", generator=gen).to(dtype)
+        dout = dout.transpose(1, 2)
+    else:
+        dout = torch.randn(batch, dim, seqlen, device="cuda", generator=gen).to(dtype)
     return x, weight, bias, dout
 
 
