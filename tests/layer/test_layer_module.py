@@ -61,18 +61,9 @@ def rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-#: mamba2_cutile::causal_conv1d_bwd returns one empty tensor for both dbias and
-#: dinitial_states when the convolution has neither, which torch.library refuses as aliased
-#: outputs (only the part-by-part path goes through that op's autograd)
-CONV_BWD_ALIAS = pytest.mark.xfail(raises=RuntimeError, strict=False,
-                                   reason="causal_conv1d_bwd aliases its two empty outputs")
-
-
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "parts"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_forward_and_grads_equal_composition(name, fused, request):
-    if name == "no-norm" and not fused:
-        request.applymarker(CONV_BWD_ALIAS)
+def test_forward_and_grads_equal_composition(name, fused):
     m = make(name, use_mem_eff_path=fused)
     u = torch.randn(2, 45, m.d_model, dtype=torch.float64)
     seq = torch.zeros(2, 45, dtype=torch.int32)
