@@ -6,6 +6,42 @@ import torch
 from mamba2_cutile.bench.accuracy import rel_err
 
 
+#: the families other than mamba2 and bamba (bench.model builds those), falcon_h1 with and
+#: without its gated norm
+OTHER_FAMILIES = ("falcon_h1", "falcon_h1_norm", "granitemoehybrid", "nemotron_h", "zamba2")
+
+
+def family_config(family):
+    """Tiny configs (hidden 64, 4 Mamba heads of 32, state 16, 2 groups, chunk 64) of the
+    other four families, one Mamba layer and one attention layer each."""
+    import transformers as T
+    common = dict(vocab_size=128, hidden_size=64, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2, tie_word_embeddings=False)
+    if family.startswith("falcon_h1"):
+        return T.FalconH1Config(**common, num_hidden_layers=2, num_attention_heads=2,
+                                num_key_value_heads=1, head_dim=32, intermediate_size=128,
+                                mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+                                mamba_d_state=16, mamba_chunk_size=64, mamba_d_ssm=128,
+                                mamba_rms_norm=family.endswith("norm"))
+    if family == "granitemoehybrid":
+        return T.GraniteMoeHybridConfig(**common, num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=1, intermediate_size=128,
+                                        layer_types=["mamba", "attention"], mamba_n_heads=4,
+                                        mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16,
+                                        mamba_chunk_size=64, num_local_experts=2,
+                                        num_experts_per_tok=1)
+    if family == "nemotron_h":
+        return T.NemotronHConfig(**common, layers_block_type=["mamba", "attention", "mlp"],
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                 intermediate_size=128, mamba_num_heads=4, mamba_head_dim=32,
+                                 n_groups=2, ssm_state_size=16, chunk_size=64)
+    return T.Zamba2Config(**common, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"],
+                          num_attention_heads=2, num_key_value_heads=2, attention_head_dim=64,
+                          intermediate_size=128, mamba_headdim=32, mamba_ngroups=2,
+                          mamba_d_state=16, chunk_size=64, n_mamba_heads=4, use_mem_rope=False)
+
+
+
 def train_step(model, ids, **kwargs):
     """(logits, loss, {parameter: grad}) of forward + loss + backward in training mode."""
     model.train()

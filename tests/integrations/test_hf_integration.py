@@ -16,8 +16,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_support import (forward_logits, grad_errors, greedy_agreement, greedy_generate,  # noqa: E402
-                        packed, teacher_forced_logits, train_step)
+from hf_support import (OTHER_FAMILIES, family_config, forward_logits, grad_errors,  # noqa: E402
+                        greedy_agreement, greedy_generate, packed, teacher_forced_logits,
+                        train_step)
 
 from mamba2_cutile.bench.accuracy import rel_err  # noqa: E402
 from mamba2_cutile.bench.model import build_model, small_bamba_config, small_mamba2_config  # noqa: E402
@@ -195,6 +196,22 @@ def test_mamba2_training_matches_torch_path(mamba2):
 def test_bamba_training_matches_torch_path():
     model = build_model(small_bamba_config(mamba_chunk_size=64))
     _check_training(model, _ids(model, 2, 77))
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_other_families_match_torch_path(family):
+    """Training step (logits, loss, every gradient) and 4 generated tokens' logits of each
+    other family on our CPU path against transformers' PyTorch path (falcon_h1 with and
+    without its gated norm: with it, training takes the unfused path)."""
+    model = build_model(family_config(family))
+    _check_training(model, _ids(model, 2, 77))
+    prompt = _ids(model, 2, 20, seed=2)
+    with it.enabled():
+        assert set(it.describe(type(model).__module__).values()) == {"mamba2_cutile"}
+        seq, steps = greedy_generate(model, prompt, 4)
+    with it.torch_path():
+        ref = teacher_forced_logits(model, seq, 20)
+    assert rel_err(steps, ref) <= TOL
 
 
 def test_mamba2_eval_forward_matches_torch_path(mamba2):

@@ -22,8 +22,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_support import (forward_logits, grad_errors, greedy_agreement, greedy_generate,  # noqa: E402
-                        packed, teacher_forced_logits, train_step)
+from hf_support import (OTHER_FAMILIES, family_config, forward_logits, grad_errors,  # noqa: E402
+                        greedy_agreement, greedy_generate, packed, teacher_forced_logits,
+                        train_step)
 from support.gpu import log_result  # noqa: E402
 
 from mamba2_cutile.bench.accuracy import rel_err  # noqa: E402
@@ -87,6 +88,29 @@ def test_training_step_against_float64_torch_path(family):
     errs = grad_errors(ours[2], ref[2])
     assert len(errs) == sum(1 for _ in m32.parameters())
     assert max(errs.values()) <= GRAD_TOL, {k: v for k, v in errs.items() if v > GRAD_TOL}
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_other_families_against_float64_torch_path(family):
+    """The tiny configs of the other families (hf_support.family_config): training step and
+    16 teacher-forced generated tokens against the float64 PyTorch path."""
+    m32 = build_model(family_config(family), device="cuda")
+    m64 = build_model(family_config(family), device="cuda", dtype=torch.float64)
+    m64.load_state_dict({k: v.double() for k, v in m32.state_dict().items()})
+    ids = _ids(m32, 2, 300)
+    with it.torch_path():
+        ref = train_step(m64, ids)
+    with it.enabled():
+        ours = train_step(m32, ids)
+        seq, steps = greedy_generate(m32, ids[:, :100], 16)
+    with it.torch_path():
+        ref_steps = teacher_forced_logits(m64, seq, 100)
+    errs = grad_errors(ours[2], ref[2])
+    log_result(f"{family}: logits {rel_err(ours[0], ref[0]):.3e} worst grad "
+               f"{max(errs.values()):.3e} generation {rel_err(steps, ref_steps):.3e}")
+    assert rel_err(ours[0], ref[0]) <= LOGITS_TOL
+    assert max(errs.values()) <= GRAD_TOL, {k: v for k, v in errs.items() if v > GRAD_TOL}
+    assert rel_err(steps, ref_steps) <= GEN_TOL
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -36,6 +36,11 @@ L = cu[-1] and this is plain `searchsorted`. A seq_idx shorter than the conv inp
 left-pads a prompt shorter than the kernel) is padded on the left with its first id. All of
 this is tensor arithmetic: no host synchronization, nothing that breaks a torch.compile graph.
 
+falcon_h1's fused call passes norm_before_gate=False whatever its config's
+`mamba_norm_before_gate` (default True, which transformers' PyTorch path honours): with the
+gated norm on (`mamba_rms_norm=True`) its fused name returns None and training runs the
+unfused path on our conv and scan, so the result stays the PyTorch path's.
+
 Chunk sizes other than 64, 128 or 256 (the scan's tiles) run at the nearest of those: the scan's
 result does not depend on the chunk size except for rounding.
 
@@ -192,6 +197,17 @@ def mamba2_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bia
         ngroups=ngroups, norm_before_gate=norm_before_gate)
 
 
+def falcon_h1_split_conv1d_scan_combined(*args, rmsnorm_weight=None, **kwargs):
+    """falcon_h1's fused training layer: ours without the gated norm; with it (config
+    `mamba_rms_norm=True`) None, so the mixer runs its unfused path. transformers' falcon_h1
+    mixer passes norm_before_gate=False to the fused function whatever its config's
+    `mamba_norm_before_gate` (default True), which its own PyTorch path honours: the unfused
+    path keeps the PyTorch path's result."""
+    if rmsnorm_weight is not None:
+        return None
+    return mamba2_split_conv1d_scan_combined(*args, rmsnorm_weight=None, **kwargs)
+
+
 def _unfused(*args, **kwargs):
     """The fused layer's stand-in under `enable(fused=False)`: None, so the mixer runs its
     unfused path (our conv and scan, with both padding masks)."""
@@ -223,12 +239,14 @@ def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=No
                  dt_limit=tuple(dt_limit), return_final_states=bool(return_final_states))
 
 
-def _adapters(fused):
+def _adapters(fused, module_name):
+    fused_fn = mamba2_split_conv1d_scan_combined
+    if module_name.endswith(".modeling_falcon_h1"):
+        fused_fn = falcon_h1_split_conv1d_scan_combined
     return {
         "causal_conv1d_fn": causal_conv1d_fn,
         "causal_conv1d_update": causal_conv1d_update,
-        "mamba2_split_conv1d_scan_combined":
-            mamba2_split_conv1d_scan_combined if fused else _unfused,
+        "mamba2_split_conv1d_scan_combined": fused_fn if fused else _unfused,
         "mamba2_selective_state_update": mamba2_selective_state_update,
         "mamba2_chunk_scan": mamba2_chunk_scan,
     }
@@ -240,7 +258,7 @@ def _adapters(fused):
 
 _lock = threading.RLock()
 _saved: dict = {}          # module name -> {name: the object transformers had bound}
-_active: dict | None = None  # the adapter set while enabled
+_active: dict | None = None  # {"fused": bool} while enabled
 _finder = None
 
 
@@ -278,11 +296,11 @@ def _check_module(module):
             "mamba2-cutile adapts to; nothing was patched")
 
 
-def _patch(module, adapters):
+def _patch(module, fused):
     """Rebind the five names of an already-checked module, keeping the originals once."""
     if module.__name__ not in _saved:      # a re-patch keeps the first originals
         _saved[module.__name__] = {n: module.__dict__[n] for n in NAMES}
-    for n, fn in adapters.items():
+    for n, fn in _adapters(fused, module.__name__).items():
         setattr(module, n, fn)
 
 
@@ -300,7 +318,7 @@ class _PatchingLoader(importlib.abc.Loader):
         with _lock:
             if _active is not None:
                 _check_module(module)
-                _patch(module, _active)
+                _patch(module, _active["fused"])
 
     def __getattr__(self, name):        # get_source, get_filename, is_package, ...
         return getattr(self._loader, name)
@@ -339,15 +357,14 @@ def enable(*, fused=True):
     missing or not >=5.17,<6, a loaded module lacking a name) with nothing patched."""
     global _active, _finder
     check_transformers_version()
-    adapters = _adapters(fused)
     with _lock:
         loaded = [sys.modules[m] for m in MODULES if sys.modules.get(m) is not None]
         for module in loaded:                 # check all before patching any
             if module.__name__ not in _saved:
                 _check_module(module)
         for module in loaded:
-            _patch(module, adapters)
-        _active = adapters
+            _patch(module, fused)
+        _active = {"fused": bool(fused)}
         if _finder is None:
             _finder = _PatchOnImport()
             sys.meta_path.insert(0, _finder)
@@ -381,7 +398,7 @@ def enabled(*, fused=True):
     """`with enabled(): ...` runs the block with the integration enabled, then restores the
     previous state (disabled, or enabled as it was)."""
     with _lock:
-        before = None if _active is None else _active["mamba2_split_conv1d_scan_combined"]
+        before = None if _active is None else _active["fused"]
     enable(fused=fused)
     try:
         yield
@@ -389,7 +406,7 @@ def enabled(*, fused=True):
         if before is None:
             disable()
         else:
-            enable(fused=before is not _unfused)
+            enable(fused=before)
 
 
 def status():
