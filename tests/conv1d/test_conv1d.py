@@ -381,7 +381,7 @@ def test_kernels_emulated_forward_backward(layout, w, silu, opts, tiles):
     seq = kw["seq_idx"] if opts in ("all", "seq") else None
     cl = plan.is_channel_last(x)
     b, d, l = x.shape
-    cfg = EMU_CFG if tiles == "small" else plan.conv1d_config(b, d, l, cl)
+    cfg = EMU_CFG if tiles == "small" else plan.conv1d_config(b, d, l, cl, width=w)
     act = "silu" if silu else None
     out = plan.empty_like_layout(x, cl)
     final = torch.empty(b, d, w - 1, dtype=F64)

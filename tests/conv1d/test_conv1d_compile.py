@@ -42,7 +42,7 @@ def backward_call(dtype=BF, layout="channel_last", w=4, opts=("bias", "init", "s
     b, d, l = (1, 1536, 2**21 + 3) if int64 else (2, 1600, 1000)
     x = _x(b, d, l, dtype, layout)
     cl = plan.is_channel_last(x)
-    cfg = plan.conv1d_config(b, d, l, cl)
+    cfg = plan.conv1d_config(b, d, l, cl, width=w)
     parts = b * plan.backward_grid(x, cfg)[1]
     init = torch.empty(b, d, w - 1, dtype=dtype, device=META) if "init" in opts else None
     return plan.backward_plan(
@@ -127,6 +127,7 @@ def test_default_config_and_env(monkeypatch):
     cfg = plan.conv1d_config(1, 4096, 16384, True)
     assert (cfg.block_l, cfg.block_d) == (32, 128) and cfg.bwd_tiles == 8
     assert plan.conv1d_config(1, 64, 64, True).bwd_tiles == 1   # few blocks: one per program
+    assert plan.conv1d_config(1, 4096, 16384, True, width=8).bwd_block_l == 8
     monkeypatch.setenv(plan.ENV_CONV1D, "block_l=64,shift_tma=1")
     cfg = plan.conv1d_config(1, 4096, 16384, True)
     assert (cfg.block_l, cfg.shift_tma) == (64, 1)

@@ -61,7 +61,8 @@ class Conv1dConfig:
         c.check_range(self, "occupancy", 0, 32)
 
 
-def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS) -> Conv1dConfig:
+def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
+                  width=4) -> Conv1dConfig:
     """The dispatcher's tiles, from the shape alone (no search, no sync).
 
     Channel-last tiles are wide along the channels (contiguous: 128 bf16 channels are 256-byte
@@ -69,6 +70,8 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS) -> Conv1dCo
     compile does not spill (`mamba2-cutile`'s resources reader on the CPU compile: forward
     32x128 channel-last at 245 registers, 64x32 contiguous at 255; backward 16x64 at 255,
     where 32x64 spills 224 bytes); occupancy hints of 2-4 force spills at these sizes. The
+    backward keeps 2*width-1 input tiles live, so above width 4 its blocks hold half the
+    tokens (width 8 at 16x64 spills 208 bytes). The
     backward's programs walk up to 8 token blocks (so that the dweight partials stay ~1% of
     the traffic) but keep at least 4 programs per SM. Untuned on the GPU:
     `MAMBA2_CUTILE_CONV1D_CONFIG="field=value,..."` overrides any field.
@@ -77,6 +80,8 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS) -> Conv1dCo
         cfg = dict(block_l=32, block_d=128, bwd_block_l=16, bwd_block_d=64)
     else:
         cfg = dict(block_l=64, block_d=32, bwd_block_l=32, bwd_block_d=32)
+    if width > 4:
+        cfg["bwd_block_l"] = max(8, cfg["bwd_block_l"] // 2)
     blocks = -(-seqlen // cfg["bwd_block_l"]) * -(-dim // cfg["bwd_block_d"]) * batch
     tiles = 8
     while tiles > 1 and blocks // tiles < 4 * sms:
@@ -172,7 +177,7 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
     w = weight_t.shape[0]
     cl = is_channel_last(x)
     if cfg is None:
-        cfg = conv1d_config(b, d, l, cl, num_sms(x))
+        cfg = conv1d_config(b, d, l, cl, num_sms(x), w)
     xp, op = physical(x, cl), physical(out, cl)
     kernel = causal_conv1d_fwd_i64 if needs_int64(xp, op) else causal_conv1d_fwd
     kernel = with_hints(kernel, cfg.occupancy)
@@ -203,7 +208,7 @@ def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, 
     w = weight_t.shape[0]
     cl = is_channel_last(x)
     if cfg is None:
-        cfg = conv1d_config(b, d, l, cl, num_sms(x))
+        cfg = conv1d_config(b, d, l, cl, num_sms(x), w)
     xp, dop, dxp = physical(x, cl), physical(dout, cl), physical(dx, cl)
     kernel = causal_conv1d_bwd_i64 if needs_int64(xp, dop, dxp) else causal_conv1d_bwd
     kernel = with_hints(kernel, cfg.occupancy)
@@ -278,7 +283,7 @@ def conv1d_backward_cuda(x, weight, bias, seq_idx, initial_states, dout, dfinal,
     b, d, l = x.shape
     w = weight.shape[1]
     if cfg is None:
-        cfg = conv1d_config(b, d, l, cl, num_sms(x))
+        cfg = conv1d_config(b, d, l, cl, num_sms(x), w)
     if dout is None:
         dout = torch.zeros_like(x)
     dout = in_layout(dout, cl)
