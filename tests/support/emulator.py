@@ -152,18 +152,30 @@ class FakeCT(types.SimpleNamespace):
         return _tile(torch.where(cond, _t(x, like), _t(y, like)))
 
     @staticmethod
-    def minimum(a, b):
+    def minimum(a, b, propagate_nan=False, flush_to_zero=False):
+        """cuTile's min: a NaN operand is ignored unless propagate_nan (torch.fmin)."""
         if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
             return min(a, b)
         like = a if isinstance(a, torch.Tensor) else b
-        return torch.minimum(_t(a, like), _t(b, like))
+        a, b = _t(a, like), _t(b, like)
+        return _tile((torch.minimum if propagate_nan else torch.fmin)(a, b))
 
     @staticmethod
-    def maximum(a, b):
+    def maximum(a, b, propagate_nan=False, flush_to_zero=False):
+        """cuTile's max: a NaN operand is ignored unless propagate_nan (torch.fmax)."""
         if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
             return max(a, b)
         like = a if isinstance(a, torch.Tensor) else b
-        return torch.maximum(_t(a, like), _t(b, like))
+        a, b = _t(a, like), _t(b, like)
+        return _tile((torch.maximum if propagate_nan else torch.fmax)(a, b))
+
+    @staticmethod
+    def abs(x):
+        return torch.abs(x)
+
+    @staticmethod
+    def isnan(x):
+        return torch.isnan(_t(x))
 
     @staticmethod
     def sum(x, axis=None, keepdims=False):
@@ -172,9 +184,12 @@ class FakeCT(types.SimpleNamespace):
         return torch.sum(x, dim=axis, keepdim=keepdims)
 
     @staticmethod
-    def max(x, axis=None, keepdims=False):
+    def max(x, axis=None, keepdims=False, propagate_nan=False, flush_to_zero=False):
+        """cuTile's max reduction: NaN entries are ignored unless propagate_nan."""
         if axis is None:
             axis = tuple(range(x.dim()))
+        if x.is_floating_point() and not propagate_nan:
+            x = torch.where(torch.isnan(x), -math.inf, x)
         return torch.amax(x, dim=axis, keepdim=keepdims)
 
     @staticmethod

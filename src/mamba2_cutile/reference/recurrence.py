@@ -21,8 +21,10 @@ def ssd_recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=
         h_t = exp(A * dt_t) * h_{t-1} + dt_t * x_t (outer) B_t        (h_{-1} = initial_states)
         y_t = C_t . h_t + D * x_t ;  y_t *= silu(z_t)
 
-    The state restarts from zero where seq_idx changes. Returns (out, final_states,
-    varlen_states or None), all in `dtype`.
+    The state restarts from zero where seq_idx changes (a select, so a NaN or Inf of an
+    earlier sequence does not reach the next one), and A * dt_t is 0 where dt_t = 0 (a decay
+    of 1, also for A = -inf, where IEEE gives NaN). Returns (out, final_states, varlen_states
+    or None), all in `dtype`.
     """
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     x, dt, A, B, C, D, z, dt_bias, h0 = map(cast, (x, dt, A, B, C, D, z, dt_bias, initial_states))
@@ -34,11 +36,13 @@ def ssd_recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=
     ys = []
     states_after = []
     for t in range(l):
-        decay = torch.exp(A[None, :] * dt[:, t])                                   # (b, h)
+        a_dt = A[None, :] * dt[:, t]
+        decay = torch.exp(torch.where(dt[:, t] == 0, torch.zeros_like(a_dt), a_dt))  # (b, h)
+        h = decay[:, :, None, None] * h
         if seq_idx is not None and t > 0:
-            decay = decay * (seq_idx[:, t] == seq_idx[:, t - 1]).to(dtype)[:, None]
-        h = decay[:, :, None, None] * h + (dt[:, t, :, None, None] * x[:, t, :, :, None]
-                                           * Bh[:, t, :, None, :])
+            same = (seq_idx[:, t] == seq_idx[:, t - 1])[:, None, None, None]
+            h = torch.where(same, h, torch.zeros_like(h))
+        h = h + dt[:, t, :, None, None] * x[:, t, :, :, None] * Bh[:, t, :, None, :]
         ys.append(torch.einsum("bhpn,bhn->bhp", h, Ch[:, t]))
         if cu_seqlens is not None:
             states_after.append(h)
