@@ -7,7 +7,7 @@ and keep(t) = [id(t) >= 0]:
     dx(u)    = sum_{s<W} w[W-1-s] g(u+s) [id(u) == id(u+s)]
                + dfinal[u-(l-(W-1))] [id(u) == id(l-1)]   for u >= l-(W-1)
     dw[k]    = sum_t g(t) e(t-(W-1)+k) M_k(t)          dbias = sum_t g(t)
-    dinit[j] = dx(u) at u = j-(W-1) < 0, by the same formula (id(u < 0) = the row's first id)
+    dinit[j] = the same sum at u = j-(W-1) < 0 (id(u < 0) = the row's first id)
 
 g is needed at the W token shifts u+s of a block, so a program recomputes pre there from the
 2W-1 token-shifted input tiles, each loaded once and kept on chip (the block and its halo are
@@ -27,9 +27,10 @@ from .causal_conv1d_common import id_tile, token_tile, weight_row
 
 def _block_grads(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, dfinal, b,
                  start, d_blk, seqlen, WIDTH: ct.Constant[int], ROWS: ct.Constant[int],
-                 HEAD_FRONT: ct.Constant[int], BLOCK_D: ct.Constant[int], CHANNEL_LAST: ct.Constant[bool],
-                 HAS_BIAS: ct.Constant[bool], HAS_SEQ: ct.Constant[bool],
-                 SILU: ct.Constant[bool], HAS_DFINAL: ct.Constant[bool], SHIFT_TMA: ct.Constant[bool]):
+                 HEAD_FRONT: ct.Constant[int], BLOCK_D: ct.Constant[int],
+                 CHANNEL_LAST: ct.Constant[bool], HAS_BIAS: ct.Constant[bool],
+                 HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool],
+                 HAS_DFINAL: ct.Constant[bool], SHIFT_TMA: ct.Constant[bool]):
     """For the ROWS tokens u = start..start+ROWS-1: (de(u) as (ROWS, BLOCK_D), g(u), and the
     ROWS x W taps' products summed over the rows, as a tuple of W (1, BLOCK_D) dw rows).
 
@@ -97,7 +98,8 @@ def _block_grads(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, d
 
 def _bwd(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, dfinal, dx, dw_part,
          db_part, dinit, WIDTH: ct.Constant[int], WIDTH_PAD: ct.Constant[int],
-         HALO: ct.Constant[int], HEAD_FRONT: ct.Constant[int], BLOCK_L: ct.Constant[int], BLOCK_D: ct.Constant[int], TILES: ct.Constant[int],
+         HALO: ct.Constant[int], HEAD_FRONT: ct.Constant[int], BLOCK_L: ct.Constant[int],
+         BLOCK_D: ct.Constant[int], TILES: ct.Constant[int],
          CHANNEL_LAST: ct.Constant[bool], HAS_BIAS: ct.Constant[bool],
          HAS_INIT: ct.Constant[bool], HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool],
          HAS_DFINAL: ct.Constant[bool], SHIFT_TMA: ct.Constant[bool]):
