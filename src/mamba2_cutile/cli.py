@@ -130,6 +130,13 @@ def bench(args):
 
     if args.mode == "decode":
         return bench_decode_cmd(args)
+    if args.mode in ("layer", "model"):
+        import importlib
+        sub = importlib.import_module(f".bench.{args.mode}", __package__)
+        argv = ["--out", args.out or "bench-out"]
+        if args.reps != 50:                 # 50: this parser's default, not the mode's
+            argv += ["--reps", str(args.reps)]
+        return sub.main(argv)
     if args.list:
         return _list_shapes(args)
     shapes = _select_shapes(args)
@@ -304,11 +311,15 @@ def build_parser():
                     "(same inputs, outputs cross-checked first). Kernel time: CUDA graph, L2 "
                     "flushed, median/min/max; eager wall time; first call; roofline floor; "
                     "peak memory. Missing implementations are reported, not fatal.")
-    pb.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd", "train", "decode"),
+    pb.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd", "train", "decode", "layer",
+                                       "model"),
                     default="fwd",
                     help="forward, backward alone (after one forward), both, train (bwd and "
-                         "fwdbwd in one run), or the decode step (batch 1..256 at H=128 P=64 "
-                         "N=128 G=8)")
+                         "fwdbwd in one run), the decode step (batch 1..256 at H=128 P=64 "
+                         "N=128 G=8), the Mamba2 layer (training and decode at d_model 768, "
+                         "2560, 4096; more options: python -m mamba2_cutile.bench.layer -h) or "
+                         "transformers models (training and generation; python -m "
+                         "mamba2_cutile.bench.model -h)")
     _add_shape_args(pb, "default")
     pb.add_argument("--impls", default="mamba2-cutile,mamba_ssm,tilegym,reference",
                     help="comma-separated: mamba2-cutile, mamba_ssm, tilegym, reference")
