@@ -67,20 +67,22 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
 
     Channel-last tiles are wide along the channels (contiguous: 128 bf16 channels are 256-byte
     rows), contiguous-layout tiles long along the tokens. The sizes are the largest whose sm_90
-    compile does not spill (`mamba2-cutile`'s resources reader on the CPU compile: forward
-    32x128 channel-last at 245 registers, 64x32 contiguous at 255; backward 16x64 at 255,
-    where 32x64 spills 224 bytes); occupancy hints of 2-4 force spills at these sizes. The
-    backward keeps 2*width-1 input tiles live, so above width 4 its blocks hold half the
-    tokens (width 8 at 16x64 spills 208 bytes). The
-    backward's programs walk up to 8 token blocks (so that the dweight partials stay ~1% of
-    the traffic) but keep at least 4 programs per SM. Untuned on the GPU:
+    compile does not spill (`bench.resources` on the CPU compile, all options on: forward
+    32x128 channel-last at 245 registers, 32x32 contiguous at 216, where 64x32 spills 96
+    bytes; backward 16x64 at 255, where 32x64 spills 224 bytes); occupancy hints of 2-4 force
+    spills at these sizes. Above width 4 the blocks hold half the tokens (more taps live: the
+    forward at width 8 and 32x128 spills 528 bytes, the backward, which keeps 2*width-1 input
+    tiles, 208 bytes at 16x64). The backward's programs walk up to 8 token blocks (so that
+    the dweight partials stay ~1% of the traffic) but keep at least 4 programs per SM.
+    Untuned on the GPU:
     `MAMBA2_CUTILE_CONV1D_CONFIG="field=value,..."` overrides any field.
     """
     if channel_last:
         cfg = dict(block_l=32, block_d=128, bwd_block_l=16, bwd_block_d=64)
     else:
-        cfg = dict(block_l=64, block_d=32, bwd_block_l=32, bwd_block_d=32)
+        cfg = dict(block_l=32, block_d=32, bwd_block_l=32, bwd_block_d=32)
     if width > 4:
+        cfg["block_l"] = max(8, cfg["block_l"] // 2)
         cfg["bwd_block_l"] = max(8, cfg["bwd_block_l"] // 2)
     blocks = -(-seqlen // cfg["bwd_block_l"]) * -(-dim // cfg["bwd_block_d"]) * batch
     tiles = 8
