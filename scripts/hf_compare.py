@@ -4,7 +4,9 @@ run in a separate process, on the GPU, in float32.
     python scripts/hf_compare.py [--models mamba2,bamba] [--seqlen 600] [--batch 2]
         [--prompt 333] [--new-tokens 64] [--json FILE]
 
-Per model (built from a config with a fixed seed; the weights go to the child process through
+Models: mamba2 and bamba are the test models (bench.model.small_mamba2_config: hidden 512,
+4 layers, 16 heads of 64, state 128, 2 groups; small_bamba_config), mamba2-130m and
+bamba-hybrid the benchmark's. Per model (built from a config with a fixed seed; the weights go to the child process through
 a state-dict file, so both sides hold identical tensors):
 
 1. training step (train mode, labels = input ids): logits, loss and every parameter gradient;
@@ -51,8 +53,10 @@ def _block_baselines():
 
 
 def _configs():
-    from mamba2_cutile.bench.model import small_bamba_config, small_mamba2_config
-    return {"mamba2": small_mamba2_config, "bamba": small_bamba_config}
+    from mamba2_cutile.bench.model import (bamba_hybrid_config, mamba2_130m_config,
+                                           small_bamba_config, small_mamba2_config)
+    return {"mamba2": small_mamba2_config, "bamba": small_bamba_config,
+            "mamba2-130m": mamba2_130m_config, "bamba-hybrid": bamba_hybrid_config}
 
 
 def _rel(a, b):

@@ -123,6 +123,24 @@ def test_unsupported_transformers_version(monkeypatch):
     assert isinstance(it.enable(), list)
 
 
+def test_describe_names_what_transformers_resolved():
+    """A function transformers' decorator resolved against an importable package is reported
+    by that package's function (here math.sqrt standing in for mamba_ssm's); its PyTorch
+    fallback as transformers (PyTorch); torch_path() still finds the PyTorch definition."""
+    from transformers.integrations import use_kernel_func_from_hub_with_fallback
+    module = types.ModuleType("fake_modeling")
+
+    def sqrt(x):
+        return x ** 0.5
+    sqrt.__module__ = module.__name__
+    resolved = use_kernel_func_from_hub_with_fallback("sqrt", "math")(sqrt)
+    fallback = use_kernel_func_from_hub_with_fallback("sqrt", "no_such_package_here")(sqrt)
+    assert it._describe_obj(module, resolved) == "math.sqrt"
+    assert it._describe_obj(module, fallback) == "transformers (PyTorch)"
+    module.sqrt = resolved
+    assert it._torch_definition(module, "sqrt") is sqrt
+
+
 # ------------------------------------------------------------------------ adapter pieces
 
 def test_packed_seq_idx_from_cu_seq_lens():
