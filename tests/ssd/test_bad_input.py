@@ -70,12 +70,17 @@ def make_problem(Q, t, seq, softplus, dtype=torch.float32, b=2, h=2, g=1, p=8, n
         if t + 3 < l:
             s[:, t + 3:] = 2
         kw["seq_idx"] = s
-    cast = lambda v: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)  # noqa: E731
-    args = {k: cast(v) for k, v in args.items()}
-    kw = {k: cast(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    if kw["seq_idx"] is not None:
-        kw["seq_idx"] = kw["seq_idx"].to(device)
-    return args, kw
+    # x, B, C, z in `dtype`; dt, A, D, dt_bias and the initial state in float32 (float64 for
+    # the emulation), as a model passes them
+    small = F64 if dtype == F64 else torch.float32
+
+    def cast(k, v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        if not v.is_floating_point():
+            return v.to(device)
+        return v.to(device=device, dtype=dtype if k in ("x", "B", "C", "z") else small)
+    return ({k: cast(k, v) for k, v in args.items()}, {k: cast(k, v) for k, v in kw.items()})
 
 
 def inject(args, kw, name, t, value):
@@ -288,13 +293,17 @@ def _gpu_problem(Q, t, seq, softplus, dtype):
                         device="cuda")
 
 
+GPU_CASES = ([pytest.param(torch.bfloat16, Q, w, id=f"bf16-Q{Q}-{w}")
+              for Q in (64, 128, 256) for w in ("mid", "first", "last")]
+             + [pytest.param(torch.float32, 128, "mid", id="fp32-Q128-mid")])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("Q", [64, 128, 256])
-@pytest.mark.parametrize("where", ["mid", "first", "last"])
+@pytest.mark.parametrize("dtype, Q, where", GPU_CASES)
 @pytest.mark.parametrize("seq", [False, True], ids=["no_seq", "seq_idx"])
 @pytest.mark.parametrize("name, value", BAD, ids=[f"{n}={v}" for n, v in BAD])
-def test_gpu_kernels_causal(name, value, seq, where, Q, dtype):
+def test_gpu_kernels_causal(name, value, seq, dtype, Q, where):
+    """Every bad input, place and chunk size in bf16; fp32 (the tf32 MMA path) at one."""
     from support.gpu import log_result
     from support.tolerances import forward_tol
 
