@@ -353,7 +353,8 @@ def main(argv=None):
                                 args.reps, emit=emit)
     print(format_table(rows))
     print(f"rows appended to {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
