@@ -6,8 +6,8 @@ run in a separate process, on the GPU, in float32.
 
 Models: mamba2 and bamba are the test models (bench.model.small_mamba2_config: hidden 512,
 4 layers, 16 heads of 64, state 128, 2 groups; small_bamba_config), mamba2-130m and
-bamba-hybrid the benchmark's. Per model (built from a config with a fixed seed; the weights go to the child process through
-a state-dict file, so both sides hold identical tensors):
+bamba-hybrid the benchmark's. Per model (built from a config with a fixed seed; the weights go
+to the child process through a state-dict file, so both sides hold identical tensors):
 
 1. training step (train mode, labels = input ids): logits, loss and every parameter gradient;
 2. generation: 64 greedy tokens with the cache on our kernels; teacher forcing: the PyTorch
@@ -236,7 +236,8 @@ def main(argv=None):
         for k, v in s.items():
             if k not in ("ours_ran", "torch_path_ran"):
                 print(f"  {k:<40} {v if not isinstance(v, float) else f'{v:.3e}'}")
-        print(f"  {'result':<40} {'ok' if not s['failed'] else 'FAILED: ' + ', '.join(s['failed'])}")
+        result = "ok" if not s["failed"] else "FAILED: " + ", ".join(s["failed"])
+        print(f"  {'result':<40} {result}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)

@@ -21,7 +21,8 @@ from hf_support import (OTHER_FAMILIES, family_config, forward_logits, grad_erro
                         train_step)
 
 from mamba2_cutile.bench.accuracy import rel_err  # noqa: E402
-from mamba2_cutile.bench.model import build_model, small_bamba_config, small_mamba2_config  # noqa: E402
+from mamba2_cutile.bench.model import (build_model, small_bamba_config,  # noqa: E402
+                                       small_mamba2_config)
 from mamba2_cutile.integrations import transformers as it  # noqa: E402
 
 TOL = 1e-4
@@ -327,7 +328,8 @@ def test_packed_training_gradients_equal_sequences_apart(small_mamba2):
     try:
         with it.enabled():
             small_mamba2.zero_grad(set_to_none=True)
-            (_backbone_logits(small_mamba2, ids, seq_idx=seq_idx, position_ids=pos) * w).sum().backward()
+            logits = _backbone_logits(small_mamba2, ids, seq_idx=seq_idx, position_ids=pos)
+            (logits * w).sum().backward()
             packed_grads = {n: p.grad.clone() for n, p in small_mamba2.named_parameters()}
         with it.torch_path():
             small_mamba2.zero_grad(set_to_none=True)

@@ -23,10 +23,11 @@ dt, A, D, dt_bias of decode as stride-0 expansions (read without copies), the ca
 dtype, `norm_before_gate=False`, `dt_limit`, `rmsnorm_eps=None` (falcon_h1 without the gated
 norm), and the model's forwarded keyword arguments, of which they use the packing ones:
 
-    seq_idx (b, l) int              sequence id of each token: the conv and the scan restart
-                                    where it changes (DataCollatorWithFlattening(return_seq_idx=True))
-    cu_seq_lens_q (s + 1,) int      cumulative sequence lengths of the packed tokens (flash-attention
-                                    kwargs), used when seq_idx is absent; `cu_seqlens` is an alias
+    seq_idx (b, l) int          sequence id of each token: the conv and the scan restart where
+                                it changes (DataCollatorWithFlattening(return_seq_idx=True))
+    cu_seq_lens_q (s + 1,) int  cumulative sequence lengths of the packed tokens (the
+                                flash-attention kwargs), used when seq_idx is absent;
+                                `cu_seqlens` is an alias
 
 and ignore the rest (position_ids, max_length_q/k, cu_seq_lens_k, ...). With cu_seq_lens_q,
 token t of a packed row of L tokens gets the id of the sequence holding packed position
@@ -436,9 +437,7 @@ def _describe_obj(module, obj):
     if getattr(obj, "__module__", None) == here.__name__:
         return "mamba2_cutile" + ("" if obj is not _unfused else " (unfused)")
     inner = inspect.unwrap(obj)
-    impl = None
-    with contextlib.suppress(TypeError, ValueError):
-        impl = inspect.getclosurevars(obj).nonlocals.get("implementation")
+    impl = _closure_var(obj, "implementation")
     if impl is not None and impl is not inner:
         return f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__qualname__', '?')}"
     if getattr(inner, "__module__", None) == module.__name__:
@@ -453,9 +452,18 @@ def describe(module_name="transformers.models.mamba2.modeling_mamba2"):
     return {n: _describe_obj(module, module.__dict__.get(n)) for n in NAMES}
 
 
+def _closure_var(obj, var):
+    with contextlib.suppress(TypeError, ValueError):
+        return inspect.getclosurevars(obj).nonlocals.get(var)
+    return None
+
+
 def _torch_definition(module, name):
     obj = _saved.get(module.__name__, {}).get(name, module.__dict__.get(name))
     fn = inspect.unwrap(obj)
+    if getattr(fn, "__module__", None) != module.__name__:
+        # a wrapper without __wrapped__ (another decorator on top): the fallback's closure
+        fn = _closure_var(obj, "torch_function") or fn
     if getattr(fn, "__module__", None) != module.__name__:
         raise IntegrationError(f"cannot find transformers' PyTorch definition of {name} in "
                                f"{module.__name__} (found {fn!r})")
