@@ -61,9 +61,9 @@ def make_problem(Q, t, seq, softplus, dtype=torch.float32, b=2, h=2, g=1, p=8, n
                                                              dtype=F64) * 0.4 + 0.05
     args = dict(x=r(b, l, h, p), dt=dt, A=-torch.rand(h, generator=gen, dtype=F64) - 0.5,
                 B=r(b, l, g, n), C=r(b, l, g, n))
-    kw = dict(D=r(h) if softplus else None, z=r(b, l, h, p), dt_bias=r(h) * 0.3 if softplus else None,
-              initial_states=r(b, h, p, n), seq_idx=None, dt_softplus=softplus,
-              dt_limit=(0.0, math.inf))
+    kw = dict(D=r(h) if softplus else None, z=r(b, l, h, p),
+              dt_bias=r(h) * 0.3 if softplus else None, initial_states=r(b, h, p, n),
+              seq_idx=None, dt_softplus=softplus, dt_limit=(0.0, math.inf))
     if seq:
         s = torch.zeros(b, l, dtype=torch.int32)
         s[:, Q // 3:] = 1
@@ -199,16 +199,17 @@ def test_cpu_path_decay_limits(seq, Q):
     check_decay_limits(cpu_run(Q), args, kw, CPU_TOL)
 
 
-def test_cpu_path_dt_zero_with_A_minus_inf():
-    """dt' = 0 at A = -inf is a decay of 1 (not NaN): dt_limit (0, ...) clamps negative raw dt
-    to 0."""
-    args, kw = make_problem(64, 64, False, softplus=False)
-    args["A"] = args["A"].clone()
-    args["A"][0] = -INF
+def dt_zero_problem(**kw):
+    """A = -inf and A = 0 heads with dt' = 0 at tokens 70..74 (dt_limit (0, 10) clamps the
+    negative raw dt there to 0): exp(A dt') is 1 there, not NaN."""
+    args, kw = make_problem(64, 64, False, softplus=False, **kw)
     args["dt"] = args["dt"].clone()
     args["dt"][:, 70:75] = -1.0
-    kw = dict(kw, dt_limit=(0.0, 10.0))
-    check_decay_limits(cpu_run(64), args, kw, CPU_TOL)
+    return args, dict(kw, dt_limit=(0.0, 10.0))
+
+
+def test_cpu_path_dt_zero_with_A_minus_inf():
+    check_decay_limits(cpu_run(64), *dt_zero_problem(), CPU_TOL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,6 +274,10 @@ def test_emulated_kernels_decay_limits(seq, Q, block_q):
     check_decay_limits(emulated_run(Q, block_q), args, kw, EMU_TOL)
 
 
+def test_emulated_kernels_dt_zero_with_A_minus_inf():
+    check_decay_limits(emulated_run(64, 32), *dt_zero_problem(dtype=F64), EMU_TOL)
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU: the kernels themselves
 # ----------------------------------------------------------------------------------------------
@@ -326,6 +331,20 @@ def test_gpu_kernels_decay_limits(seq, Q, dtype):
     args, kw = _gpu_problem(Q, Q, seq, True, dtype)
     e_y, e_h = check_decay_limits(gpu_run(Q), args, kw, forward_tol(dtype))
     log_result(f"A=-inf/0 heads: out err {e_y:.2e}, final-state err {e_h:.2e}, "
+               f"tol {forward_tol(dtype):.0e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_kernels_dt_zero_with_A_minus_inf(dtype):
+    from support.gpu import log_result
+    from support.tolerances import forward_tol
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    args, kw = dt_zero_problem(dtype=dtype, b=2, h=4, g=2, p=80, n=96, device="cuda")
+    e_y, e_h = check_decay_limits(gpu_run(64), args, kw, forward_tol(dtype))
+    log_result(f"dt'=0 at A=-inf: out err {e_y:.2e}, final-state err {e_h:.2e}, "
                f"tol {forward_tol(dtype):.0e}")
 
 

@@ -1,8 +1,8 @@
 """Kernel 1 of the forward pass: per-chunk cumulative decay, in log2 space.
 
     dt'_t  = clamp(softplus?(dt_t + dt_bias), lo, hi)      (0 for padding tokens t >= L)
-    G_t    = sum_{s <= t, s in chunk} a_s,   a_s = clamp(log2(e) * A * dt'_s, -MAX_LOG2_STEP, MAX_LOG2_STEP)
-                                                 (a_s = 0 where dt'_s = 0)
+    G_t    = sum_{s <= t, s in chunk} a_s
+    a_s    = clamp(log2(e) * A * dt'_s, -MAX_LOG2_STEP, MAX_LOG2_STEP)   (0 where dt'_s = 0)
 
 Both are written in a [batch, head, token] layout padded to a whole number of chunks, so the
 later kernels read them with contiguous (TMA) loads and the last entry of every chunk is the
