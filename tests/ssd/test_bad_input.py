@@ -17,11 +17,12 @@ chunk 64/128/256):
 
 A = -inf for a head (decay exactly 0) and A = 0 (decay 1) must simply match the recurrence.
 
-Tolerances, max|ours - ref| / max|ref| over the entries where the reference is finite: CPU
-path in float32 5e-5 (float32 chunked sums against float64 measured at most 6e-6 on these
-problems); emulated kernels 1e-10 (float64 throughout, as tests/ssd/test_forward_emulation.py;
-measured about 1e-15); GPU support.tolerances.forward_tol (the clean forward's bounds: bad
-input must not add error where the result is finite).
+Tolerances, max|ours - ref| / max|ref| over the entries where the reference is finite, about
+5x the largest error measured on these problems (CPU, 2026-12-01): CPU path in float32 1e-5
+(measured 2.0e-6 on out, 1.6e-6 on the final state over every input, place, chunk size and
+seq_idx setting); emulated kernels, float64 throughout, 2e-14 (measured 3.5e-15); GPU
+support.tolerances.forward_tol, the clean forward's bounds (bad input must not add error
+where the result is finite); the GPU tests log their errors.
 """
 
 import math
@@ -41,8 +42,8 @@ BAD = [("x", NAN), ("x", INF), ("x", -INF), ("B", NAN), ("B", INF), ("B", -INF),
        ("C", NAN), ("C", INF), ("z", NAN), ("z", INF), ("z", -INF),
        ("dt", NAN), ("dt", INF), ("dt", -INF), ("dt_raw", NAN), ("dt_raw", INF),
        ("dt_raw", -INF)]
-CPU_TOL = 5e-5
-EMU_TOL = 1e-10
+CPU_TOL = 1e-5
+EMU_TOL = 2e-14
 
 
 def where_in_chunk(Q, where):
