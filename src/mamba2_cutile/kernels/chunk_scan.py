@@ -9,22 +9,8 @@ For the query block i (BLOCK_Q tokens of chunk c) and the state h_c entering the
 
 M is the causal mask (and, with seq_idx, the same-sequence mask: key >= the start of the
 query's sequence run in the chunk, from decay_cumsum's seq_start); the masked C @ B^T block
-(BLOCK_Q x BLOCK_Q) never leaves the chip. Only the diagonal block needs the causal mask.
-
-Non-finite inputs: a NaN or Inf at token t never changes an output before t (those equal a
-run with a finite value there). A mask applied by multiplication would not do that, since
-0 * NaN is NaN:
-
-- the weights are masked by a select after they are formed, S = where(M, 2^{G_i - G_k} *
-  (C_i B_k^T) * dt_k, 0), so a bad B_t or dt_t (or exp2 overflowing where M is false) stays in
-  the kept entries, rows i >= t, as in the recurrence;
-- X enters the MMA with its non-finite entries replaced by 0 (a bad x_t would otherwise meet
-  the masked zeros of every row before t inside the MMA), and the output of token t is set to
-  NaN where its own x is non-finite. The rows after t in t's chunk then hold finite values
-  where the recurrence's are non-finite (the bad x is seen as 0 there); from the next chunk on
-  the bad value reaches the outputs through the chunk state;
-- with seq_idx, the carried-state term is selected away on rows whose run began in the chunk
-  (the state belongs to an earlier sequence, which may hold garbage).
+(BLOCK_Q x BLOCK_Q) never leaves the chip. Only the diagonal block needs the causal mask,
+exponents are masked *before* exp2 so no inf is ever formed.
 
 Tiles: C, B (BLOCK_Q, BLOCK_N), walking NP = the padded dstate in BLOCK_N steps; X (BLOCK_Q,
 BLOCK_P); h_c (BLOCK_P, BLOCK_N). Grid: (cdiv(L, BLOCK_Q) * B * H, cdiv(P, BLOCK_P)), query blocks fastest
@@ -50,28 +36,16 @@ def _add_key_block(
         # a per-query bound, not a per-(query, key) comparison of sequence ids: no key-column
         # vector to hold (with ids, 128-token blocks spilled 256 B per thread)
         keep = keep & (col[None, :] >= start_q[:, None])
+    expo = ct.where(keep, g_q[:, None] - g_k[None, :], -float("inf"))
     # dt is folded into the decayed C B^T in fp32, so X enters the MMA unrounded: one
     # rounding (of the weights) instead of two. LOWP rounds the weights to the input
-    # dtype (half the MMA cost of tf32, mamba_ssm's choice); otherwise tf32. The mask is a
-    # select on the product: a NaN/Inf of a masked B or dt column (or an exp2 overflow of a
-    # masked exponent) must not survive as 0 * NaN.
-    cb = ct.where(keep, cb * ct.exp2(g_q[:, None] - g_k[None, :]) * dt_k[None, :], 0.0)
+    # dtype (half the MMA cost of tf32, mamba_ssm's choice); otherwise tf32.
+    cb = cb * ct.exp2(expo) * dt_k[None, :]
     xk = ct.load(x, index=(batch, kblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
                  padding_mode=ct.PaddingMode.ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_P))
-    # a non-finite x_j would reach every earlier row as 0 * NaN inside the MMA
-    xk = ct.where(ct.abs(xk) < float("inf"), xk, 0.0).astype(x.dtype)
     if LOWP:
         return ct.mma(mma_operand(cb, x.dtype), mma_operand(xk, x.dtype), acc)
     return ct.mma(cb.astype(ct.tfloat32), xk.astype(ct.tfloat32), acc)
-
-
-def _carried(acc, state_scale, start_q, HAS_SEQ: ct.Constant[bool]):
-    """The carried-state term C h^T times 2^{G_q}. With seq_idx the state belongs to the
-    sequence of the token before the chunk: only rows whose run began before the chunk (start
-    -1) take it, the others are selected to 0 (their h may be another sequence's NaN)."""
-    if HAS_SEQ:
-        return ct.where((start_q < 0)[:, None], acc * state_scale[:, None], 0.0)
-    return acc * state_scale[:, None]
 
 
 def _diag_tile_mma(
@@ -119,6 +93,9 @@ def _scan_tile(
     if HAS_SEQ:
         start_q = ct.load(seq_start, index=(batch, qblk),
                           shape=(1, BLOCK_Q)).reshape((BLOCK_Q,))
+        # the carried state belongs to the sequence of the token before the chunk: only rows
+        # whose run began before the chunk (start -1) take it
+        state_scale = ct.where(start_q < 0, state_scale, 0.0)
 
     # dstate is walked in BLOCK_N tiles: with several tiles the loop lets the compiler
     # prefetch the next C/B/h tiles while the current MMAs run. cdiv(N, BLOCK_N), not
@@ -137,7 +114,7 @@ def _scan_tile(
             for nt in range(n_tiles):
                 cb, acc = _diag_tile_mma(b, c, states, cb, acc, nt, batch, qblk, group, head,
                                          chunk, p_tile, BLOCK_Q, BLOCK_P, BLOCK_N, LAT, x.dtype)
-        acc = _carried(acc, state_scale, start_q, HAS_SEQ)
+        acc = acc * state_scale[:, None]
         acc = _add_key_block(acc, cb, qblk, g_q, row, start_q, x, dt, cum, batch, head,
                              p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT)
     elif ONE_TILE:
@@ -147,8 +124,7 @@ def _scan_tile(
         h = ct.load(states, index=(batch, head, chunk, p_tile, 0),
                     shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
                     latency=LAT).reshape((BLOCK_P, BLOCK_N))
-        acc = _carried(ct.mma(c_q, mma_operand(h.transpose(), x.dtype), acc), state_scale,
-                       start_q, HAS_SEQ)
+        acc = ct.mma(c_q, mma_operand(h.transpose(), x.dtype), acc) * state_scale[:, None]
         for kblk in range(first_blk, qblk + 1):
             bt = ct.load(b, index=(batch, kblk, group, 0), shape=(1, BLOCK_Q, 1, BLOCK_N),
                          padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
@@ -164,7 +140,7 @@ def _scan_tile(
                         shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
                         latency=LAT).reshape((BLOCK_P, BLOCK_N))
             acc = ct.mma(mma_operand(c_t, x.dtype), mma_operand(h.transpose(), x.dtype), acc)
-        acc = _carried(acc, state_scale, start_q, HAS_SEQ)
+        acc = acc * state_scale[:, None]
         for kblk in range(first_blk, qblk + 1):
             cb = ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32)
             for nt in range(n_tiles):
@@ -180,10 +156,6 @@ def _scan_tile(
 
     xq = ct.load(x, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
                  padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P)).astype(ct.float32)
-    if D_MODE == 0:
-        # x entered the MMA sanitised: a token's own bad x makes its output NaN (with D,
-        # D * x does that)
-        acc = ct.where(ct.abs(xq) < float("inf"), acc, float("nan"))
     if D_MODE == 1:
         acc = acc + ct.load(D, index=(head,), shape=(1,)).reshape((1, 1)) * xq
     if D_MODE == 2:
