@@ -38,9 +38,13 @@ def _spawn(world, tmp_path):
 
 def _combine(per_rank, lengths, ref_grads):
     """The ranks' gradients as one dict like the single process's (a rank whose slice is
-    empty has no graph to its leaves: None, counted as zeros)."""
+    empty has no graph to its per-token leaves: None, counted as zeros; the replicated
+    parameters get a gradient on every rank, zero on an empty slice, as DDP expects)."""
     got = {}
     for k in cp_cases.NAMES:
+        if k in cp_cases.REPLICATED and ref_grads[k] is not None:
+            missing = [i for i, r in enumerate(per_rank) if r["grads"][k] is None]
+            assert not missing, f"d{k}: no gradient on rank(s) {missing}"
         grads = [r["grads"][k] if r["grads"][k] is not None else torch.zeros_like(ref_grads[k])
                  for r in per_rank] if ref_grads[k] is not None else None
         if ref_grads[k] is None:

@@ -192,8 +192,10 @@ def local_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial
     n = B.shape[3]
     cdt = _compute_dtype(x)
     if l == 0:
-        # an empty slice passes the state through: S = initial_states (or 0), decay 1
-        out = x.new_zeros(x.shape)
+        # an empty slice passes the state through: S = initial_states (or 0), decay 1; the
+        # replicated parameters still get a (zero) gradient on this rank, which DDP and FSDP
+        # wait for
+        out = x.new_zeros(x.shape) + 0 * sum(t.sum() for t in (A, D, dt_bias) if t is not None)
         end = initial_states.to(cdt) if initial_states is not None else \
             x.new_zeros((b, h, p, n), dtype=cdt)
         G = x.new_zeros((b, 0, h), dtype=cdt)
