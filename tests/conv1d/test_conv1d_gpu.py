@@ -5,10 +5,12 @@ and (when importable) causal-conv1d itself as a baseline.
 Tolerances (max|ours - ref| / max|ref|, `rel_err`): the reference runs in float64 on the same
 (already rounded) inputs, and the kernels accumulate in float32, so the error is the final
 rounding to the output dtype, at most half an ulp: 2^-9 (bf16), 2^-12 (fp16), and a few float32
-ulps of the W-term sums (~1e-6) for fp32. The tolerances are 2x those bounds for outputs
-(bf16 4e-3, fp16 5e-4, fp32 1e-5); gradients that are float32 sums over all tokens (dweight,
-dbias) and dx (W terms, each a product of rounded inputs) get 3x (bf16 6e-3, fp16 8e-4,
-fp32 3e-5). Every check logs its measured error (MAMBA2_TEST_LOG)."""
+ulps of the W-term sums for fp32. The tolerances are 2x those bounds for outputs (bf16 4e-3,
+fp16 5e-4); gradients that are float32 sums over all tokens (dweight, dbias) and dx (W terms,
+each a product of rounded inputs) get 3x (bf16 6e-3, fp16 8e-4). Measured on an H200
+(2026-12-01): bf16 3.2e-3 / 3.4e-3, fp16 3.8e-4 / 3.9e-4, fp32 1.35e-7 outputs and 3.0e-7
+gradients, so fp32 is bounded at 4x those (5e-7, 1.2e-6). Every check logs its measured error
+(MAMBA2_TEST_LOG)."""
 
 import os
 
@@ -23,8 +25,8 @@ pytestmark = pytest.mark.gpu
 
 F64 = torch.float64
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-TOL_OUT = {torch.bfloat16: 4e-3, torch.float16: 5e-4, torch.float32: 1e-5}
-TOL_GRAD = {torch.bfloat16: 6e-3, torch.float16: 8e-4, torch.float32: 3e-5}
+TOL_OUT = {torch.bfloat16: 4e-3, torch.float16: 5e-4, torch.float32: 5e-7}
+TOL_GRAD = {torch.bfloat16: 6e-3, torch.float16: 8e-4, torch.float32: 1.2e-6}
 #: (batch, dim, seqlen): dims and lengths that no tile divides, one long sequence
 SHAPES = [(2, 1544, 1000), (1, 264, 333), (3, 72, 17), (1, 3352, 4097)]
 

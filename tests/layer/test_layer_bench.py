@@ -21,8 +21,8 @@ def small():
 def test_composed_forward_equals_module():
     m = small()
     u = torch.randn(2, 40, 16, dtype=torch.float64)
-    torch.testing.assert_close(bench_layer.composed_forward(m, PIECES)(u), m(u), rtol=1e-12,
-                               atol=1e-12)
+    torch.testing.assert_close(bench_layer.composed_forward(m, PIECES)(u), m(u), rtol=3e-15,
+                               atol=3e-15)   # measured 6.7e-16
 
 
 def test_composed_step_equals_module_step():
@@ -33,7 +33,7 @@ def test_composed_step_equals_module_step():
     for _ in range(3):
         a, *_ = m.step(u, *ours)
         b = bench_layer.composed_step(m, PIECES)(u, *theirs)
-        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(b, a, rtol=0, atol=0)   # the same operations: equal
     torch.testing.assert_close(theirs[0], ours[0], rtol=0, atol=0)
 
 

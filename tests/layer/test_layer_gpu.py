@@ -9,17 +9,16 @@ importable; CUDA-graph capture; torch.compile.
 Shapes are not multiples of the tiles (seqlen 129..1000 against chunks of 64..256, headdim 80,
 dstate 96, odd d_mlp and out_dim).
 
-Tolerances (max|got - ref| / max|ref|; no GPU measurement yet, every check logs its error):
-bf16 outputs 3e-2: the forward rounds to bf16 at four points (after the convolution, the scan,
-the norm and the out projection), each at most 2^-8 = 3.9e-3 relative, on top of the scan's own
-error (measured at most 4.8e-3 in bf16, support.tolerances); that is about 1e-2 expected, the
-bound 3x above. bf16 gradients 5e-2: the backward adds roundings of the cotangents before the
-norm, scan and convolution backwards and the scan's bf16 dA bound is 5e-2 already. float32:
-3e-3 / 5e-3, the scan's float32 bounds (2e-3, 5e-3 for ddt_bias and dB) plus TF32-free
-cuBLAS. The mamba_ssm comparisons: never above 1.5x the composed layer's error on the same
-inputs, plus a tenth of the tolerance. The same test bodies run on the CPU paths (bf16 inputs,
-float32 arithmetic) measured at most 5.3e-3 on bf16 outputs and 1.2e-2 on bf16 gradients (dA_log
-of the module, dzxbcdt with d_mlp), 2.1e-6 in float32.
+Tolerances (max|got - ref| / max|ref|), 3-4x the largest errors measured on an H200 on
+2026-12-01 (benchmarks/results/2026-12-01-h200-gpu-test-errors-forward-conv1d-norm-layer.txt):
+the fused function, bf16: outputs 2e-2 (measured at most 5.6e-3), gradients 4e-2 (1.21e-2,
+dzxbcdt with d_mlp); float32: outputs 2e-3 (5.8e-4), gradients 4e-3 (1.05e-3, dD per channel).
+The module in float32 is closer (no TF32, one head layout): outputs and most gradients 1.5e-4
+(measured at most 4.2e-5), dA_log and ddt_bias 5e-3 (1.66e-3 and 4.0e-4: sums over every
+token), prefill 1e-4 (2.5e-5), decode steps 3e-5 (7.1e-6); in bf16 it takes the fused bounds
+(measured 4.3e-3 outputs, 8.6e-3 gradients, 3.4e-3 prefill, 4.5e-3 decode). The mamba_ssm
+comparisons: never above 1.5x the composed layer's error on the same inputs, plus a tenth of
+the tolerance.
 """
 
 import copy
@@ -37,8 +36,11 @@ from test_layer_module import composition
 pytestmark = pytest.mark.gpu
 
 BF16, FP32 = torch.bfloat16, torch.float32
-OUT_TOL = {BF16: 3e-2, FP32: 3e-3}
-GRAD_TOL = {BF16: 5e-2, FP32: 5e-3}
+OUT_TOL = {BF16: 2e-2, FP32: 2e-3}
+GRAD_TOL = {BF16: 4e-2, FP32: 4e-3}
+#: the module in float32 (see the docstring); bf16 uses OUT_TOL / GRAD_TOL
+MODULE_FP32 = {"out": 1.5e-4, "grad": 1.5e-4, "dA_log": 5e-3, "ddt_bias": 5e-3,
+               "prefill": 1e-4, "decode": 3e-5}
 
 CASES = {
     "mamba2-default-seq-init": (Case(b=2, l=333, h=8, p=64, g=1, n=128, out_dim=256,
@@ -110,7 +112,10 @@ def test_module_forward_backward_against_definition(dtype):
     errs.update({f"d{k}": rel_err(a, b) for (k, _), a, b in zip(m.named_parameters(), got, want)})
     log_result(" ".join(f"{k}={v:.2e}" for k, v in errs.items()))
     for k, e in errs.items():
-        tol = OUT_TOL[dtype] if k == "out" else GRAD_TOL[dtype]
+        if dtype == FP32:
+            tol = MODULE_FP32.get(k, MODULE_FP32["grad"])
+        else:
+            tol = OUT_TOL[dtype] if k == "out" else GRAD_TOL[dtype]
         assert e <= tol, f"{k}: {e:.3e} > {tol:.1e}"
 
 
@@ -132,7 +137,9 @@ def test_module_prefill_then_steps_against_definition(dtype):
     got = torch.cat(outs, dim=1)
     e_pre, e_dec = rel_err(got[:, :100], ref[:, :100]), rel_err(got[:, 100:], ref[:, 100:])
     log_result(f"prefill={e_pre:.2e} decode={e_dec:.2e}")
-    assert e_pre <= OUT_TOL[dtype] and e_dec <= OUT_TOL[dtype]
+    tol_pre, tol_dec = ((MODULE_FP32["prefill"], MODULE_FP32["decode"]) if dtype == FP32
+                        else (OUT_TOL[dtype], OUT_TOL[dtype]))
+    assert e_pre <= tol_pre and e_dec <= tol_dec, (e_pre, e_dec)
 
 
 def test_cuda_graph_capture_fwd_bwd():

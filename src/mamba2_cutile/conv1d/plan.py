@@ -265,6 +265,9 @@ def _weight_t(weight):
 def conv1d_forward_cuda(x, weight, bias, seq_idx, initial_states, silu, want_final,
                         cfg: Conv1dConfig | None = None):
     """(out in x's layout family, final (batch, dim, width-1) contiguous or None)."""
+    if x.numel() == 0:      # a zero-sized grid is a launch error; PyTorch ops handle it
+        from .cpu import conv1d_forward
+        return conv1d_forward(x, weight, bias, seq_idx, initial_states, silu, want_final)
     x, _ = kernel_layout(x)
     cl = is_channel_last(x)
     out = empty_like_layout(x, cl)
@@ -280,6 +283,9 @@ def conv1d_forward_cuda(x, weight, bias, seq_idx, initial_states, silu, want_fin
 def conv1d_backward_cuda(x, weight, bias, seq_idx, initial_states, dout, dfinal, silu,
                          cfg: Conv1dConfig | None = None):
     """(dx in x's layout family, dweight (dim, width), dbias or None, dinit or None)."""
+    if x.numel() == 0:      # a zero-sized grid is a launch error; PyTorch ops handle it
+        from .cpu import conv1d_backward
+        return conv1d_backward(x, weight, bias, seq_idx, initial_states, dout, dfinal, silu)
     x, _ = kernel_layout(x)
     cl = is_channel_last(x)
     b, d, l = x.shape

@@ -101,6 +101,10 @@ def _validate(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, ini
     check_tensor("rmsnorm_weight", rmsnorm_weight, 1, FLOATS, optional=True)
     if rmsnorm_weight is not None:
         expect_shape("rmsnorm_weight", rmsnorm_weight, (dim,), "(dim,) = (nheads * headdim,)")
+        from ..norm.plan import MAX_GROUP_SIZE
+        if zxbcdt.is_cuda and dim // ngroups > MAX_GROUP_SIZE:
+            raise ValueError(f"dim // ngroups (the gated norm's group, {dim // ngroups}) must "
+                             f"be at most {MAX_GROUP_SIZE} on the GPU: use more groups")
     if not isinstance(rmsnorm_eps, (int, float)) or isinstance(rmsnorm_eps, bool) or \
             not rmsnorm_eps >= 0:
         raise ValueError(f"rmsnorm_eps must be a number >= 0, got {rmsnorm_eps!r}")

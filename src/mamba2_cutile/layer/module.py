@@ -185,6 +185,10 @@ class Mamba2(nn.Module):
                                  f"with seqlen = {seqlen}")
             batch = u.shape[0] // seqlen
         conv_state = ssm_state = None
+        if inference_params is not None and cu_seqlens is not None and batch != 1:
+            # checked before the cache is touched
+            raise ValueError(f"cu_seqlens (a varlen prefill into inference_params) needs u of "
+                             f"batch 1 (the sequences packed along seqlen), got batch {batch}")
         if inference_params is not None:
             cache_batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else batch
             conv_state, ssm_state = self._get_states_from_cache(inference_params, cache_batch)
