@@ -146,13 +146,12 @@ def errors_on_rank(rank, world):
     mine = {k: (v[:, lo:hi] if k in PER_TOKEN + ("seq_idx",) and v is not None else v)
             for k, v in inp.items()}
     out = []
-    # initial_states on a later rank: raised locally, no collective has started; rank 0 is
-    # given a problem that would also fail locally so that no rank waits for another
+    # initial_states on a later rank, rank 0's arguments valid: the later ranks raise their
+    # own error, rank 0 one naming them (nobody waits in a collective)
     bad = dict(mine)
     if rank == 0:
-        bad["seq_idx"] = bad["seq_idx"][:, :5]
         out.append(_expect_value_error(lambda: chunk_scan_cp(**bad, chunk_size=Q),
-                                       ["seq_idx"]))
+                                       ["rank(s)", "refused"]))
     else:
         out.append(_expect_value_error(lambda: chunk_scan_cp(**bad, chunk_size=Q),
                                        ["initial_states", "first rank"]))

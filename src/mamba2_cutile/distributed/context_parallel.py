@@ -145,6 +145,17 @@ class _Exchange:
             return t[None]
         return _all_gather_ints(t, self.group)
 
+    def failed_ranks(self, failed: bool):
+        """The ranks whose arguments failed their local checks (one one-integer all-gather and
+        a host read), so that an error on one rank raises on every rank instead of leaving the
+        others waiting in the next collective."""
+        if self.world == 1:
+            return [0] if failed else []
+        nccl = dist.get_backend(self.group) == "nccl"
+        dev = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        flags = _all_gather_ints(torch.tensor([int(failed)], device=dev), self.group)
+        return [r for r, f in enumerate(flags.flatten().tolist()) if f]
+
 
 def bytes_sent_per_rank(batch, nheads, headdim, dstate, world, seq_idx=False,
                         state_bytes=4):
@@ -399,11 +410,23 @@ def chunk_scan_cp(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     if group is not None and not dist.is_initialized():
         raise ValueError("group is given but torch.distributed is not initialized")
     ex = _Exchange(group)
-    if initial_states is not None and ex.rank != 0:
-        raise ValueError(f"initial_states must be given on the first rank only (rank 0 of the "
-                         f"group); this is rank {ex.rank}")
-    _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, None,
-              dt_limit, False, None)
+    error = None
+    try:
+        if initial_states is not None and ex.rank != 0:
+            raise ValueError(f"initial_states must be given on the first rank only (rank 0 of "
+                             f"the group); this is rank {ex.rank}")
+        _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, None,
+                  dt_limit, False, None)
+    except (ValueError, TypeError) as e:
+        error = e
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if not capturing:           # a host read: not under CUDA-graph capture
+        failed = ex.failed_ranks(error is not None)
+        if error is None and failed:
+            raise ValueError(f"chunk_scan_cp: the arguments of rank(s) {failed} were refused "
+                             f"(the error is raised there)")
+    if error is not None:
+        raise error
     checking = ex.world > 1 and value_checks_enabled(x.is_cuda)
     if checking:
         _check_across_ranks(ex, x, B, chunk_size, D, z, dt_bias, seq_idx, dt_softplus,
@@ -418,7 +441,7 @@ def chunk_scan_cp(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
         if not bool(crossing(seq_infos, ex.world)[2].all()):
             raise ValueError("seq_idx must be non-decreasing along each row across the ranks' "
                              "slices (the first id of a slice below the last of an earlier one)")
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    capturing = capturing and x.is_cuda
     out, final = finish(local, gathered, seq_infos, ex.rank, ex.world, C, z=z,
                         anchor=gathered if ex.world > 1 else None, full_prefix=capturing)
     if return_final_states:
