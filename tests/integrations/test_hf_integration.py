@@ -413,3 +413,25 @@ def test_compiled_training_step_has_no_graph_break_in_the_mixer(mamba2):
     print(f"graphs {explain.graph_count}, breaks {explain.graph_break_count}: {reasons[:3]}")
     assert not in_mixer, in_mixer
     assert explain.graph_break_count == 0, reasons
+
+
+def test_module_imported_again_while_enabled_is_restored():
+    """A family module imported a second time while enabled (a fresh module object) is
+    patched on import with its own originals, and disable() restores both objects."""
+    name = "transformers.models.zamba2.modeling_zamba2"
+    old = importlib.import_module(name)
+    before = {n: old.__dict__[n] for n in it.NAMES}
+    it.enable()
+    try:
+        del sys.modules[name]
+        new = importlib.import_module(name)
+        assert new is not old
+        assert all(getattr(new, n).__module__ == it.__name__ for n in it.NAMES)
+        originals_new = it._originals(new)
+        assert all(getattr(originals_new[n], "__module__", None) != it.__name__
+                   for n in it.NAMES)
+    finally:
+        it.disable()
+        sys.modules[name] = old
+    assert all(old.__dict__[n] is before[n] for n in it.NAMES)
+    assert all(new.__dict__[n] is originals_new[n] for n in it.NAMES)

@@ -258,7 +258,9 @@ def _adapters(fused, module_name):
 # --------------------------------------------------------------------------------------------
 
 _lock = threading.RLock()
-_saved: dict = {}          # module name -> {name: the object transformers had bound}
+#: module name -> [(module object, {name: the object transformers had bound}), ...]: by object,
+#: so that a module imported again while enabled is restored too (and its originals are its own)
+_saved: dict = {}
 _active: dict | None = None  # {"fused": bool} while enabled
 _finder = None
 
@@ -297,10 +299,23 @@ def _check_module(module):
             "mamba2-cutile adapts to; nothing was patched")
 
 
-def _patch(module, fused):
-    """Rebind the five names of an already-checked module, keeping the originals once."""
-    if module.__name__ not in _saved:      # a re-patch keeps the first originals
-        _saved[module.__name__] = {n: module.__dict__[n] for n in NAMES}
+def _originals(module):
+    """What transformers had bound in this module object, or None if it is not patched."""
+    for obj, originals in _saved.get(module.__name__, ()):
+        if obj is module:
+            return originals
+    return None
+
+
+def _patch(module, fused, fresh=False):
+    """Rebind the five names of an already-checked module, keeping its originals once (a
+    re-patch keeps the first ones; `fresh`: the module has just been executed again, so what
+    it binds now are the originals)."""
+    entries = _saved.setdefault(module.__name__, [])
+    if fresh:
+        entries[:] = [(m, o) for m, o in entries if m is not module]
+    if _originals(module) is None:
+        entries.append((module, {n: module.__dict__[n] for n in NAMES}))
     for n, fn in _adapters(fused, module.__name__).items():
         setattr(module, n, fn)
 
@@ -319,7 +334,7 @@ class _PatchingLoader(importlib.abc.Loader):
         with _lock:
             if _active is not None:
                 _check_module(module)
-                _patch(module, _active["fused"])
+                _patch(module, _active["fused"], fresh=True)
 
     def __getattr__(self, name):        # get_source, get_filename, is_package, ...
         return getattr(self._loader, name)
@@ -361,7 +376,7 @@ def enable(*, fused=True):
     with _lock:
         loaded = [sys.modules[m] for m in MODULES if sys.modules.get(m) is not None]
         for module in loaded:                 # check all before patching any
-            if module.__name__ not in _saved:
+            if _originals(module) is None:
                 _check_module(module)
         for module in loaded:
             _patch(module, fused)
@@ -377,9 +392,8 @@ def disable():
     remove the import hook. A no-op when not enabled."""
     global _active, _finder
     with _lock:
-        for name, originals in list(_saved.items()):
-            module = sys.modules.get(name)
-            if module is not None:
+        for name, entries in list(_saved.items()):
+            for module, originals in entries:
                 for n, obj in originals.items():
                     setattr(module, n, obj)
             del _saved[name]
@@ -417,7 +431,7 @@ def status():
     for m in MODULES:
         module = sys.modules.get(m)
         if module is not None:
-            out[m] = "patched" if m in _saved else "not patched"
+            out[m] = "patched" if _originals(module) is not None else "not patched"
         else:
             try:
                 found = importlib.util.find_spec(m) is not None
@@ -459,7 +473,7 @@ def _closure_var(obj, var):
 
 
 def _torch_definition(module, name):
-    obj = _saved.get(module.__name__, {}).get(name, module.__dict__.get(name))
+    obj = (_originals(module) or {}).get(name, module.__dict__.get(name))
     fn = inspect.unwrap(obj)
     if getattr(fn, "__module__", None) != module.__name__:
         # a wrapper without __wrapped__ (another decorator on top): the fallback's closure
