@@ -72,7 +72,7 @@ def test_launch_compiles(name, kind):
         from mamba2_cutile.bench.resources import resources
         res = resources(cubin)
     except ImportError:        # pyelftools (the dev extra) is optional
-        return
+        pytest.skip("compiled; registers and spills not read: pyelftools (the dev extra) missing")
     hidden = problem["hidden"]
     group = problem.get("group_size") or hidden
     log_result(f"{name} {kind}: regs {res['regs']}, spill stack {res['stack']} B, "
