@@ -4,6 +4,7 @@ against the reference's autograd), the decode update against the forward on the 
 sequence, argument errors, the custom ops under torch.compile, and the cuTile kernels' own
 source run on the float64 emulation (`conv1d_emulator`) against the reference."""
 
+import math
 import pytest
 import torch
 import torch.nn.functional as F
@@ -435,3 +436,22 @@ def test_kernels_emulated_update(circular, k, state_layout):
                                scratch, True))
     assert (out - want).abs().max() < TOL_EMU
     assert torch.equal(state, want_state)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_bad_token_stays_in_its_sequence(bad):
+    """A NaN/Inf at token t changes no output before t, and none of a later packed sequence
+    (the PyTorch path selects instead of multiplying by masked zeros)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 6, 20, dtype=F64, generator=gen)
+    w = torch.randn(6, 4, dtype=F64, generator=gen)
+    seq = torch.tensor([[0] * 9 + [1] * 11], dtype=torch.int32)
+    clean, fin = causal_conv1d_fn(x, w, seq_idx=seq, activation="silu",
+                                  return_final_states=True)
+    xb = x.clone()
+    xb[0, 2, 7] = bad
+    got, fin_b = causal_conv1d_fn(xb, w, seq_idx=seq, activation="silu",
+                                  return_final_states=True)
+    assert torch.equal(got[..., :7], clean[..., :7])
+    assert torch.equal(got[..., 9:], clean[..., 9:]) and torch.equal(fin_b, fin)
+    assert not torch.isfinite(got[0, 2, 7])

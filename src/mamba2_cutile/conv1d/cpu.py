@@ -34,32 +34,45 @@ def _masks(seq_idx, b, l, w, has_init, device):
     return same, sid >= 0, final_ids == sid[:, -1:]
 
 
+def _extended(x, initial_states, w, cd):
+    """(x with the W-1 entry taps in front, (b, d, W-1+l) in the compute dtype)."""
+    b, d, _ = x.shape
+    init = (torch.zeros(b, d, w - 1, dtype=cd, device=x.device) if initial_states is None
+            else initial_states.to(cd))
+    return torch.cat([init, x.to(cd)], dim=-1)
+
+
+def _pre_activation(ext, wt, bias, same, keep, l):
+    """sum_k w_k * tap_k (+ bias) before the activation, (b, d, l). The masks select (never
+    multiply), so a NaN or Inf in another sequence's tokens cannot reach this one."""
+    b, d = ext.shape[:2]
+    pre = torch.zeros(b, d, l, dtype=ext.dtype, device=ext.device)
+    for k in range(wt.shape[1]):
+        tap = ext[..., k:k + l]
+        if same is not None:
+            tap = torch.where(same[:, None, :, k], tap, 0.0)
+        pre = pre + wt[:, k, None] * tap
+    if bias is not None:
+        pre = pre + bias.to(ext.dtype)[:, None]
+    if keep is not None:
+        pre = torch.where(keep[:, None, :], pre, 0.0)
+    return pre
+
+
 def conv1d_forward(x, weight, bias, seq_idx, initial_states, silu: bool, want_final: bool):
     """(out in x's dtype, final states (b, d, W-1) in x's dtype or None)."""
     cd = compute_dtype(x)
     b, d, l = x.shape
     w = weight.shape[1]
-    init = (torch.zeros(b, d, w - 1, dtype=cd, device=x.device) if initial_states is None
-            else initial_states.to(cd))
-    ext = torch.cat([init, x.to(cd)], dim=-1)
+    ext = _extended(x, initial_states, w, cd)
     same, keep, same_final = _masks(seq_idx, b, l, w, initial_states is not None, x.device)
-    wt = weight.to(cd)
-    pre = torch.zeros(b, d, l, dtype=cd, device=x.device)
-    for k in range(w):
-        tap = ext[..., k:k + l]
-        if same is not None:
-            tap = tap * same[:, None, :, k]
-        pre = pre + wt[:, k, None] * tap
-    if bias is not None:
-        pre = pre + bias.to(cd)[:, None]
-    if keep is not None:
-        pre = pre * keep[:, None, :]
+    pre = _pre_activation(ext, weight.to(cd), bias, same, keep, l)
     out = torch.nn.functional.silu(pre) if silu else pre
     final = None
     if want_final:
         final = ext[..., l:]
         if same_final is not None and l > 0:
-            final = final * same_final[:, None, :]
+            final = torch.where(same_final[:, None, :], final, 0.0)
         final = final.to(x.dtype)
     return out.to(x.dtype), final
 
@@ -69,37 +82,26 @@ def conv1d_backward(x, weight, bias, seq_idx, initial_states, dout, dfinal, silu
     cd = compute_dtype(x)
     b, d, l = x.shape
     w = weight.shape[1]
-    init = (torch.zeros(b, d, w - 1, dtype=cd, device=x.device) if initial_states is None
-            else initial_states.to(cd))
-    ext = torch.cat([init, x.to(cd)], dim=-1)
+    ext = _extended(x, initial_states, w, cd)
     same, keep, same_final = _masks(seq_idx, b, l, w, initial_states is not None, x.device)
     wt = weight.to(cd)
     g = dout.to(cd) if dout is not None else torch.zeros(b, d, l, dtype=cd, device=x.device)
     if silu:
-        pre = torch.zeros(b, d, l, dtype=cd, device=x.device)
-        for k in range(w):
-            tap = ext[..., k:k + l]
-            if same is not None:
-                tap = tap * same[:, None, :, k]
-            pre = pre + wt[:, k, None] * tap
-        if bias is not None:
-            pre = pre + bias.to(cd)[:, None]
-        if keep is not None:
-            pre = pre * keep[:, None, :]
+        pre = _pre_activation(ext, wt, bias, same, keep, l)
         sig = torch.sigmoid(pre)
         g = g * sig * (1 + pre * (1 - sig))
     if keep is not None:
-        g = g * keep[:, None, :]
+        g = torch.where(keep[:, None, :], g, 0.0)
     dext = torch.zeros_like(ext)
     dw = torch.empty(d, w, dtype=cd, device=x.device)
     for k in range(w):
-        gk = g if same is None else g * same[:, None, :, k]
+        gk = g if same is None else torch.where(same[:, None, :, k], g, 0.0)
         dw[:, k] = (gk * ext[..., k:k + l]).sum(dim=(0, 2))
         dext[..., k:k + l] += wt[:, k, None] * gk
     if dfinal is not None:
         df = dfinal.to(cd)
         if same_final is not None:
-            df = df * same_final[:, None, :]
+            df = torch.where(same_final[:, None, :], df, 0.0)
         dext[..., l:] += df
     dx = dext[..., w - 1:].to(x.dtype)
     dbias = None if bias is None else g.sum(dim=(0, 2)).to(bias.dtype)
