@@ -79,19 +79,28 @@ class NormConfig:
 def norm_shape_config(group_size: int) -> NormConfig:
     """The dispatcher's rule, from the group size alone (no search, no synchronization).
 
-    A forward tile holds about 4096 channels (block_m rows of the padded group), a backward
-    tile about 2048 (it keeps some six tiles live: x, dout, z, its gate and derivative, xhat).
-    The occupancy hints cap the registers per thread where the tiles still fit without spills
-    (CPU compiles for sm_90 read by `bench.resources`: forward 64 registers at
-    occupancy 4 up to 2048-channel groups; backward 128 at occupancy 2 up to 4096; a group of
-    8192 needs 8 warps at occupancy 1 in the backward, 168 registers). Not yet timed on a GPU:
-    `MAMBA2_CUTILE_NORM_CONFIG` overrides any field and `bench.norm.sweep_norm` times a few.
+    Timed on the H200 (bf16, z gate, 16384 rows of 4096, one group and eight groups; every
+    override of `bench.norm.sweep_space`, CUDA graph, L2 flushed;
+    benchmarks/results/2026-12-01-h200-norm-sweep.json):
+    - forward: a tile of about 4096 channels (block_m rows of the padded group) at occupancy 4,
+      and two rows for a 4096-channel group: 131.7 us = 3059 GB/s (71% of 4.3 TB/s) against
+      227 us for one row at occupancy 2; at groups of 512 eight rows at occupancy 4 were the
+      best (2621 GB/s; sixteen rows fell to 1144 GB/s).
+    - backward: about 4096 channels per tile up to 1024-channel groups, one row from 2048
+      (two rows of 2048 spill 64 bytes), two programs per SM, occupancy 2: 228 us = 2943 GB/s
+      at one 4096-channel group (248 us with four programs per SM), 239.5 us = 2805 GB/s at
+      groups of 512 (eight rows; four rows 293 us).
+    The occupancy hints cap the registers per thread where the tiles fit (CPU compiles for
+    sm_90, `bench.resources`: forward 64 registers at occupancy 4 up to 4096-channel groups
+    (8 bytes of stack at 4096),
+    backward 128 at occupancy 2); a group of 8192 needs 8 warps at occupancy 1 in the
+    backward (168 registers). `MAMBA2_CUTILE_NORM_CONFIG` overrides any field.
     """
     bg = next_pow2(group_size)
-    bm = max(1, min(64, 4096 // bg))
-    bbm = max(1, min(32, 2048 // bg))
-    return NormConfig(block_g=bg, block_m=bm, bwd_block_m=bbm,
-                      occupancy=4 if bg <= 2048 else 2,
+    bm = max(1, min(64, 4096 // bg)) if bg < 4096 else max(1, 8192 // bg)
+    bbm = max(1, min(32, 4096 // bg)) if bg <= 1024 else 1
+    return NormConfig(block_g=bg, block_m=bm, bwd_block_m=bbm, bwd_ctas_per_sm=2,
+                      occupancy=4 if bg <= 4096 else 2,
                       warps=8 if bg >= 8192 else 0,
                       bwd_occupancy=2 if bg <= 4096 else 1,
                       bwd_warps=8 if bg >= 8192 else 0)
