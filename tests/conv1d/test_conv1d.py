@@ -4,7 +4,9 @@ against the reference's autograd), the decode update against the forward on the 
 sequence, argument errors, the custom ops under torch.compile, and the cuTile kernels' own
 source run on the float64 emulation (`conv1d_emulator`) against the reference."""
 
+import dataclasses
 import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -368,13 +370,15 @@ def _emu_problem(layout, w, seed):
     return x, weight, kw
 
 
+@pytest.mark.parametrize("form", sorted(plan.FORMS))
 @pytest.mark.parametrize("tiles", ["small", "default"])
 @pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
 @pytest.mark.parametrize("w,silu,opts", [(4, True, "all"), (2, False, "none"), (8, True, "all"),
                                          (3, True, "seq"), (5, False, "init")])
-def test_kernels_emulated_forward_backward(layout, w, silu, opts, tiles):
+def test_kernels_emulated_forward_backward(layout, w, silu, opts, tiles, form):
     """small: 8x16 tiles, 2 token blocks per program (many blocks, partial ones on both
-    axes); default: the dispatcher's tiles (one partial channel block, 2-3 token blocks)."""
+    axes); default: the dispatcher's tiles (one partial channel block, 2-3 token blocks).
+    Every kernel form (`Conv1dConfig.form`)."""
     from conv1d_emulator import run_calls
     x, weight, kw = _emu_problem(layout, w, w)
     bias = kw["bias"] if opts == "all" else None
@@ -383,6 +387,7 @@ def test_kernels_emulated_forward_backward(layout, w, silu, opts, tiles):
     cl = plan.is_channel_last(x)
     b, d, l = x.shape
     cfg = EMU_CFG if tiles == "small" else plan.conv1d_config(b, d, l, cl, width=w)
+    cfg = dataclasses.replace(cfg, form=form)
     act = "silu" if silu else None
     out = plan.empty_like_layout(x, cl)
     final = torch.empty(b, d, w - 1, dtype=F64)

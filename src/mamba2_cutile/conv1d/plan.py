@@ -17,7 +17,11 @@ import torch
 
 from .. import config as _config
 from ..kernels.causal_conv1d_bwd import causal_conv1d_bwd, causal_conv1d_bwd_i64
+from ..kernels.causal_conv1d_bwd_stream import (causal_conv1d_bwd_stream,
+                                                 causal_conv1d_bwd_stream_i64)
 from ..kernels.causal_conv1d_fwd import causal_conv1d_fwd, causal_conv1d_fwd_i64
+from ..kernels.causal_conv1d_fwd_stream import (causal_conv1d_fwd_stream,
+                                                 causal_conv1d_fwd_stream_i64)
 from ..kernels.causal_conv1d_update import (causal_conv1d_state_copy,
                                             causal_conv1d_state_copy_i64,
                                             causal_conv1d_update, causal_conv1d_update_i64)
@@ -26,6 +30,12 @@ from ..runtime import DEFAULT_SMS, KernelCall, launch_calls, needs_int64, next_p
 
 ENV_CONV1D = "MAMBA2_CUTILE_CONV1D_CONFIG"
 MAX_WIDTH = 8
+#: Conv1dConfig.form -> ((forward, forward 64-bit), (backward, backward 64-bit)) kernels
+FORMS = {
+    0: ((causal_conv1d_fwd, causal_conv1d_fwd_i64), (causal_conv1d_bwd, causal_conv1d_bwd_i64)),
+    1: ((causal_conv1d_fwd_stream, causal_conv1d_fwd_stream_i64),
+        (causal_conv1d_bwd_stream, causal_conv1d_bwd_stream_i64)),
+}
 
 
 @dataclass(frozen=True)
@@ -36,7 +46,10 @@ class Conv1dConfig:
     forward program. bwd_*: the same for the backward (its programs also sum dweight/dbias
     partials over their bwd_tiles blocks). shift_tma: 1 lets the token-shifted loads use TMA
     (0: plain loads, which hit L1 for the overlapping taps). occupancy: hint for both (0: the
-    compiler's choice)."""
+    compiler's choice). form: which kernels, 0 = `causal_conv1d_fwd` / `causal_conv1d_bwd`
+    (every tap behind a head/x/zero branch; the backward keeps its 2W-1 input tiles), 1 = the
+    streamed ones (`causal_conv1d_fwd_stream` / `causal_conv1d_bwd_stream`: branch-free taps
+    in interior blocks, the backward's taps streamed through a W-tile window)."""
     block_l: int = 32
     block_d: int = 128
     tiles: int = 1
@@ -45,6 +58,7 @@ class Conv1dConfig:
     bwd_tiles: int = 8
     shift_tma: int = 0
     occupancy: int = 0
+    form: int = 0
 
     FIXED = ()
 
@@ -59,6 +73,7 @@ class Conv1dConfig:
         c.check_range(self, "bwd_tiles", 1, 64)
         c.check_choice(self, "shift_tma", (0, 1))
         c.check_range(self, "occupancy", 0, 32)
+        c.check_choice(self, "form", tuple(FORMS))
 
 
 def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
@@ -181,7 +196,7 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
     if cfg is None:
         cfg = conv1d_config(b, d, l, cl, num_sms(x), w)
     xp, op = physical(x, cl), physical(out, cl)
-    kernel = causal_conv1d_fwd_i64 if needs_int64(xp, op) else causal_conv1d_fwd
+    kernel = FORMS[cfg.form][0][1 if needs_int64(xp, op) else 0]
     kernel = with_hints(kernel, cfg.occupancy)
     head = physical(make_head(x, initial_states, cfg.block_l, w, cl), cl)
     id_head = make_id_head(seq_idx, cfg.block_l, w) if seq_idx is not None else weight_t
@@ -212,7 +227,7 @@ def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, 
     if cfg is None:
         cfg = conv1d_config(b, d, l, cl, num_sms(x), w)
     xp, dop, dxp = physical(x, cl), physical(dout, cl), physical(dx, cl)
-    kernel = causal_conv1d_bwd_i64 if needs_int64(xp, dop, dxp) else causal_conv1d_bwd
+    kernel = FORMS[cfg.form][1][1 if needs_int64(xp, dop, dxp) else 0]
     kernel = with_hints(kernel, cfg.occupancy)
     bl = cfg.bwd_block_l
     head = physical(make_head(x, initial_states, bl, w, cl), cl)

@@ -10,6 +10,11 @@ mostly hit the cache), zero-padded past the end. Before token 0 it reads the sam
 block's "head": the tokens u = -HEAD_FRONT .. BLOCK_L-1 of the extended input e(u) (the initial
 states at u = -(W-1)..-1, zeros before, zeros past the end), a small copy the launcher
 prepares, so that the first block needs no gather either.
+
+`raw_slice_tile` and `id_slice` are the branch-free loads of the streamed kernels (form 1,
+`causal_conv1d_fwd_stream`, `causal_conv1d_bwd_stream`) for blocks whose taps all start inside
+the sequence (0 <= start < seqlen): no run-time branch, and the tile stays in the input's
+dtype until the caller converts it.
 """
 
 import cuda.tile as ct
@@ -27,6 +32,30 @@ def _slice_tile(t, b, start, stop, d_blk, ROWS: ct.Constant[int], BLOCK_D: ct.Co
         tile = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D), order=(0, 2, 1),
                        padding_mode=ZERO, allow_tma=SHIFT_TMA)
     return tile.reshape((ROWS, BLOCK_D)).astype(ct.float32)
+
+
+def raw_slice_tile(t, b, start, stop, d_blk, ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
+                   CHANNEL_LAST: ct.Constant[bool], SHIFT_TMA: ct.Constant[bool]):
+    """t's tokens start .. start+ROWS-1 (zero past `stop`) at the channel block d_blk, as
+    (ROWS, BLOCK_D) in t's dtype; 0 <= start < stop."""
+    ZERO = ct.PaddingMode.ZERO
+    if CHANNEL_LAST:
+        view = t.slice(axis=1, start=start, stop=stop)
+        tile = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D), padding_mode=ZERO,
+                       allow_tma=SHIFT_TMA)
+    else:
+        view = t.slice(axis=2, start=start, stop=stop)
+        tile = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D), order=(0, 2, 1),
+                       padding_mode=ZERO, allow_tma=SHIFT_TMA)
+    return tile.reshape((ROWS, BLOCK_D))
+
+
+def id_slice(seq_idx, b, start, seqlen, ROWS: ct.Constant[int]):
+    """seq_idx(start + i) for i < ROWS as a (ROWS, 1) int32 column, 0 past the end;
+    0 <= start < seqlen."""
+    view = seq_idx.slice(axis=1, start=start, stop=seqlen)
+    ids = ct.load(view, index=(b, 0), shape=(1, ROWS), padding_mode=ct.PaddingMode.ZERO)
+    return ids.reshape((ROWS, 1))
 
 
 def token_tile(x, head, b, start, d_blk, seqlen, ROWS: ct.Constant[int],
