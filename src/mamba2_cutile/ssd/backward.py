@@ -1,12 +1,16 @@
 """The cuTile backward pass of the chunked SSD: plans, configs, the launcher.
 
-Six launches (no host synchronization, CUDA-graph capturable), following the stages of
-`reference.chunked_backward` (see each kernel's docstring for its equations, tiles and grid):
+Six launches, seven with `dx_cb=1` (no host synchronization, CUDA-graph capturable), following
+the stages of `reference.chunked_backward` (see each kernel's docstring for its equations,
+tiles and grid):
 
   1. decay_cumsum        (forward kernel 1) recompute dt' and G2 = log2(e) cumsum(A dt')
   2. chunk_state_pass    (forward kernel 2) recompute the chunk entry states h_c (fp32)
   3. bwd_state_pass      reverse pass over chunks: exit-state gradients dS_c, dinitial_states
+  (3b. chunk_cb          only with dx_cb=1: S = C B^T per (batch, chunk, group) into the fp32
+                         scratch `cb`, the lower block triangle bwd_chunk_dx reads)
   4. bwd_chunk_dx        per chunk: dx, dz, and per-tile partials of dD, ddt_direct, da
+                         (S blocks from `cb` with dx_cb=1, else formed by two MMAs per block)
   5. bwd_chunk_dbc       per chunk: dB and dC, summed over each group's heads in-program
   6. bwd_dt              da -> ddt' -> ddt (clamp, softplus, dt_bias), partials of dA, ddt_bias
 
@@ -30,6 +34,7 @@ from ..kernels.bwd_chunk_dbc import (bwd_chunk_dbc, bwd_chunk_dbc_fused, bwd_chu
 from ..kernels.bwd_chunk_dx import bwd_chunk_dx, bwd_chunk_dx_i64
 from ..kernels.bwd_dt import bwd_dt, bwd_dt_i64
 from ..kernels.bwd_state_pass import bwd_state_pass, bwd_state_pass_i64
+from ..kernels.chunk_cb import chunk_cb, chunk_cb_i64
 from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, dt_clamp_bounds,
                        launch_calls, needs_int64, next_pow2, num_sms, with_hints)
 from .forward import ForwardConfig, forward_plan, forward_shape_config
@@ -75,6 +80,10 @@ class BackwardConfig:
     bc_load_latency: int = 0      # bwd_chunk_dbc_fused's head loop
     bc_fused: int = 0            # 1: one program per whole chunk forms M once for dB and dC
                                  # (bc_block_q is then unused)
+    dx_cb: int = 0               # 1: S = C B^T once per (batch, chunk, group) by chunk_cb into
+                                 # an fp32 scratch (B*nc*G*Q*Q*4 bytes) that bwd_chunk_dx reads,
+                                 # instead of two N-deep MMAs per block pair in every head's
+                                 # and p-tile's program
 
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
     FIXED = ("dstate_pad",)
@@ -94,7 +103,7 @@ class BackwardConfig:
             c.check_range(self, name, 0, 32)
         for name in ("dx_warps", "bc_warps"):
             c.check_choice(self, name, (0, 4, 8))
-        for name in ("lowp", "dx_lowp", "bc_fused"):
+        for name in ("lowp", "dx_lowp", "bc_fused", "dx_cb"):
             c.check_choice(self, name, (0, 1))
         if self.da_mode not in (0, 1, 2) or (self.da_mode == 2 and not self.bc_fused):
             raise ValueError(f"BackwardConfig: da_mode={self.da_mode} must be 0, 1, or 2 with "
@@ -182,6 +191,7 @@ class BackwardBuffers:
     dD_part: torch.Tensor | None   # (cdiv(L, dx_block_q), B, H, P) fp32
     dA_part: torch.Tensor      # (B * nc, H) fp32
     dbias_part: torch.Tensor | None  # (B * nc, H) fp32
+    cb: torch.Tensor | None    # (B, nc, G, Q, Q) fp32 S = C B^T blocks (dx_cb=1)
     dx: torch.Tensor
     dz: torch.Tensor | None
     dB: torch.Tensor
@@ -218,6 +228,7 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
         ddt_part=e(n_pt, b, h, lp),
         dD_part=None if D is None else e(n_q, b, h, p),
         dA_part=e(b * nc, h), dbias_part=None if dt_bias is None else e(b * nc, h),
+        cb=e(b, nc, g, Q, Q) if cfg.dx_cb else None,
         dx=e(b, l, h, p, dt=od["x"]), dz=None if z is None else e(b, l, h, p, dt=od["z"]),
         dB=e(b, l, g, n, dt=od["B"]), dC=e(b, l, g, n, dt=od["C"]), ddt=e(b, l, h, dt=od["dt"]),
     )
@@ -234,9 +245,9 @@ def recompute_config(cfg: BackwardConfig, x, B) -> ForwardConfig:
 
 def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
                   dout, dfinal, bufs: BackwardBuffers, cfg: BackwardConfig):
-    """The six launches of the backward. Inputs as the kernels take them (B, C, z, dout in x's
-    dtype with unit innermost stride; A, D, dt_bias, init, dfinal fp32; seq_idx int32);
-    unused optional inputs None. Reads no tensor values."""
+    """The six launches of the backward (seven with dx_cb=1). Inputs as the kernels take
+    them (B, C, z, dout in x's dtype with unit innermost stride; A, D, dt_bias, init, dfinal
+    fp32; seq_idx int32); unused optional inputs None. Reads no tensor values."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
@@ -264,20 +275,30 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          Q, cfg.bstate_block_p, cfg.bstate_block_n, hpg, has_z, has_seq, dfinal is not None,
          init is not None, cfg.bstate_load_latency)))
 
+    # 3b: S = C B^T per (batch, chunk, group), the blocks bwd_chunk_dx reads
+    if cfg.dx_cb:
+        nbpc = Q // cfg.dx_block_q
+        calls.append(KernelCall(
+            chunk_cb_i64 if needs_int64(B, C, bufs.cb) else chunk_cb,
+            (nchunks * batch * ngroups, nbpc, nbpc),
+            (B, C, bufs.cb, Q, cfg.dx_block_q, cfg.dstate_pad)))
+
     # 4: dx, dz, partials of dD, ddt, da
     v_part = bufs.v_part if bufs.v_part is not None else bufs.ddt_part
     n_q = -(-seqlen // cfg.dx_block_q)
     d_mode = 0 if D is None else D.dim()
     int64 = needs_int64(x, B, C, z, dout, D, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
-                      bufs.dstates, bufs.dx, bufs.dz, bufs.da_part, bufs.ddt_part, bufs.dD_part)
+                      bufs.dstates, bufs.dx, bufs.dz, bufs.da_part, bufs.ddt_part, bufs.dD_part,
+                      bufs.cb)
     calls.append(KernelCall(
         with_hints(bwd_chunk_dx_i64 if int64 else bwd_chunk_dx, cfg.dx_occupancy, cfg.dx_warps),
         (n_q * batch * nheads, -(-headdim // cfg.dx_block_p), 1),
         (x, B, C, z if has_z else x, dout, D if D is not None else A, bufs.dt_buf, bufs.cum_buf,
          seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
          bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
-         v_part, Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z,
-         has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency)))
+         v_part, bufs.cb if cfg.dx_cb else bufs.ddt_part, Q, cfg.dx_block_q, cfg.dx_block_p,
+         cfg.dstate_pad, hpg, d_mode, has_z, has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency,
+         bool(cfg.dx_cb))))
 
     # 5: dB, dC
     int64 = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
