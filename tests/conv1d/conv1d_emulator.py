@@ -1,6 +1,7 @@
 """The float64 cuTile emulation of `support.emulator`, extended with what the conv1d kernels
-use: `Array.slice`, `ct.static_iter`, loads and stores with an axis `order`, masked `scatter`
-and `gather`. Runs the kernels' own source on CPU tensors, one program at a time."""
+use: `Array.slice`, `ct.static_iter`, loads and stores with an axis `order` (and with
+`check_bounds=False`, asserting that the tile lies inside the array), masked `scatter` and
+`gather`. Runs the kernels' own source on CPU tensors, one program at a time."""
 
 import torch
 
@@ -18,15 +19,26 @@ class EmuArray(torch.Tensor):
         return self.narrow(axis, start, stop - start)
 
 
-def _load(array, index, shape, order="C", padding_mode=None, **kw):
+def _assert_inside(array, index, shape):
+    """check_bounds=False promises a tile wholly inside the array: hold the kernel to it."""
+    for i, n, size in zip(index, shape, array.shape):
+        assert 0 <= int(i) * n and (int(i) + 1) * n <= size, \
+            ("unchecked tile outside the array", tuple(index), tuple(shape), tuple(array.shape))
+
+
+def _load(array, index, shape, order="C", padding_mode=None, check_bounds=True, **kw):
     if order != "C":
         array = array.permute(*order)
+    if not check_bounds:
+        _assert_inside(array, index, (shape,) if isinstance(shape, int) else shape)
     return _plain_load(array, index, shape, padding_mode=padding_mode, **kw)
 
 
-def _store(array, index, tile, order="C", **kw):
+def _store(array, index, tile, order="C", check_bounds=True, **kw):
     if order != "C":
         array = array.permute(*order)
+    if not check_bounds:
+        _assert_inside(array, index, tuple(tile.shape))
     return _plain_store(array, index, tile, **kw)
 
 

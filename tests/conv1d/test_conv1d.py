@@ -364,8 +364,8 @@ EMU_CFG = plan.Conv1dConfig(block_l=8, block_d=16, tiles=2, bwd_block_l=8, bwd_b
 TOL_EMU = 1e-13
 
 
-def _emu_problem(layout, w, seed):
-    b, d, l = 2, 40, 37          # several token and channel blocks, neither a multiple
+def _emu_problem(layout, w, seed, d=40):
+    b, l = 2, 37          # several token and channel blocks, neither a multiple (d = 40)
     x, weight, kw = problem(b=b, d=d, l=l, w=w, layout=layout, init=True, seq=True, seed=seed)
     return x, weight, kw
 
@@ -379,8 +379,22 @@ def test_kernels_emulated_forward_backward(layout, w, silu, opts, tiles, form):
     """small: 8x16 tiles, 2 token blocks per program (many blocks, partial ones on both
     axes); default: the dispatcher's tiles (one partial channel block, 2-3 token blocks).
     Every kernel form (`Conv1dConfig.form`)."""
+    _emulated_forward_backward(layout, w, silu, opts, tiles, form)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
+@pytest.mark.parametrize("w,silu,opts", [(4, True, "all"), (2, False, "none"), (8, True, "all")])
+def test_kernels_emulated_unchecked_interior(layout, w, silu, opts, monkeypatch):
+    """Form 1 with block_d dividing dim: the interior blocks' loads and stores skip their
+    bounds checks (the emulation asserts that each such tile lies inside its array)."""
+    monkeypatch.setattr(plan, "unchecked_supported", lambda: True)
+    assert plan._unchecked(dataclasses.replace(EMU_CFG, form=1), 32, EMU_CFG.block_d)
+    _emulated_forward_backward(layout, w, silu, opts, "small", 1, d=32)
+
+
+def _emulated_forward_backward(layout, w, silu, opts, tiles, form, d=40):
     from conv1d_emulator import run_calls
-    x, weight, kw = _emu_problem(layout, w, w)
+    x, weight, kw = _emu_problem(layout, w, w, d)
     bias = kw["bias"] if opts == "all" else None
     init = kw["initial_states"] if opts in ("all", "init") else None
     seq = kw["seq_idx"] if opts in ("all", "seq") else None

@@ -49,7 +49,9 @@ class Conv1dConfig:
     compiler's choice). form: which kernels, 0 = `causal_conv1d_fwd` / `causal_conv1d_bwd`
     (every tap behind a head/x/zero branch; the backward keeps its 2W-1 input tiles), 1 = the
     streamed ones (`causal_conv1d_fwd_stream` / `causal_conv1d_bwd_stream`: branch-free taps
-    in interior blocks, the backward's taps streamed through a W-tile window)."""
+    in interior blocks, the backward's taps streamed through a W-tile window). unchecked
+    (form 1): 1 lets interior blocks skip the bounds checks of their loads and stores when
+    block_d divides dim (and tileiras is 13.4+; otherwise it has no effect)."""
     block_l: int = 32
     block_d: int = 128
     tiles: int = 1
@@ -59,6 +61,7 @@ class Conv1dConfig:
     shift_tma: int = 0
     occupancy: int = 0
     form: int = 0
+    unchecked: int = 1
 
     FIXED = ()
 
@@ -74,6 +77,7 @@ class Conv1dConfig:
         c.check_choice(self, "shift_tma", (0, 1))
         c.check_range(self, "occupancy", 0, 32)
         c.check_choice(self, "form", tuple(FORMS))
+        c.check_choice(self, "unchecked", (0, 1))
 
 
 def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
@@ -185,6 +189,18 @@ def make_id_head(seq_idx, block_l, width):
     return head
 
 
+def _unchecked(cfg, dim, block_d) -> bool:
+    """The form-1 kernels' UNCHECKED: interior blocks skip bounds checks (every tile inside the
+    tensors needs a full channel block; check_bounds=False needs tileiras 13.4+)."""
+    return bool(cfg.unchecked) and dim % block_d == 0 and unchecked_supported()
+
+
+def unchecked_supported() -> bool:
+    """Whether tileiras takes check_bounds=False (13.4+; see `decode.plan`)."""
+    from ..decode.plan import _unchecked_supported
+    return _unchecked_supported()
+
+
 def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
                  cfg: Conv1dConfig | None = None):
     """The forward launch. x and out in one layout family (see `kernel_layout`), weight_t
@@ -208,6 +224,8 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
             w, halo_rows(w), head_front(w), cfg.block_l, cfg.block_d, cfg.tiles, cl,
             bias is not None, seq_idx is not None, bool(silu), final is not None,
             bool(cfg.shift_tma))
+    if cfg.form == 1:
+        args += (_unchecked(cfg, d, cfg.block_d),)
     return [KernelCall(kernel, grid, args)]
 
 
@@ -241,6 +259,8 @@ def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, 
             w, next_pow2(w), halo_rows(w), head_front(w), bl, cfg.bwd_block_d,
             cfg.bwd_tiles, cl, bias is not None, initial_states is not None,
             seq_idx is not None, bool(silu), dfinal is not None, bool(cfg.shift_tma))
+    if cfg.form == 1:
+        args += (_unchecked(cfg, d, cfg.bwd_block_d),)
     return [KernelCall(kernel, backward_grid(x, cfg), args)]
 
 

@@ -13,13 +13,17 @@ with fewer live tiles and no per-tap branch in interior blocks.
   each step drops the oldest tile and loads one new one (kept in the input's dtype until
   used), then computes pre, g and adds w[W-1-s] g to dx. Live: the window, dx, pre, g (the
   form-0 kernel keeps all 2W-1 input and W output-gradient tiles). dw needs g(u) against the
-  shifts -(W-1) .. 0, which are the window of the first step, so it is summed there.
+  shifts -(W-1) .. 0, which are the window of the first step, so its products are taken there.
+- dw and dbias are accumulated elementwise, as W + 1 (BLOCK_L, BLOCK_D) float32 tiles carried
+  through the program's TILES blocks, and summed over the tokens once per program: the
+  cross-thread reductions (shared memory and barriers) cost W + 1 per program, not per block.
 - Interior blocks (not the row's first, and with every tap inside the sequence: l0 + BLOCK_L
   + W-1 <= seqlen, so that no dfinal term reaches them either) load each tap as a straight
-  slice. The edge blocks take the head/x/zero branch of `causal_conv1d_common.token_tile` per
-  tap and add the dfinal terms; the choice is one program-uniform branch around the block.
-- Programs own BLOCK_D channels of one row and TILES consecutive token blocks; the partial dw
-  (W, BLOCK_D) and dbias (BLOCK_D) sums go to row `b * num_blocks(1) + bid(1)` of the partials
+  slice; with UNCHECKED (the launcher's promise that BLOCK_D divides dim, and tileiras 13.4+)
+  their loads and the dx store skip the bounds checks. The edge blocks take the head/x/zero
+  branch of `causal_conv1d_common.token_tile` per tap and add the dfinal terms; the choice is one program-uniform branch around the block.
+- Programs own BLOCK_D channels of one row and TILES consecutive token blocks; their partial
+  dw (W, BLOCK_D) and dbias (BLOCK_D) sums go to row `b * num_blocks(1) + bid(1)` of the partials
   buffers, summed afterwards in a fixed order (no atomics). The programs of the first token
   block also write dinit. Grid: (cdiv(dim, BLOCK_D), cdiv(cdiv(seqlen, BLOCK_L), TILES), batch).
 """
@@ -33,7 +37,7 @@ from .causal_conv1d_common import id_slice, id_tile, raw_slice_tile, token_tile,
 def _tap(t, t_head, b, start, d_blk, seqlen, ROWS: ct.Constant[int],
          BLOCK_D: ct.Constant[int], HEAD_FRONT: ct.Constant[int],
          CHANNEL_LAST: ct.Constant[bool], SAFE: ct.Constant[bool],
-         SHIFT_TMA: ct.Constant[bool]):
+         SHIFT_TMA: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
     """t's tokens start .. start+ROWS-1 as (ROWS, BLOCK_D); SAFE: any start >= -HEAD_FRONT
     (float32), else 0 <= start < seqlen (t's dtype)."""
     if SAFE:
@@ -41,16 +45,16 @@ def _tap(t, t_head, b, start, d_blk, seqlen, ROWS: ct.Constant[int],
                           CHANNEL_LAST, False)
     else:
         tile = raw_slice_tile(t, b, start, seqlen, d_blk, ROWS, BLOCK_D, CHANNEL_LAST,
-                              SHIFT_TMA)
+                              SHIFT_TMA, UNCHECKED)
     return tile
 
 
 def _ids(seq_idx, id_head, b, start, seqlen, ROWS: ct.Constant[int],
-         HEAD_FRONT: ct.Constant[int], SAFE: ct.Constant[bool]):
+         HEAD_FRONT: ct.Constant[int], SAFE: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
     if SAFE:
         ids = id_tile(seq_idx, id_head, b, start, seqlen, ROWS, HEAD_FRONT)
     else:
-        ids = id_slice(seq_idx, b, start, seqlen, ROWS)
+        ids = id_slice(seq_idx, b, start, seqlen, ROWS, UNCHECKED)
     return ids
 
 
@@ -59,19 +63,21 @@ def _stream_grads(x, x_head, wts, bias_row, seq_idx, id_head, dout, dout_head, d
                   HEAD_FRONT: ct.Constant[int], BLOCK_D: ct.Constant[int],
                   CHANNEL_LAST: ct.Constant[bool], HAS_SEQ: ct.Constant[bool],
                   SILU: ct.Constant[bool], HAS_DFINAL: ct.Constant[bool],
-                  SAFE: ct.Constant[bool], SHIFT_TMA: ct.Constant[bool]):
+                  SAFE: ct.Constant[bool], SHIFT_TMA: ct.Constant[bool],
+                  WANT_DW: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
     """For the ROWS tokens u = start..start+ROWS-1: (de(u) as (ROWS, BLOCK_D) float32, g(u),
-    and the W dw rows sum_u g(u) e(u-(W-1)+k) M_k(u) as a tuple of (1, BLOCK_D))."""
+    and (WANT_DW) the W dw products g(u) e(u-(W-1)+k) M_k(u) as a tuple of (ROWS, BLOCK_D)
+    tiles, else an empty tuple)."""
     ids = ()
     if HAS_SEQ:
         # ids[i] = id(u + i - (W-1)), i < 2W-1: small (ROWS, 1) columns, all kept
         for i in ct.static_iter(range(2 * WIDTH - 1)):
             ids += (_ids(seq_idx, id_head, b, start + i - (WIDTH - 1), seqlen, ROWS,
-                         HEAD_FRONT, SAFE),)
+                         HEAD_FRONT, SAFE, UNCHECKED),)
     win = ()
     for k in ct.static_iter(range(WIDTH)):
         win += (_tap(x, x_head, b, start + k - (WIDTH - 1), d_blk, seqlen, ROWS, BLOCK_D,
-                     HEAD_FRONT, CHANNEL_LAST, SAFE, SHIFT_TMA),)
+                     HEAD_FRONT, CHANNEL_LAST, SAFE, SHIFT_TMA, UNCHECKED),)
     de = ct.full((ROWS, BLOCK_D), 0.0, dtype=ct.float32)
     g0 = ct.full((ROWS, BLOCK_D), 0.0, dtype=ct.float32)
     dws = ()
@@ -83,9 +89,9 @@ def _stream_grads(x, x_head, wts, bias_row, seq_idx, id_head, dout, dout_head, d
                 for k in ct.static_iter(range(1, WIDTH)):
                     moved += (win[k],)
                 win = moved + (_tap(x, x_head, b, start + s, d_blk, seqlen, ROWS, BLOCK_D,
-                                    HEAD_FRONT, CHANNEL_LAST, SAFE, SHIFT_TMA),)
+                                    HEAD_FRONT, CHANNEL_LAST, SAFE, SHIFT_TMA, UNCHECKED),)
         g = _tap(dout, dout_head, b, start + s, d_blk, seqlen, ROWS, BLOCK_D, HEAD_FRONT,
-                 CHANNEL_LAST, SAFE, SHIFT_TMA).astype(ct.float32)
+                 CHANNEL_LAST, SAFE, SHIFT_TMA, UNCHECKED).astype(ct.float32)
         if SILU:
             pre = ct.full((ROWS, BLOCK_D), 0.0, dtype=ct.float32) + bias_row
             for k in ct.static_iter(range(WIDTH)):
@@ -99,11 +105,12 @@ def _stream_grads(x, x_head, wts, bias_row, seq_idx, id_head, dout, dout_head, d
             g = ct.where(ids[s + WIDTH - 1] >= 0, g, 0.0)
         if s == 0:
             g0 = g
-            for k in ct.static_iter(range(WIDTH)):
-                tap = win[k].astype(ct.float32)
-                if HAS_SEQ:
-                    tap = ct.where(ids[k] == ids[WIDTH - 1], tap, 0.0)
-                dws += (ct.sum(g * tap, axis=0, keepdims=True),)
+            if WANT_DW:
+                for k in ct.static_iter(range(WIDTH)):
+                    tap = win[k].astype(ct.float32)
+                    if HAS_SEQ:
+                        tap = ct.where(ids[k] == ids[WIDTH - 1], tap, 0.0)
+                    dws += (g * tap,)
         if HAS_SEQ:
             g = ct.where(ids[WIDTH - 1] == ids[s + WIDTH - 1], g, 0.0)
         de = de + wts[WIDTH - 1 - s] * g
@@ -122,6 +129,16 @@ def _stream_grads(x, x_head, wts, bias_row, seq_idx, id_head, dout, dout_head, d
     return de, g0, dws
 
 
+def _store_dx(dx, de, b, l_tile, d_blk, BLOCK_L: ct.Constant[int], BLOCK_D: ct.Constant[int],
+              CHANNEL_LAST: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
+    tile = de.astype(dx.dtype).reshape((1, BLOCK_L, BLOCK_D))
+    if CHANNEL_LAST:
+        ct.store(dx, index=(b, l_tile, d_blk), tile=tile, check_bounds=not UNCHECKED)
+    else:
+        ct.store(dx, index=(b, l_tile, d_blk), tile=tile, order=(0, 2, 1),
+                 check_bounds=not UNCHECKED)
+
+
 def _bwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, dfinal, dx,
                 dw_part, db_part, dinit, WIDTH: ct.Constant[int], WIDTH_PAD: ct.Constant[int],
                 HALO: ct.Constant[int], HEAD_FRONT: ct.Constant[int],
@@ -129,7 +146,7 @@ def _bwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, df
                 CHANNEL_LAST: ct.Constant[bool], HAS_BIAS: ct.Constant[bool],
                 HAS_INIT: ct.Constant[bool], HAS_SEQ: ct.Constant[bool],
                 SILU: ct.Constant[bool], HAS_DFINAL: ct.Constant[bool],
-                SHIFT_TMA: ct.Constant[bool]):
+                SHIFT_TMA: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
     d_blk = ct.bid(0)
     prog_l = ct.bid(1)
     b = ct.bid(2)
@@ -145,9 +162,10 @@ def _bwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, df
         bias_row = ct.load(bias, index=(d_blk,), shape=(BLOCK_D,),
                            padding_mode=ct.PaddingMode.ZERO).reshape(
                                (1, BLOCK_D)).astype(ct.float32)
-    tap_row = ct.arange(WIDTH_PAD, dtype=ct.int32).reshape((WIDTH_PAD, 1))
-    dw_acc = ct.full((WIDTH_PAD, BLOCK_D), 0.0, dtype=ct.float32)
-    db_acc = ct.full((1, BLOCK_D), 0.0, dtype=ct.float32)
+    dw_accs = ()
+    for k in ct.static_iter(range(WIDTH)):
+        dw_accs += (ct.full((BLOCK_L, BLOCK_D), 0.0, dtype=ct.float32),)
+    db_acc = ct.full((BLOCK_L, BLOCK_D), 0.0, dtype=ct.float32)
     n_tiles = ct.cdiv(seqlen, BLOCK_L)
     for l_tile in range(prog_l * TILES, ct.minimum(n_tiles, prog_l * TILES + TILES)):
         l0 = l_tile * BLOCK_L
@@ -156,20 +174,24 @@ def _bwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, df
             de, g, dws = _stream_grads(x, x_head, wts, bias_row, seq_idx, id_head, dout,
                                        dout_head, dfinal, b, l0, d_blk, seqlen, WIDTH, BLOCK_L,
                                        HEAD_FRONT, BLOCK_D, CHANNEL_LAST, HAS_SEQ, SILU,
-                                       HAS_DFINAL, True, False)
+                                       HAS_DFINAL, True, False, True, False)
+            _store_dx(dx, de, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST, False)
         else:
             de, g, dws = _stream_grads(x, x_head, wts, bias_row, seq_idx, id_head, dout,
                                        dout_head, dfinal, b, l0, d_blk, seqlen, WIDTH, BLOCK_L,
                                        HEAD_FRONT, BLOCK_D, CHANNEL_LAST, HAS_SEQ, SILU,
-                                       HAS_DFINAL, False, SHIFT_TMA)
-        tile = de.astype(dx.dtype).reshape((1, BLOCK_L, BLOCK_D))
-        if CHANNEL_LAST:
-            ct.store(dx, index=(b, l_tile, d_blk), tile=tile)
-        else:
-            ct.store(dx, index=(b, l_tile, d_blk), tile=tile, order=(0, 2, 1))
-        db_acc = db_acc + ct.sum(g, axis=0, keepdims=True)
+                                       HAS_DFINAL, False, SHIFT_TMA, True, UNCHECKED)
+            _store_dx(dx, de, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST, UNCHECKED)
+        db_acc = db_acc + g
+        summed = ()
         for k in ct.static_iter(range(WIDTH)):
-            dw_acc = dw_acc + ct.where(tap_row == k, dws[k], 0.0)
+            summed += (dw_accs[k] + dws[k],)
+        dw_accs = summed
+    tap_row = ct.arange(WIDTH_PAD, dtype=ct.int32).reshape((WIDTH_PAD, 1))
+    dw_acc = ct.full((WIDTH_PAD, BLOCK_D), 0.0, dtype=ct.float32)
+    for k in ct.static_iter(range(WIDTH)):
+        dw_acc = dw_acc + ct.where(tap_row == k, ct.sum(dw_accs[k], axis=0, keepdims=True), 0.0)
+    db_acc = ct.sum(db_acc, axis=0, keepdims=True)
     part = b * ct.num_blocks(1) + prog_l
     ct.store(dw_part, index=(part, 0, d_blk), tile=dw_acc.reshape((1, WIDTH_PAD, BLOCK_D)))
     ct.store(db_part, index=(part, d_blk), tile=db_acc)
@@ -178,7 +200,7 @@ def _bwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, df
             di, g_unused, dw_unused = _stream_grads(
                 x, x_head, wts, bias_row, seq_idx, id_head, dout, dout_head, dfinal, b,
                 1 - WIDTH, d_blk, seqlen, WIDTH, HALO, HEAD_FRONT, BLOCK_D, CHANNEL_LAST,
-                HAS_SEQ, SILU, HAS_DFINAL, True, False)
+                HAS_SEQ, SILU, HAS_DFINAL, True, False, False, False)
             j = ct.arange(HALO, dtype=ct.int32).reshape((HALO, 1))
             c = d_blk * BLOCK_D + ct.arange(BLOCK_D, dtype=ct.int32).reshape((1, BLOCK_D))
             ct.scatter(dinit, (b, c, j), di.astype(dinit.dtype), mask=j < WIDTH - 1)

@@ -35,26 +35,30 @@ def _slice_tile(t, b, start, stop, d_blk, ROWS: ct.Constant[int], BLOCK_D: ct.Co
 
 
 def raw_slice_tile(t, b, start, stop, d_blk, ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
-                   CHANNEL_LAST: ct.Constant[bool], SHIFT_TMA: ct.Constant[bool]):
+                   CHANNEL_LAST: ct.Constant[bool], SHIFT_TMA: ct.Constant[bool],
+                   UNCHECKED: ct.Constant[bool]):
     """t's tokens start .. start+ROWS-1 (zero past `stop`) at the channel block d_blk, as
-    (ROWS, BLOCK_D) in t's dtype; 0 <= start < stop."""
+    (ROWS, BLOCK_D) in t's dtype; 0 <= start < stop. UNCHECKED: the caller guarantees the
+    whole tile lies inside t (start + ROWS <= stop, a full channel block), so the load skips
+    its bounds checks (tileiras 13.4+)."""
     ZERO = ct.PaddingMode.ZERO
     if CHANNEL_LAST:
         view = t.slice(axis=1, start=start, stop=stop)
         tile = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D), padding_mode=ZERO,
-                       allow_tma=SHIFT_TMA)
+                       allow_tma=SHIFT_TMA, check_bounds=not UNCHECKED)
     else:
         view = t.slice(axis=2, start=start, stop=stop)
         tile = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D), order=(0, 2, 1),
-                       padding_mode=ZERO, allow_tma=SHIFT_TMA)
+                       padding_mode=ZERO, allow_tma=SHIFT_TMA, check_bounds=not UNCHECKED)
     return tile.reshape((ROWS, BLOCK_D))
 
 
-def id_slice(seq_idx, b, start, seqlen, ROWS: ct.Constant[int]):
+def id_slice(seq_idx, b, start, seqlen, ROWS: ct.Constant[int], UNCHECKED: ct.Constant[bool]):
     """seq_idx(start + i) for i < ROWS as a (ROWS, 1) int32 column, 0 past the end;
-    0 <= start < seqlen."""
+    0 <= start < seqlen (UNCHECKED: start + ROWS <= seqlen)."""
     view = seq_idx.slice(axis=1, start=start, stop=seqlen)
-    ids = ct.load(view, index=(b, 0), shape=(1, ROWS), padding_mode=ct.PaddingMode.ZERO)
+    ids = ct.load(view, index=(b, 0), shape=(1, ROWS), padding_mode=ct.PaddingMode.ZERO,
+                  check_bounds=not UNCHECKED)
     return ids.reshape((ROWS, 1))
 
 
