@@ -136,6 +136,72 @@ def test_emulated_dispatcher_config(Q):
                  reference_grads(args, kw, Q, dout, dfinal))
 
 
+#: dx_cb=1 (S = C B^T from chunk_cb's buffer in bwd_chunk_dx): option set, chunk, config
+#: overrides. Lengths 150 (Q=64) and 300 (Q=128, 256) end inside a token block, so chunk_cb
+#: skips row blocks past L and bwd_chunk_dx sees a partial last block; every da form, token
+#: blocks of 16 (several per chunk), 32 and a whole chunk; da_mode 2 without z skips the
+#: key-block loop (only the transposed query-block reads remain)
+DX_CB = {
+    "none-Q64": ("none", 64, {}),
+    "D_head-Q64-q32": ("D_head", 64, dict(dx_block_q=32)),
+    "D_chan_z-Q128-local": ("D_chan_z", 128, dict(dx_block_q=32, da_mode=1, bc_fused=1)),
+    "D_head_z_seq-Q64-split": ("D_head_z_seq", 64, dict(da_mode=2, bc_fused=1)),
+    "seq_idx-Q128-split-no-z": ("seq_idx", 128, dict(dx_block_q=32, da_mode=2, bc_fused=1)),
+    "all-Q64-one-block": ("all", 64, dict(dx_block_q=64)),
+    "all-Q256-local-lowp": ("all", 256, dict(dx_block_q=64, da_mode=1, bc_fused=1, lowp=1,
+                                             dx_lowp=1, dx_load_latency=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(DX_CB))
+def test_emulated_dx_cb(case):
+    opt, Q, over = DX_CB[case]
+    args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=150 if Q == 64 else 300, Q=Q,
+                                          seed=6)
+    cfg = small_config(Q, 20, 7, dx_cb=1, **over)
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("Q", [64, 256])
+def test_emulated_dispatcher_config_dx_cb(Q):
+    """The dispatcher's tiles with dx_cb=1 (a chunk-256 call computes at chunk 128)."""
+    args, kw, dout, dfinal = make_problem(OPTIONS["all"], b=1, l=300, h=2, g=1, p=24, n=12,
+                                          Q=Q, seed=4)
+    cfg = replace(backward.backward_config(1, 2, 1, 24, 12, Q, torch.bfloat16), dx_cb=1)
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+def test_emulated_chunk_cb_blocks():
+    """chunk_cb alone: every block on or below the diagonal is C_i B_j^T of its chunk and group
+    (zero rows past L), the rest of the (poisoned) buffer is never written."""
+    Q, bq, l, g = 64, 16, 150, 2
+    args, kw, dout, dfinal = make_problem(OPTIONS["none"], l=l, g=g, Q=Q, seed=7)
+    cfg = small_config(Q, 20, 7, dx_cb=1, dx_block_q=bq)
+    calls = []
+    bufs = {}
+    backward.run_backward(**args, chunk_size=Q, dout=dout, **kw, config=cfg,
+                          launch_fn=calls.extend, buf_dtype=F64,
+                          on_buffers=lambda b: (poison(b), bufs.update(cb=b.cb)))
+    names = [c.kernel._annotated_function.pyfunc.__name__ for c in calls]
+    emulate_launch([calls[names.index("chunk_cb_fn")]])
+    cb = bufs["cb"]
+    b, nc = args["B"].shape[0], -(-l // Q)
+    assert cb.shape == (b, nc, g, Q, Q)
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, nc * Q - l))  # noqa: E731
+    Bc, Cc = (pad(args[k]).view(b, nc, Q, g, -1).transpose(2, 3) for k in ("B", "C"))
+    want = Cc @ Bc.transpose(-1, -2)                           # (b, nc, g, Q, Q)
+    blk = torch.arange(Q) // bq
+    lower = blk[:, None] >= blk[None, :]
+    row_in = (torch.arange(nc)[:, None] * Q + blk[None, :] * bq) < l    # (nc, Q): row block in L
+    written = lower[None] & row_in[:, :, None]                 # (nc, Q, Q)
+    written = written[None, :, None].expand_as(cb)
+    assert written.any() and (~written).any()
+    torch.testing.assert_close(cb[written], want[written], rtol=1e-13, atol=1e-13)
+    assert torch.isnan(cb[~written]).all()
+
+
 def test_emulation_harness_checks():
     """The harness itself: undefined padding reads NaN, a tile outside the array and two
     programs writing one element are errors."""
