@@ -38,3 +38,82 @@ def test_plans_have_their_launches():
         assert len(plans.forward_problem_plan(**problem)) == 3, name
     for name, problem in variants.backward_variants():
         assert len(plans.backward_problem_plan(**problem)) == 6, name
+
+
+#: dx_cb=1 (chunk_cb, then bwd_chunk_dx reading its S blocks): backward variants (by name in
+#: support.variants.backward_variants) with dx_cb=1 and these further overrides; the second
+#: field marks the less common ones slow. The two occupancy-2 tilings are the dx_cb=1 choices
+#: a CPU compile shows at 2 CTAs per SM (the default tiles: 1).
+DX_CB_VARIANTS = [
+    ("bfloat16-Q256-all", {}, False),
+    ("float16-Q64-all", {}, False),
+    ("float32-Q128-all", {}, False),
+    ("bf16-h2-p256-n256", {}, False),
+    ("bf16-int64", {}, False),
+    ("bf16-split-da-latency", {}, False),
+    ("bfloat16-Q256-all", dict(dx_block_q=32, dx_occupancy=2), False),
+    ("bfloat16-Q256-all", dict(dx_block_p=32, dx_occupancy=2), False),
+    ("bfloat16-Q64-all", {}, True),
+    ("bfloat16-Q128-all", {}, True),
+    ("float16-Q256-all", {}, True),
+    ("float32-Q256-all", {}, True),
+    ("bf16-h8-g2-p80-n96", {}, True),
+    ("bf16-no-options", {}, True),
+    ("bf16-lowp", {}, True),
+    ("bf16-unfused-stable-da", {}, True),
+    ("bf16-Q256-internal-256", {}, True),
+    ("bfloat16-Q256-all", dict(dx_block_q=128), True),
+]
+DX_CB_KERNELS = ("chunk_cb", "bwd_chunk_dx")
+
+
+def _dx_cb_plan(name, over):
+    problem = dict(variants.backward_variants())[name]
+    return plans.backward_problem_plan(**{**problem, "overrides": {
+        **problem.get("overrides", {}), **over, "dx_cb": 1}})
+
+
+def _dx_cb_cases(arch):
+    """The distinct chunk_cb / bwd_chunk_dx launches of DX_CB_VARIANTS (signature_key)."""
+    seen, out = set(), []
+    for name, over, slow in DX_CB_VARIANTS:
+        for i, call in enumerate(_dx_cb_plan(name, over)):
+            kernel = variants.kernel_name(call)
+            key = variants.signature_key(call, arch)
+            if kernel not in DX_CB_KERNELS or key in seen:
+                continue
+            seen.add(key)
+            tid = "-".join([arch, name] + [f"{k}{v}" for k, v in over.items()] + [kernel])
+            marks = (pytest.mark.slow,) if slow or arch != "sm_90" else ()
+            out.append(pytest.param(arch, name, over, i, id=tid, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("arch, name, over, index",
+                         _dx_cb_cases("sm_90") + _dx_cb_cases("sm_100"))
+def test_dx_cb_launch_compiles(arch, name, over, index):
+    """Every chunk_cb and dx_cb=1 bwd_chunk_dx variant compiles; for sm_90 its registers,
+    spills and shared memory are printed (pyelftools), and the occupancy-2 tilings must give
+    2 CTAs per SM."""
+    call = _dx_cb_plan(name, over)[index]
+    cubin = cpu_compile.compile_cubin(call, arch)
+    assert len(cubin) > 0
+    if arch != "sm_90":
+        return
+    try:
+        from mamba2_cutile.bench.resources import resources
+    except ImportError:        # pyelftools (the dev extra) is optional
+        pytest.skip("compiled; registers and spills not read: pyelftools (the dev extra) missing")
+    res = resources(cubin)
+    print(variants.kernel_name(call), res)
+    if over.get("dx_occupancy") == 2 and variants.kernel_name(call) == "bwd_chunk_dx":
+        # at most a few spilled registers (8 B per thread measured at 32-token blocks with
+        # every option on, none without z and seq_idx)
+        assert res["ctas_per_sm"] >= 2 and res["stack"] <= 64, res
+
+
+def test_dx_cb_plans_have_their_launches():
+    """dx_cb=1 adds chunk_cb right before bwd_chunk_dx: 7 launches."""
+    for name, over, _ in DX_CB_VARIANTS:
+        names = [variants.kernel_name(c) for c in _dx_cb_plan(name, over)]
+        assert len(names) == 7 and names[names.index("chunk_cb") + 1] == "bwd_chunk_dx", name
