@@ -4,6 +4,8 @@ variants are cheap (1-6 s each); a backward variant takes 30-60 s on 2 cores, so
 all-options channel-last variant runs by default, the others are marked slow
 (MAMBA2_TEST_SLOW=1). Registers and spills are printed when pyelftools is installed."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -23,26 +25,30 @@ def _x(b, d, l, dtype, layout):
 
 
 def forward_call(dtype=BF, layout="channel_last", w=4, opts=("bias", "init", "seq", "silu",
-                                                             "final"), int64=False):
-    b, d, l = (1, 1536, 2**21 + 3) if int64 else (2, 1600, 1000)
+                                                             "final"), int64=False, d=1600,
+                 **fields):
+    """The forward's launch; `fields` override the dispatcher's config (e.g. form=1)."""
+    b, d, l = (1, 1536, 2**21 + 3) if int64 else (2, d, 1000)
     x = _x(b, d, l, dtype, layout)
     cl = plan.is_channel_last(x)
     out = plan.empty_like_layout(x, cl)
+    cfg = dataclasses.replace(plan.conv1d_config(b, d, l, cl, width=w), **fields)
     wt = torch.empty(w, d, dtype=FP32, device=META)
     return plan.forward_plan(
         x, wt, torch.empty(d, dtype=FP32, device=META) if "bias" in opts else None,
         torch.empty(b, d, w - 1, dtype=dtype, device=META) if "init" in opts else None,
         torch.empty(b, l, dtype=torch.int32, device=META) if "seq" in opts else None,
         out, torch.empty(b, d, w - 1, dtype=dtype, device=META) if "final" in opts else None,
-        "silu" in opts)[0]
+        "silu" in opts, cfg)[0]
 
 
 def backward_call(dtype=BF, layout="channel_last", w=4, opts=("bias", "init", "seq", "silu",
-                                                              "dfinal"), int64=False):
-    b, d, l = (1, 1536, 2**21 + 3) if int64 else (2, 1600, 1000)
+                                                              "dfinal"), int64=False, d=1600,
+                  **fields):
+    b, d, l = (1, 1536, 2**21 + 3) if int64 else (2, d, 1000)
     x = _x(b, d, l, dtype, layout)
     cl = plan.is_channel_last(x)
-    cfg = plan.conv1d_config(b, d, l, cl, width=w)
+    cfg = dataclasses.replace(plan.conv1d_config(b, d, l, cl, width=w), **fields)
     parts = b * plan.backward_grid(x, cfg)[1]
     init = torch.empty(b, d, w - 1, dtype=dtype, device=META) if "init" in opts else None
     return plan.backward_plan(
@@ -81,6 +87,15 @@ FAST = [
     ("update-bf16-int64", lambda: update_calls(int64=True)[0]),
     ("state-copy-int64", lambda: update_calls(int64=True)[1]),
     ("bwd-bf16-cl-all", lambda: backward_call()),
+    # form 1 (streamed taps), at dims its tiles divide (unchecked interior blocks) and not
+    ("fwd1-bf16-cl-all", lambda: forward_call(d=1536, form=1)),
+    ("fwd1-bf16-cl-bias-silu-16x128", lambda: forward_call(opts=("bias", "silu"), d=1536,
+                                                           form=1, block_l=16)),
+    ("fwd1-bf16-cl-bias-silu-32x64", lambda: forward_call(opts=("bias", "silu"), d=1536,
+                                                          form=1, block_d=64)),
+    ("bwd1-bf16-cl-all", lambda: backward_call(d=1536, form=1)),
+    ("bwd1-bf16-cl-bias-silu-partial-d", lambda: backward_call(opts=("bias", "silu"), d=1544,
+                                                               form=1)),
 ]
 SLOW = [
     ("fwd-bf16-contig-w3-seq", lambda: forward_call(layout="contiguous", w=3, opts=("seq",))),
@@ -90,6 +105,14 @@ SLOW = [
     ("bwd-fp32-cl-none-w2", lambda: backward_call(FP32, w=2, opts=())),
     ("bwd-fp16-cl-w8-silu-init", lambda: backward_call(FP16, w=8, opts=("silu", "init"))),
     ("bwd-bf16-cl-int64", lambda: backward_call(opts=("bias", "silu"), int64=True)),
+    ("fwd1-fp16-contig-all", lambda: forward_call(FP16, "contiguous", d=1536, form=1)),
+    ("fwd1-fp32-cl-none-w2", lambda: forward_call(FP32, w=2, opts=(), form=1)),
+    ("fwd1-bf16-cl-w8-int64", lambda: forward_call(w=8, opts=("bias", "silu"), int64=True,
+                                                   form=1)),
+    ("bwd1-bf16-contig-all", lambda: backward_call(layout="contiguous", d=1536, form=1)),
+    ("bwd1-fp16-cl-w8-silu-init", lambda: backward_call(FP16, w=8, opts=("silu", "init"),
+                                                        form=1)),
+    ("bwd1-bf16-cl-int64", lambda: backward_call(opts=("bias", "silu"), int64=True, form=1)),
 ]
 
 
@@ -123,6 +146,19 @@ def test_less_common_variant_compiles(name, make):
 def test_int64_variants_are_picked():
     assert forward_call(int64=True).kernel is not forward_call().kernel
     assert backward_call(int64=True).kernel is not backward_call().kernel
+    assert forward_call(int64=True, form=1).kernel is not forward_call(form=1).kernel
+    assert backward_call(int64=True, form=1).kernel is not backward_call(form=1).kernel
+
+
+def test_forms_pick_their_kernels():
+    from mamba2_cutile.kernels import causal_conv1d_bwd_stream, causal_conv1d_fwd_stream
+    assert forward_call(form=1).kernel is causal_conv1d_fwd_stream.causal_conv1d_fwd_stream
+    assert backward_call(form=1).kernel is causal_conv1d_bwd_stream.causal_conv1d_bwd_stream
+    assert forward_call().kernel is not forward_call(form=1).kernel
+    # form 1's UNCHECKED (its last argument but one) only where the channel tiles divide dim
+    assert forward_call(d=1536, form=1).args[-2] is plan.unchecked_supported()
+    assert forward_call(d=1544, form=1).args[-2] is False
+    assert backward_call(d=1536, form=1, unchecked=0).args[-2] is False
     assert update_calls(int64=True)[0].kernel is not update_calls()[0].kernel
 
 
@@ -137,6 +173,13 @@ def test_default_config_and_env(monkeypatch):
     monkeypatch.setenv(plan.ENV_CONV1D, "block_l=4")
     with pytest.raises(ValueError, match="block_l"):
         plan.conv1d_config(1, 4096, 16384, True)
+    monkeypatch.setenv(plan.ENV_CONV1D, "form=1,bwd_tiles=4,bwd_occupancy=2,warps=4")
+    cfg = plan.conv1d_config(1, 4096, 16384, True)
+    assert (cfg.form, cfg.bwd_tiles, cfg.bwd_occupancy, cfg.warps) == (1, 4, 2, 4)
+    for bad in ("form=3", "warps=2", "unchecked=2", "store_tma=5"):
+        monkeypatch.setenv(plan.ENV_CONV1D, bad)
+        with pytest.raises(ValueError, match=bad.split("=")[0]):
+            plan.conv1d_config(1, 4096, 16384, True)
     monkeypatch.setenv(plan.ENV_CONV1D, "nonsense=1")
     with pytest.raises(ValueError, match=plan.ENV_CONV1D):
         plan.conv1d_config(1, 4096, 16384, True)

@@ -9,6 +9,17 @@ Reported against the H200's 4.3 TB/s.
 
     python -m mamba2_cutile.bench.conv1d [--dtype bf16] [--width 4] [--layout channel_last]
         [--modes fwd,fwdbwd] [--reps 50] [--json FILE]
+
+`--sweep` times candidate `Conv1dConfig`s in one process instead (`sweep_conv1d`): the
+forward and the backward separately, each as the kernel launch alone (the planned
+`KernelCall`s replayed in a CUDA graph; heads and partial buffers built once outside) and as
+the whole launcher call (with its small head copies, the weight transpose and the partials'
+sum). Bytes: forward x read + out written, backward x and dout read + dx written. Each
+candidate's results are checked against the dispatcher's default config (max relative
+difference printed); the fastest per shape and direction is listed at the end.
+
+    python -m mamba2_cutile.bench.conv1d --sweep [--only fwd|bwd] [--shapes 1x16384x1792,...]
+        [--configs "fwd:form=1,block_l=16;bwd:form=1,bwd_tiles=4"] [--reps 30] [--json FILE]
 """
 
 from __future__ import annotations
@@ -127,6 +138,182 @@ def format_rows(rows) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------- the sweep
+
+#: (batch, seqlen, dim) of the sweep: Mamba-2 780M / 2.7B widths at 16K tokens, and a larger
+#: batch of the widest
+SWEEP_SHAPES = [(1, 16384, 1792), (1, 16384, 5376), (2, 32768, 8448)]
+#: forward candidates: fields over the dispatcher's config ("" = the dispatcher's own)
+FWD_CANDIDATES = [
+    "", "block_d=64", "shift_tma=1", "shift_tma=1,tiles=4",
+    "form=1", "form=1,block_d=64", "form=1,block_l=16", "form=1,block_l=16,block_d=256",
+    "form=1,block_l=64,block_d=64", "form=1,block_d=64,tiles=4", "form=1,block_d=64,tiles=8",
+    "form=1,block_d=64,occupancy=4", "form=1,block_l=16,occupancy=4",
+    "form=1,block_d=64,shift_tma=1", "form=1,shift_tma=1,tiles=4",
+    "form=1,block_d=64,store_tma=1", "form=1,block_d=64,unchecked=0",
+    "form=1,block_l=8,block_d=256", "form=1,block_d=64,warps=8",
+]
+#: backward candidates
+BWD_CANDIDATES = [
+    "", "bwd_block_d=32", "bwd_tiles=4",
+    "form=1", "form=1,bwd_tiles=1", "form=1,bwd_tiles=4", "form=1,bwd_block_d=32",
+    "form=1,bwd_block_d=128", "form=1,bwd_block_l=8,bwd_block_d=128",
+    "form=1,bwd_block_l=32,bwd_block_d=32", "form=1,bwd_block_d=32,bwd_occupancy=4",
+    "form=1,bwd_occupancy=2", "form=1,bwd_occupancy=4", "form=1,shift_tma=1",
+    "form=1,store_tma=1", "form=1,unchecked=0", "form=1,bwd_warps=8",
+]
+
+
+def _parse_fields(spec):
+    from .. import config as _config
+    from ..conv1d.plan import Conv1dConfig
+    return _config.parse_overrides(Conv1dConfig, spec, "--configs")
+
+
+def _max_rel(a, ref):
+    ref = ref.float()
+    return ((a.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def _fwd_runner(x, w, b, cfg):
+    """(kernel-only fn, whole-call fn, output) of the forward at cfg (bias, SiLU)."""
+    from ..conv1d import plan
+    from ..runtime import launch_calls
+    xk, cl = plan.kernel_layout(x)
+    out = plan.empty_like_layout(xk, cl)
+    calls = plan.forward_plan(xk, w.t().contiguous(), b, None, None, out, None, True, cfg)
+
+    def kernel():
+        launch_calls(calls, x.device)
+
+    def call():
+        return plan.conv1d_forward_cuda(x, w, b, None, None, True, False, cfg)[0]
+
+    kernel()
+    return kernel, call, out
+
+
+def _bwd_runner(x, w, b, dout, cfg):
+    """(kernel-only fn, whole-call fn, (dx, dweight, dbias) from the kernel path)."""
+    from ..conv1d import plan
+    from ..runtime import launch_calls
+    xk, cl = plan.kernel_layout(x)
+    d, wd = xk.shape[1], w.shape[1]
+    dk = plan.in_layout(dout, cl)
+    dx = plan.empty_like_layout(xk, cl)
+    parts = xk.shape[0] * plan.backward_grid(xk, cfg)[1]
+    dw_part = torch.empty(parts, wd, d, dtype=torch.float32, device=x.device)
+    db_part = torch.empty(parts, d, dtype=torch.float32, device=x.device)
+    calls = plan.backward_plan(xk, w.t().contiguous(), b, None, None, dk, None, dx, dw_part,
+                               db_part, None, True, cfg)
+
+    def kernel():
+        launch_calls(calls, x.device)
+
+    def call():
+        return plan.conv1d_backward_cuda(x, w, b, None, None, dout, None, True, cfg)[:3]
+
+    kernel()
+    return kernel, call, (dx, dw_part.sum(0).t(), db_part.sum(0))
+
+
+def sweep_conv1d(shapes=SWEEP_SHAPES, fwd_candidates=FWD_CANDIDATES,
+                 bwd_candidates=BWD_CANDIDATES, dtype=torch.bfloat16, width=4,
+                 layout="channel_last", reps=30, only=None, log=print):
+    """Rows of {shape, mode (fwd/bwd), config (the fields over the default), kernel_ms,
+    call_ms, GB/s and % of 4.3 TB/s (kernel alone), max rel diff against the default config};
+    a row with "error" where a candidate failed (compile error, bad field)."""
+    from dataclasses import replace
+    from ..conv1d import plan
+    from .timing import time_graph
+    rows = []
+    for (batch, seqlen, dim) in shapes:
+        x, w, b, dout = make_inputs(batch, seqlen, dim, width, dtype, layout)
+        xk, cl = plan.kernel_layout(x)
+        base = plan.conv1d_config(batch, dim, seqlen, cl, plan.num_sms(x), width)
+        nbytes = x.numel() * x.element_size()
+        for mode, cands in (("fwd", fwd_candidates), ("bwd", bwd_candidates)):
+            if only and mode != only:
+                continue
+            ref = None
+            for spec in cands:
+                row = dict(batch=batch, seqlen=seqlen, dim=dim, width=width,
+                           dtype=str(dtype)[6:], layout=layout, mode=mode,
+                           config=spec or "default")
+                try:
+                    cfg = replace(base, **_parse_fields(spec))
+                    if mode == "fwd":
+                        kernel, call, res = _fwd_runner(x, w, b, cfg)
+                        res = (res,)
+                    else:
+                        kernel, call, res = _bwd_runner(x, w, b, dout, cfg)
+                    torch.cuda.synchronize()
+                    if ref is None:
+                        ref = tuple(t.clone() for t in res)    # the first candidate's (default)
+                    row["max_rel_diff"] = max(_max_rel(r, q) for r, q in zip(res, ref))
+                    row["kernel_ms"] = time_graph(kernel, reps=reps)["median_ms"]
+                    row["call_ms"] = time_graph(call, reps=reps)["median_ms"]
+                except Exception as e:  # noqa: BLE001 - one failing candidate must not end the sweep
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    torch.cuda.synchronize()
+                    rows.append(row)
+                    log(_format_sweep_row(row))
+                    continue
+                passes = 2 if mode == "fwd" else 3
+                row["gb_s"] = passes * nbytes / (row["kernel_ms"] * 1e-3) / 1e9
+                row["peak_pct"] = 100 * row["gb_s"] * 1e9 / PEAK_BYTES_PER_S
+                row["call_peak_pct"] = 100 * passes * nbytes / (row["call_ms"] * 1e-3) \
+                    / PEAK_BYTES_PER_S
+                rows.append(row)
+                log(_format_sweep_row(row))
+        del x, w, b, dout
+        torch.cuda.empty_cache()
+    return rows
+
+
+SWEEP_HEADER = (f"{'batch':>5} {'seqlen':>6} {'dim':>5} {'mode':>4} {'kernel ms':>9} {'GB/s':>6} "
+                f"{'%peak':>6} {'call ms':>8} {'call%':>6} {'rel diff':>8}  config")
+
+
+def _format_sweep_row(r) -> str:
+    head = f"{r['batch']:>5} {r['seqlen']:>6} {r['dim']:>5} {r['mode']:>4}"
+    if "error" in r:
+        return f"{head} {'failed':>9} {r['error']}  [{r['config']}]"
+    return (f"{head} {r['kernel_ms']:9.4f} {r['gb_s']:6.0f} {r['peak_pct']:5.1f}% "
+            f"{r['call_ms']:8.4f} {r['call_peak_pct']:5.1f}% {r['max_rel_diff']:8.1e}  "
+            f"{r['config']}")
+
+
+def best_of_sweep(rows) -> list:
+    """The fastest candidate (kernel time) per (shape, mode) among those that ran."""
+    best = {}
+    for r in rows:
+        if "error" in r:
+            continue
+        key = (r["batch"], r["seqlen"], r["dim"], r["mode"])
+        if key not in best or r["kernel_ms"] < best[key]["kernel_ms"]:
+            best[key] = r
+    return list(best.values())
+
+
+def _parse_shapes(text):
+    return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+
+
+def _parse_configs(text):
+    """"fwd:a=1,b=2;bwd:c=3;..." -> (forward specs, backward specs); "fwd:" is the default."""
+    fwd, bwd = [], []
+    for item in text.split(";"):
+        item = item.strip()
+        if not item:
+            continue
+        mode, sep, spec = item.partition(":")
+        if not sep or mode not in ("fwd", "bwd"):
+            raise ValueError(f"--configs: {item!r} is not fwd:<fields> or bwd:<fields>")
+        (fwd if mode == "fwd" else bwd).append(spec.strip())
+    return fwd, bwd
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
@@ -135,7 +322,30 @@ def main(argv=None):
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time candidate Conv1dConfigs")
+    ap.add_argument("--only", choices=["fwd", "bwd"], default=None, help="sweep one direction")
+    ap.add_argument("--shapes", default=None, help="sweep shapes, e.g. 1x16384x1792,...")
+    ap.add_argument("--configs", default=None,
+                    help='sweep candidates "fwd:form=1,block_l=16;bwd:form=1" (the default '
+                         'config is always timed first)')
     args = ap.parse_args(argv)
+    if args.sweep:
+        fwd, bwd = FWD_CANDIDATES, BWD_CANDIDATES
+        if args.configs:
+            fwd, bwd = _parse_configs(args.configs)
+            fwd, bwd = [""] + [c for c in fwd if c], [""] + [c for c in bwd if c]
+        shapes = _parse_shapes(args.shapes) if args.shapes else SWEEP_SHAPES
+        print(SWEEP_HEADER, flush=True)
+        rows = sweep_conv1d(shapes, fwd, bwd, _DTYPES[args.dtype], args.width, args.layout,
+                            args.reps, args.only, log=lambda line: print(line, flush=True))
+        print("\nfastest per shape and direction (kernel time):")
+        print(SWEEP_HEADER)
+        for r in best_of_sweep(rows):
+            print(_format_sweep_row(r))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     rows = bench_conv1d(dtype=_DTYPES[args.dtype], width=args.width, layout=args.layout,
                         modes=tuple(args.modes.split(",")), reps=args.reps)
     print(format_rows(rows))

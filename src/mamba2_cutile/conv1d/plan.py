@@ -51,7 +51,10 @@ class Conv1dConfig:
     streamed ones (`causal_conv1d_fwd_stream` / `causal_conv1d_bwd_stream`: branch-free taps
     in interior blocks, the backward's taps streamed through a W-tile window). unchecked
     (form 1): 1 lets interior blocks skip the bounds checks of their loads and stores when
-    block_d divides dim (and tileiras is 13.4+; otherwise it has no effect)."""
+    block_d divides dim (and tileiras is 13.4+; otherwise it has no effect). warps: the
+    num_worker_warps hint (0: the compiler's choice; 4 or 8). store_tma (form 1): 1 lets the
+    output stores use TMA. bwd_occupancy, bwd_warps: the
+    backward's own hints (0: occupancy, warps)."""
     block_l: int = 32
     block_d: int = 128
     tiles: int = 1
@@ -62,6 +65,10 @@ class Conv1dConfig:
     occupancy: int = 0
     form: int = 0
     unchecked: int = 1
+    warps: int = 0
+    store_tma: int = 0
+    bwd_occupancy: int = 0
+    bwd_warps: int = 0
 
     FIXED = ()
 
@@ -78,6 +85,10 @@ class Conv1dConfig:
         c.check_range(self, "occupancy", 0, 32)
         c.check_choice(self, "form", tuple(FORMS))
         c.check_choice(self, "unchecked", (0, 1))
+        c.check_range(self, "bwd_occupancy", 0, 32)
+        c.check_choice(self, "warps", (0, 4, 8))
+        c.check_choice(self, "store_tma", (0, 1))
+        c.check_choice(self, "bwd_warps", (0, 4, 8))
 
 
 def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
@@ -213,7 +224,7 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
         cfg = conv1d_config(b, d, l, cl, num_sms(x), w)
     xp, op = physical(x, cl), physical(out, cl)
     kernel = FORMS[cfg.form][0][1 if needs_int64(xp, op) else 0]
-    kernel = with_hints(kernel, cfg.occupancy)
+    kernel = with_hints(kernel, cfg.occupancy, cfg.warps)
     head = physical(make_head(x, initial_states, cfg.block_l, w, cl), cl)
     id_head = make_id_head(seq_idx, cfg.block_l, w) if seq_idx is not None else weight_t
     stand_in = weight_t
@@ -225,7 +236,7 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
             bias is not None, seq_idx is not None, bool(silu), final is not None,
             bool(cfg.shift_tma))
     if cfg.form == 1:
-        args += (_unchecked(cfg, d, cfg.block_d),)
+        args += (_unchecked(cfg, d, cfg.block_d), bool(cfg.store_tma))
     return [KernelCall(kernel, grid, args)]
 
 
@@ -246,7 +257,7 @@ def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, 
         cfg = conv1d_config(b, d, l, cl, num_sms(x), w)
     xp, dop, dxp = physical(x, cl), physical(dout, cl), physical(dx, cl)
     kernel = FORMS[cfg.form][1][1 if needs_int64(xp, dop, dxp) else 0]
-    kernel = with_hints(kernel, cfg.occupancy)
+    kernel = with_hints(kernel, cfg.bwd_occupancy or cfg.occupancy, cfg.bwd_warps or cfg.warps)
     bl = cfg.bwd_block_l
     head = physical(make_head(x, initial_states, bl, w, cl), cl)
     dout_head = physical(make_head(dout, None, bl, w, cl), cl)
@@ -260,7 +271,7 @@ def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, 
             cfg.bwd_tiles, cl, bias is not None, initial_states is not None,
             seq_idx is not None, bool(silu), dfinal is not None, bool(cfg.shift_tma))
     if cfg.form == 1:
-        args += (_unchecked(cfg, d, cfg.bwd_block_d),)
+        args += (_unchecked(cfg, d, cfg.bwd_block_d), bool(cfg.store_tma))
     return [KernelCall(kernel, backward_grid(x, cfg), args)]
 
 

@@ -22,6 +22,8 @@ with fewer live tiles and no per-tap branch in interior blocks.
   slice; with UNCHECKED (the launcher's promise that BLOCK_D divides dim, and tileiras 13.4+)
   their loads and the dx store skip the bounds checks. The edge blocks take the head/x/zero
   branch of `causal_conv1d_common.token_tile` per tap and add the dfinal terms; the choice is one program-uniform branch around the block.
+- STORE_TMA lets the stores use TMA; without it they are plain stores (a TMA store makes
+  tileiras warp-specialize the kernel: twice the threads, mbarrier waits).
 - Programs own BLOCK_D channels of one row and TILES consecutive token blocks; their partial
   dw (W, BLOCK_D) and dbias (BLOCK_D) sums go to row `b * num_blocks(1) + bid(1)` of the partials
   buffers, summed afterwards in a fixed order (no atomics). The programs of the first token
@@ -31,7 +33,8 @@ with fewer live tiles and no per-tap branch in interior blocks.
 import cuda.tile as ct
 
 from ._common import int64_variant
-from .causal_conv1d_common import id_slice, id_tile, raw_slice_tile, token_tile, weight_row
+from .causal_conv1d_common import (id_slice, id_tile_tma, raw_slice_tile, token_tile,
+                                   weight_rows_plain)
 
 
 def _tap(t, t_head, b, start, d_blk, seqlen, ROWS: ct.Constant[int],
@@ -52,7 +55,7 @@ def _tap(t, t_head, b, start, d_blk, seqlen, ROWS: ct.Constant[int],
 def _ids(seq_idx, id_head, b, start, seqlen, ROWS: ct.Constant[int],
          HEAD_FRONT: ct.Constant[int], SAFE: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
     if SAFE:
-        ids = id_tile(seq_idx, id_head, b, start, seqlen, ROWS, HEAD_FRONT)
+        ids = id_tile_tma(seq_idx, id_head, b, start, seqlen, ROWS, HEAD_FRONT, False)
     else:
         ids = id_slice(seq_idx, b, start, seqlen, ROWS, UNCHECKED)
     return ids
@@ -130,13 +133,15 @@ def _stream_grads(x, x_head, wts, bias_row, seq_idx, id_head, dout, dout_head, d
 
 
 def _store_dx(dx, de, b, l_tile, d_blk, BLOCK_L: ct.Constant[int], BLOCK_D: ct.Constant[int],
-              CHANNEL_LAST: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
+              CHANNEL_LAST: ct.Constant[bool], UNCHECKED: ct.Constant[bool],
+              STORE_TMA: ct.Constant[bool]):
     tile = de.astype(dx.dtype).reshape((1, BLOCK_L, BLOCK_D))
     if CHANNEL_LAST:
-        ct.store(dx, index=(b, l_tile, d_blk), tile=tile, check_bounds=not UNCHECKED)
+        ct.store(dx, index=(b, l_tile, d_blk), tile=tile, check_bounds=not UNCHECKED,
+                 allow_tma=STORE_TMA)
     else:
         ct.store(dx, index=(b, l_tile, d_blk), tile=tile, order=(0, 2, 1),
-                 check_bounds=not UNCHECKED)
+                 check_bounds=not UNCHECKED, allow_tma=STORE_TMA)
 
 
 def _bwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, dfinal, dx,
@@ -146,7 +151,8 @@ def _bwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, df
                 CHANNEL_LAST: ct.Constant[bool], HAS_BIAS: ct.Constant[bool],
                 HAS_INIT: ct.Constant[bool], HAS_SEQ: ct.Constant[bool],
                 SILU: ct.Constant[bool], HAS_DFINAL: ct.Constant[bool],
-                SHIFT_TMA: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
+                SHIFT_TMA: ct.Constant[bool], UNCHECKED: ct.Constant[bool],
+                STORE_TMA: ct.Constant[bool]):
     d_blk = ct.bid(0)
     prog_l = ct.bid(1)
     b = ct.bid(2)
@@ -154,14 +160,7 @@ def _bwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, df
         seqlen = x.shape[1]
     else:
         seqlen = x.shape[2]
-    wts = ()
-    for k in ct.static_iter(range(WIDTH)):
-        wts += (weight_row(weight_t, k, d_blk, BLOCK_D),)
-    bias_row = ct.full((1, BLOCK_D), 0.0, dtype=ct.float32)
-    if HAS_BIAS:
-        bias_row = ct.load(bias, index=(d_blk,), shape=(BLOCK_D,),
-                           padding_mode=ct.PaddingMode.ZERO).reshape(
-                               (1, BLOCK_D)).astype(ct.float32)
+    wts, bias_row = weight_rows_plain(weight_t, bias, d_blk, WIDTH, BLOCK_D, HAS_BIAS)
     dw_accs = ()
     for k in ct.static_iter(range(WIDTH)):
         dw_accs += (ct.full((BLOCK_L, BLOCK_D), 0.0, dtype=ct.float32),)
@@ -175,13 +174,14 @@ def _bwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, df
                                        dout_head, dfinal, b, l0, d_blk, seqlen, WIDTH, BLOCK_L,
                                        HEAD_FRONT, BLOCK_D, CHANNEL_LAST, HAS_SEQ, SILU,
                                        HAS_DFINAL, True, False, True, False)
-            _store_dx(dx, de, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST, False)
+            _store_dx(dx, de, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST, False, STORE_TMA)
         else:
             de, g, dws = _stream_grads(x, x_head, wts, bias_row, seq_idx, id_head, dout,
                                        dout_head, dfinal, b, l0, d_blk, seqlen, WIDTH, BLOCK_L,
                                        HEAD_FRONT, BLOCK_D, CHANNEL_LAST, HAS_SEQ, SILU,
                                        HAS_DFINAL, False, SHIFT_TMA, True, UNCHECKED)
-            _store_dx(dx, de, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST, UNCHECKED)
+            _store_dx(dx, de, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST, UNCHECKED,
+                      STORE_TMA)
         db_acc = db_acc + g
         summed = ()
         for k in ct.static_iter(range(WIDTH)):
@@ -193,8 +193,9 @@ def _bwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, df
         dw_acc = dw_acc + ct.where(tap_row == k, ct.sum(dw_accs[k], axis=0, keepdims=True), 0.0)
     db_acc = ct.sum(db_acc, axis=0, keepdims=True)
     part = b * ct.num_blocks(1) + prog_l
-    ct.store(dw_part, index=(part, 0, d_blk), tile=dw_acc.reshape((1, WIDTH_PAD, BLOCK_D)))
-    ct.store(db_part, index=(part, d_blk), tile=db_acc)
+    ct.store(dw_part, index=(part, 0, d_blk), tile=dw_acc.reshape((1, WIDTH_PAD, BLOCK_D)),
+             allow_tma=STORE_TMA)
+    ct.store(db_part, index=(part, d_blk), tile=db_acc, allow_tma=STORE_TMA)
     if HAS_INIT:
         if prog_l == 0:
             di, g_unused, dw_unused = _stream_grads(

@@ -40,16 +40,23 @@ def raw_slice_tile(t, b, start, stop, d_blk, ROWS: ct.Constant[int], BLOCK_D: ct
     """t's tokens start .. start+ROWS-1 (zero past `stop`) at the channel block d_blk, as
     (ROWS, BLOCK_D) in t's dtype; 0 <= start < stop. UNCHECKED: the caller guarantees the
     whole tile lies inside t (start + ROWS <= stop, a full channel block), so the load skips
-    its bounds checks (tileiras 13.4+)."""
-    ZERO = ct.PaddingMode.ZERO
+    its bounds checks (tileiras 13.4+; it refuses a padding mode on such a load)."""
     if CHANNEL_LAST:
         view = t.slice(axis=1, start=start, stop=stop)
-        tile = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D), padding_mode=ZERO,
-                       allow_tma=SHIFT_TMA, check_bounds=not UNCHECKED)
+        if UNCHECKED:
+            tile = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D),
+                           allow_tma=SHIFT_TMA, check_bounds=False)
+        else:
+            tile = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D),
+                           padding_mode=ct.PaddingMode.ZERO, allow_tma=SHIFT_TMA)
     else:
         view = t.slice(axis=2, start=start, stop=stop)
-        tile = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D), order=(0, 2, 1),
-                       padding_mode=ZERO, allow_tma=SHIFT_TMA, check_bounds=not UNCHECKED)
+        if UNCHECKED:
+            tile = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D), order=(0, 2, 1),
+                           allow_tma=SHIFT_TMA, check_bounds=False)
+        else:
+            tile = ct.load(view, index=(b, 0, d_blk), shape=(1, ROWS, BLOCK_D), order=(0, 2, 1),
+                           padding_mode=ct.PaddingMode.ZERO, allow_tma=SHIFT_TMA)
     return tile.reshape((ROWS, BLOCK_D))
 
 
@@ -57,8 +64,11 @@ def id_slice(seq_idx, b, start, seqlen, ROWS: ct.Constant[int], UNCHECKED: ct.Co
     """seq_idx(start + i) for i < ROWS as a (ROWS, 1) int32 column, 0 past the end;
     0 <= start < seqlen (UNCHECKED: start + ROWS <= seqlen)."""
     view = seq_idx.slice(axis=1, start=start, stop=seqlen)
-    ids = ct.load(view, index=(b, 0), shape=(1, ROWS), padding_mode=ct.PaddingMode.ZERO,
-                  check_bounds=not UNCHECKED)
+    if UNCHECKED:
+        ids = ct.load(view, index=(b, 0), shape=(1, ROWS), check_bounds=False, allow_tma=False)
+    else:
+        ids = ct.load(view, index=(b, 0), shape=(1, ROWS), padding_mode=ct.PaddingMode.ZERO,
+                      allow_tma=False)
     return ids.reshape((ROWS, 1))
 
 
@@ -83,16 +93,25 @@ def token_tile(x, head, b, start, d_blk, seqlen, ROWS: ct.Constant[int],
 
 def id_tile(seq_idx, id_head, b, start, seqlen, ROWS: ct.Constant[int],
             HEAD_FRONT: ct.Constant[int]):
+    """`id_tile_tma` with TMA allowed (the form-0 kernels)."""
+    return id_tile_tma(seq_idx, id_head, b, start, seqlen, ROWS, HEAD_FRONT, True)
+
+
+def id_tile_tma(seq_idx, id_head, b, start, seqlen, ROWS: ct.Constant[int],
+                HEAD_FRONT: ct.Constant[int], ID_TMA: ct.Constant[bool]):
     """id(start + i) for i < ROWS as a (ROWS, 1) int32 column: seq_idx inside the sequence,
     the row's first id before it (from id_head, laid out like the input's head), 0 past it
-    (those tokens have zero input and zero output gradient, so their id never matters)."""
+    (those tokens have zero input and zero output gradient, so their id never matters).
+    ID_TMA=False keeps these small loads off TMA (see `weight_rows_plain`)."""
     ZERO = ct.PaddingMode.ZERO
     if start < 0:
         view = id_head.slice(axis=1, start=start + HEAD_FRONT, stop=id_head.shape[1])
-        ids = ct.load(view, index=(b, 0), shape=(1, ROWS), padding_mode=ZERO)
+        ids = ct.load(view, index=(b, 0), shape=(1, ROWS), padding_mode=ZERO,
+                      allow_tma=ID_TMA)
     elif start < seqlen:
         view = seq_idx.slice(axis=1, start=start, stop=seqlen)
-        ids = ct.load(view, index=(b, 0), shape=(1, ROWS), padding_mode=ZERO)
+        ids = ct.load(view, index=(b, 0), shape=(1, ROWS), padding_mode=ZERO,
+                      allow_tma=ID_TMA)
     else:
         ids = ct.full((1, ROWS), 0, dtype=ct.int32)
     return ids.reshape((ROWS, 1))
@@ -103,3 +122,21 @@ def weight_row(weight_t, k, d_blk, BLOCK_D: ct.Constant[int]):
     (width, dim) transpose of the weight)."""
     return ct.load(weight_t, index=(k, d_blk), shape=(1, BLOCK_D),
                    padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
+
+
+def weight_rows_plain(weight_t, bias, d_blk, WIDTH: ct.Constant[int], BLOCK_D: ct.Constant[int],
+                      HAS_BIAS: ct.Constant[bool]):
+    """(the W weight rows as in `weight_row`, the bias row (zeros without bias)), all (1,
+    BLOCK_D) float32, by plain loads: a TMA load of these few bytes would make the compiler
+    add a producer warp group (twice the threads, mbarrier waits) to a kernel that needs
+    none."""
+    ZERO = ct.PaddingMode.ZERO
+    wts = ()
+    for k in ct.static_iter(range(WIDTH)):
+        wts += (ct.load(weight_t, index=(k, d_blk), shape=(1, BLOCK_D), padding_mode=ZERO,
+                        allow_tma=False).astype(ct.float32),)
+    bias_row = ct.full((1, BLOCK_D), 0.0, dtype=ct.float32)
+    if HAS_BIAS:
+        bias_row = ct.load(bias, index=(d_blk,), shape=(BLOCK_D,), padding_mode=ZERO,
+                           allow_tma=False).reshape((1, BLOCK_D)).astype(ct.float32)
+    return wts, bias_row

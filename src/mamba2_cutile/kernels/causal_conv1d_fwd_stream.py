@@ -16,6 +16,8 @@ with a layout of the work meant for a memory-bound kernel on many small programs
 - The edge blocks (the row's first, whose taps reach before token 0, and its last) take the
   per-tap head/x/zero branch of `causal_conv1d_common.token_tile`, as one program-uniform
   branch around the whole block.
+- STORE_TMA lets the output store use TMA (else a plain store: a TMA store can make tileiras
+  warp-specialize the kernel, twice the threads).
 - Grid: (cdiv(dim, BLOCK_D), cdiv(cdiv(seqlen, BLOCK_L), TILES), batch); the program holding
   the last token writes the final states (`causal_conv1d_fwd._final_states`).
 """
@@ -23,14 +25,15 @@ with a layout of the work meant for a memory-bound kernel on many small programs
 import cuda.tile as ct
 
 from ._common import int64_variant
-from .causal_conv1d_common import id_slice, id_tile, raw_slice_tile, token_tile, weight_row
+from .causal_conv1d_common import (id_slice, id_tile_tma, raw_slice_tile, token_tile,
+                                   weight_rows_plain)
 from .causal_conv1d_fwd import _final_states
 
 
 def _ids(seq_idx, id_head, b, start, seqlen, ROWS: ct.Constant[int],
          HEAD_FRONT: ct.Constant[int], SAFE: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
     if SAFE:
-        ids = id_tile(seq_idx, id_head, b, start, seqlen, ROWS, HEAD_FRONT)
+        ids = id_tile_tma(seq_idx, id_head, b, start, seqlen, ROWS, HEAD_FRONT, False)
     else:
         ids = id_slice(seq_idx, b, start, seqlen, ROWS, UNCHECKED)
     return ids
@@ -71,17 +74,18 @@ def _block_pre(x, x_head, seq_idx, id_head, wts, bias_row, b, l0, d_blk, seqlen,
 def _store_out(out, acc, own, b, l_tile, d_blk, BLOCK_L: ct.Constant[int],
                BLOCK_D: ct.Constant[int], CHANNEL_LAST: ct.Constant[bool],
                HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool],
-               UNCHECKED: ct.Constant[bool]):
+               UNCHECKED: ct.Constant[bool], STORE_TMA: ct.Constant[bool]):
     if SILU:
         acc = acc / (1.0 + ct.exp(-acc))
     if HAS_SEQ:
         acc = ct.where(own >= 0, acc, 0.0)
     tile = acc.astype(out.dtype).reshape((1, BLOCK_L, BLOCK_D))
     if CHANNEL_LAST:
-        ct.store(out, index=(b, l_tile, d_blk), tile=tile, check_bounds=not UNCHECKED)
+        ct.store(out, index=(b, l_tile, d_blk), tile=tile, check_bounds=not UNCHECKED,
+                 allow_tma=STORE_TMA)
     else:
         ct.store(out, index=(b, l_tile, d_blk), tile=tile, order=(0, 2, 1),
-                 check_bounds=not UNCHECKED)
+                 check_bounds=not UNCHECKED, allow_tma=STORE_TMA)
 
 
 def _fwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, out, final,
@@ -90,7 +94,7 @@ def _fwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, out, final,
                 CHANNEL_LAST: ct.Constant[bool], HAS_BIAS: ct.Constant[bool],
                 HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool],
                 HAS_FINAL: ct.Constant[bool], SHIFT_TMA: ct.Constant[bool],
-                UNCHECKED: ct.Constant[bool]):
+                UNCHECKED: ct.Constant[bool], STORE_TMA: ct.Constant[bool]):
     d_blk = ct.bid(0)
     prog_l = ct.bid(1)
     b = ct.bid(2)
@@ -98,14 +102,7 @@ def _fwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, out, final,
         seqlen = x.shape[1]
     else:
         seqlen = x.shape[2]
-    wts = ()
-    for k in ct.static_iter(range(WIDTH)):
-        wts += (weight_row(weight_t, k, d_blk, BLOCK_D),)
-    bias_row = ct.full((1, BLOCK_D), 0.0, dtype=ct.float32)
-    if HAS_BIAS:
-        bias_row = ct.load(bias, index=(d_blk,), shape=(BLOCK_D,),
-                           padding_mode=ct.PaddingMode.ZERO).reshape(
-                               (1, BLOCK_D)).astype(ct.float32)
+    wts, bias_row = weight_rows_plain(weight_t, bias, d_blk, WIDTH, BLOCK_D, HAS_BIAS)
     n_tiles = ct.cdiv(seqlen, BLOCK_L)
     for l_tile in range(prog_l * TILES, ct.minimum(n_tiles, prog_l * TILES + TILES)):
         l0 = l_tile * BLOCK_L
@@ -114,13 +111,13 @@ def _fwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, out, final,
                                   seqlen, WIDTH, HEAD_FRONT, BLOCK_L, BLOCK_D, CHANNEL_LAST,
                                   HAS_SEQ, True, False, False)
             _store_out(out, acc, own, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST,
-                       HAS_SEQ, SILU, False)
+                       HAS_SEQ, SILU, False, STORE_TMA)
         else:
             acc, own = _block_pre(x, x_head, seq_idx, id_head, wts, bias_row, b, l0, d_blk,
                                   seqlen, WIDTH, HEAD_FRONT, BLOCK_L, BLOCK_D, CHANNEL_LAST,
                                   HAS_SEQ, False, SHIFT_TMA, UNCHECKED)
             _store_out(out, acc, own, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST,
-                       HAS_SEQ, SILU, UNCHECKED)
+                       HAS_SEQ, SILU, UNCHECKED, STORE_TMA)
     if HAS_FINAL:
         if prog_l == (n_tiles - 1) // TILES:
             _final_states(x, x_head, seq_idx, id_head, final, b, d_blk, seqlen, WIDTH, HALO,
