@@ -364,8 +364,8 @@ EMU_CFG = plan.Conv1dConfig(block_l=8, block_d=16, tiles=2, bwd_block_l=8, bwd_b
 TOL_EMU = 1e-13
 
 
-def _emu_problem(layout, w, seed, d=40):
-    b, l = 2, 37          # several token and channel blocks, neither a multiple (d = 40)
+def _emu_problem(layout, w, seed, d=40, l=37):
+    b = 2          # several token and channel blocks, neither a multiple (d = 40, l = 37)
     x, weight, kw = problem(b=b, d=d, l=l, w=w, layout=layout, init=True, seq=True, seed=seed)
     return x, weight, kw
 
@@ -392,9 +392,17 @@ def test_kernels_emulated_unchecked_interior(layout, w, silu, opts, monkeypatch)
     _emulated_forward_backward(layout, w, silu, opts, "small", 1, d=32)
 
 
-def _emulated_forward_backward(layout, w, silu, opts, tiles, form, d=40):
+@pytest.mark.parametrize("form", [1, 2])
+@pytest.mark.parametrize("w,l", [(4, 1), (4, 3), (4, 4), (8, 9), (2, 17)])
+def test_kernels_emulated_short_sequences(form, w, l):
+    """Sequences of about the width: form 2's tap view has l-(w-1) rows (one at l = w),
+    shorter ones take form 1's forward; all options, channel-last."""
+    _emulated_forward_backward("channel_last", w, True, "all", "small", form, l=l)
+
+
+def _emulated_forward_backward(layout, w, silu, opts, tiles, form, d=40, l=37):
     from conv1d_emulator import run_calls
-    x, weight, kw = _emu_problem(layout, w, w, d)
+    x, weight, kw = _emu_problem(layout, w, w, d, l)
     bias = kw["bias"] if opts == "all" else None
     init = kw["initial_states"] if opts in ("all", "init") else None
     seq = kw["seq_idx"] if opts in ("all", "seq") else None

@@ -96,6 +96,10 @@ FAST = [
     ("bwd1-bf16-cl-all", lambda: backward_call(d=1536, form=1)),
     ("bwd1-bf16-cl-bias-silu-partial-d", lambda: backward_call(opts=("bias", "silu"), d=1544,
                                                                form=1)),
+    # form 2's forward (tap views; its backward is form 1's)
+    ("fwd2-bf16-cl-all", lambda: forward_call(form=2)),
+    ("fwd2-bf16-cl-bias-silu-32x64", lambda: forward_call(opts=("bias", "silu"), d=1536,
+                                                          form=2, block_d=64)),
 ]
 SLOW = [
     ("fwd-bf16-contig-w3-seq", lambda: forward_call(layout="contiguous", w=3, opts=("seq",))),
@@ -113,6 +117,9 @@ SLOW = [
     ("bwd1-fp16-cl-w8-silu-init", lambda: backward_call(FP16, w=8, opts=("silu", "init"),
                                                         form=1)),
     ("bwd1-bf16-cl-int64", lambda: backward_call(opts=("bias", "silu"), int64=True, form=1)),
+    ("fwd2-fp32-cl-none-w2-tiles4", lambda: forward_call(FP32, w=2, opts=(), form=2, tiles=4)),
+    ("fwd2-bf16-cl-w8-int64", lambda: forward_call(w=8, opts=("bias", "silu"), int64=True,
+                                                   form=2)),
 ]
 
 
@@ -155,6 +162,12 @@ def test_forms_pick_their_kernels():
     assert forward_call(form=1).kernel is causal_conv1d_fwd_stream.causal_conv1d_fwd_stream
     assert backward_call(form=1).kernel is causal_conv1d_bwd_stream.causal_conv1d_bwd_stream
     assert forward_call().kernel is not forward_call(form=1).kernel
+    from mamba2_cutile.kernels.causal_conv1d_fwd_taps import causal_conv1d_fwd_taps
+    assert forward_call(form=2).kernel is causal_conv1d_fwd_taps
+    # form 2 is channel-last only: the contiguous layout takes form 1's forward
+    assert forward_call(layout="contiguous", form=2).kernel is \
+        causal_conv1d_fwd_stream.causal_conv1d_fwd_stream
+    assert backward_call(form=2).kernel is causal_conv1d_bwd_stream.causal_conv1d_bwd_stream
     # form 1's UNCHECKED (its last argument but one) only where the channel tiles divide dim
     assert forward_call(d=1536, form=1).args[-2] is plan.unchecked_supported()
     assert forward_call(d=1544, form=1).args[-2] is False
@@ -176,7 +189,7 @@ def test_default_config_and_env(monkeypatch):
     monkeypatch.setenv(plan.ENV_CONV1D, "form=1,bwd_tiles=4,bwd_occupancy=2,warps=4")
     cfg = plan.conv1d_config(1, 4096, 16384, True)
     assert (cfg.form, cfg.bwd_tiles, cfg.bwd_occupancy, cfg.warps) == (1, 4, 2, 4)
-    for bad in ("form=3", "warps=2", "unchecked=2", "store_tma=5"):
+    for bad in ("form=5", "warps=2", "unchecked=2", "store_tma=5"):
         monkeypatch.setenv(plan.ENV_CONV1D, bad)
         with pytest.raises(ValueError, match=bad.split("=")[0]):
             plan.conv1d_config(1, 4096, 16384, True)

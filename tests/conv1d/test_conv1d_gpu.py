@@ -27,8 +27,22 @@ F64 = torch.float64
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TOL_OUT = {torch.bfloat16: 4e-3, torch.float16: 5e-4, torch.float32: 5e-7}
 TOL_GRAD = {torch.bfloat16: 6e-3, torch.float16: 8e-4, torch.float32: 1.2e-6}
-#: (batch, dim, seqlen): dims and lengths that no tile divides, one long sequence
-SHAPES = [(2, 1544, 1000), (1, 264, 333), (3, 72, 17), (1, 3352, 4097)]
+#: (batch, dim, seqlen): dims and lengths that no tile divides, one long sequence, and one
+#: dim the channel tiles divide (form 1's interior blocks then skip their bounds checks)
+SHAPES = [(2, 1544, 1000), (1, 264, 333), (3, 72, 17), (1, 3352, 4097), (2, 1536, 1000)]
+#: kernel forms (`Conv1dConfig.form`, set through MAMBA2_CUTILE_CONV1D_CONFIG): today's, the
+#: streamed-tap kernels at the dispatcher's tiles and at small ones (many interior blocks),
+#: form 2 (tap-view forward, form 1's backward) with and without a loop over blocks
+FORMS = {"form0": "", "form1": "form=1", "form1-small": "form=1,block_l=16,block_d=64,"
+         "bwd_block_l=16,bwd_block_d=32,bwd_tiles=2", "form2": "form=2",
+         "form2-tiles": "form=2,block_l=16,block_d=64,tiles=4"}
+
+
+@pytest.fixture(params=sorted(FORMS))
+def form(request, monkeypatch):
+    from mamba2_cutile.conv1d.plan import ENV_CONV1D
+    monkeypatch.setenv(ENV_CONV1D, FORMS[request.param])
+    return request.param
 
 
 def _x(b, d, l, dtype, layout, gen):
@@ -86,7 +100,7 @@ def _case_id(c):
 
 @pytest.mark.parametrize("case", FWD_CASES, ids=_case_id)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_forward(case, shape):
+def test_forward(case, shape, form):
     dtype, layout, w, opts = case
     x, weight, kw = _problem(shape, dtype, layout, w, OPTS[opts])
     act = "silu" if "silu" in OPTS[opts] else None
@@ -100,9 +114,9 @@ def test_forward(case, shape):
 
 
 @pytest.mark.parametrize("case", BWD_CASES, ids=_case_id)
-@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[3]],
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[3], SHAPES[4]],
                          ids=lambda s: "x".join(map(str, s)))
-def test_backward(case, shape):
+def test_backward(case, shape, form):
     dtype, layout, w, opts = case
     x, weight, kw = _problem(shape, dtype, layout, w, OPTS[opts], seed=w)
     act = "silu" if "silu" in OPTS[opts] else None
@@ -132,7 +146,7 @@ def test_backward(case, shape):
         assert v <= TOL_GRAD[dtype], (k, v)
 
 
-def test_backward_is_deterministic():
+def test_backward_is_deterministic(form):
     x, weight, kw = _problem(SHAPES[3], torch.bfloat16, "channel_last", 4, OPTS["all"])
     dout = torch.randn(x.shape, device="cuda").to(torch.bfloat16)
     runs = []
@@ -231,7 +245,7 @@ def test_against_causal_conv1d(dtype):
     assert e_ours <= max(1.5 * e_base, TOL_OUT[dtype] / 4)
 
 
-def test_cuda_graph_capture_forward_backward():
+def test_cuda_graph_capture_forward_backward(form):
     """No host synchronization: forward + backward capture in a CUDA graph and replay to the
     eager results."""
     x, weight, kw = _problem(SHAPES[1], torch.bfloat16, "channel_last", 4, OPTS["all"])
@@ -282,3 +296,20 @@ def test_bench_runs():
     ours = [r for r in rows if r["impl"] == "ours"]
     assert {r["mode"] for r in ours} == {"fwd", "fwdbwd"}
     assert all(r["ms"] > 0 and r["rel_err"] <= TOL_OUT[torch.bfloat16] for r in ours)
+
+
+def test_sweep_runs_and_checks_candidates():
+    """The sweep times each candidate (kernel alone and whole call) and compares its results
+    with the default config's: the forms compute the same sums in the same float32 order up
+    to the final rounding, so they agree to a bf16 ulp or two (2^-8 = 3.9e-3 relative to the
+    maximum); a bad field is a row with an error, not a crash."""
+    from mamba2_cutile.bench.conv1d import best_of_sweep, sweep_conv1d
+    rows = sweep_conv1d(shapes=[(1, 2048, 1536)], fwd_candidates=["", "form=1", "form=9"],
+                        bwd_candidates=["", "form=1,bwd_tiles=2"], reps=3)
+    ok = [r for r in rows if "error" not in r]
+    assert len(ok) == 4 and [r["config"] for r in rows if "error" in r] == ["form=9"]
+    for r in ok:
+        log_result(f"{r['mode']} {r['config']}: {r['kernel_ms']:.4f} ms {r['peak_pct']:.1f}% "
+                   f"diff {r['max_rel_diff']:.2e}")
+        assert r["kernel_ms"] > 0 and r["call_ms"] > 0 and r["max_rel_diff"] <= 8e-3
+    assert len(best_of_sweep(rows)) == 2

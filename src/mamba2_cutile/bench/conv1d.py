@@ -152,6 +152,9 @@ FWD_CANDIDATES = [
     "form=1,block_d=64,shift_tma=1", "form=1,shift_tma=1,tiles=4",
     "form=1,block_d=64,store_tma=1", "form=1,block_d=64,unchecked=0",
     "form=1,block_l=8,block_d=256", "form=1,block_d=64,warps=8",
+    "form=1,block_l=16,block_d=64", "form=1,block_l=64,block_d=32",
+    "form=2", "form=2,block_d=64", "form=2,block_l=16", "form=2,block_l=16,block_d=64",
+    "form=2,block_d=64,tiles=4", "form=2,block_d=64,occupancy=4", "form=2,block_l=64,block_d=64",
 ]
 #: backward candidates
 BWD_CANDIDATES = [
@@ -161,6 +164,10 @@ BWD_CANDIDATES = [
     "form=1,bwd_block_l=32,bwd_block_d=32", "form=1,bwd_block_d=32,bwd_occupancy=4",
     "form=1,bwd_occupancy=2", "form=1,bwd_occupancy=4", "form=1,shift_tma=1",
     "form=1,store_tma=1", "form=1,unchecked=0", "form=1,bwd_warps=8",
+    "form=1,bwd_tiles=1,bwd_block_d=32", "form=1,bwd_tiles=1,bwd_block_l=8,bwd_block_d=64",
+    "form=1,bwd_tiles=1,bwd_block_l=32,bwd_block_d=32", "form=1,bwd_tiles=2,bwd_block_d=32",
+    "form=1,bwd_tiles=1,bwd_block_d=32,bwd_occupancy=4",
+    "form=1,shift_tma=1,bwd_block_d=32",
 ]
 
 

@@ -22,6 +22,7 @@ from ..kernels.causal_conv1d_bwd_stream import (causal_conv1d_bwd_stream,
 from ..kernels.causal_conv1d_fwd import causal_conv1d_fwd, causal_conv1d_fwd_i64
 from ..kernels.causal_conv1d_fwd_stream import (causal_conv1d_fwd_stream,
                                                  causal_conv1d_fwd_stream_i64)
+from ..kernels.causal_conv1d_fwd_taps import causal_conv1d_fwd_taps, causal_conv1d_fwd_taps_i64
 from ..kernels.causal_conv1d_update import (causal_conv1d_state_copy,
                                             causal_conv1d_state_copy_i64,
                                             causal_conv1d_update, causal_conv1d_update_i64)
@@ -34,6 +35,8 @@ MAX_WIDTH = 8
 FORMS = {
     0: ((causal_conv1d_fwd, causal_conv1d_fwd_i64), (causal_conv1d_bwd, causal_conv1d_bwd_i64)),
     1: ((causal_conv1d_fwd_stream, causal_conv1d_fwd_stream_i64),
+        (causal_conv1d_bwd_stream, causal_conv1d_bwd_stream_i64)),
+    2: ((causal_conv1d_fwd_taps, causal_conv1d_fwd_taps_i64),
         (causal_conv1d_bwd_stream, causal_conv1d_bwd_stream_i64)),
 }
 
@@ -49,7 +52,10 @@ class Conv1dConfig:
     compiler's choice). form: which kernels, 0 = `causal_conv1d_fwd` / `causal_conv1d_bwd`
     (every tap behind a head/x/zero branch; the backward keeps its 2W-1 input tiles), 1 = the
     streamed ones (`causal_conv1d_fwd_stream` / `causal_conv1d_bwd_stream`: branch-free taps
-    in interior blocks, the backward's taps streamed through a W-tile window). unchecked
+    in interior blocks, the backward's taps streamed through a W-tile window), 2 = form 1
+    with the forward `causal_conv1d_fwd_taps` (channel-last x of at least width tokens: each
+    tap an aligned load of an overlapping (batch, width, seqlen-width+1, dim) view; other
+    inputs take form 1's forward). unchecked
     (form 1): 1 lets interior blocks skip the bounds checks of their loads and stores when
     block_d divides dim (and tileiras is 13.4+; otherwise it has no effect). warps: the
     num_worker_warps hint (0: the compiler's choice; 4 or 8). store_tma (form 1): 1 lets the
@@ -223,7 +229,11 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
     if cfg is None:
         cfg = conv1d_config(b, d, l, cl, num_sms(x), w)
     xp, op = physical(x, cl), physical(out, cl)
-    kernel = FORMS[cfg.form][0][1 if needs_int64(xp, op) else 0]
+    if cfg.form == 2 and cl and l >= w:
+        return [_taps_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final,
+                                   silu, cfg, x)]
+    form = 1 if cfg.form == 2 else cfg.form
+    kernel = FORMS[form][0][1 if needs_int64(xp, op) else 0]
     kernel = with_hints(kernel, cfg.occupancy, cfg.warps)
     head = physical(make_head(x, initial_states, cfg.block_l, w, cl), cl)
     id_head = make_id_head(seq_idx, cfg.block_l, w) if seq_idx is not None else weight_t
@@ -235,9 +245,43 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
             w, halo_rows(w), head_front(w), cfg.block_l, cfg.block_d, cfg.tiles, cl,
             bias is not None, seq_idx is not None, bool(silu), final is not None,
             bool(cfg.shift_tma))
-    if cfg.form == 1:
+    if form == 1:
         args += (_unchecked(cfg, d, cfg.block_d), bool(cfg.store_tma))
     return [KernelCall(kernel, grid, args)]
+
+
+def tap_views(xp, width):
+    """The overlapping (batch, width, seqlen-width+1, ...) view of a (batch, seqlen, ...)
+    tensor whose tap axis has the token stride: v[b, k, r] = xp[b, r + k] (no copy)."""
+    b, l = xp.shape[:2]
+    rest, rest_st = tuple(xp.shape[2:]), tuple(xp.stride()[2:])
+    return xp.as_strided((b, width, l - width + 1) + rest,
+                         (xp.stride(0), xp.stride(1), xp.stride(1)) + rest_st,
+                         xp.storage_offset())
+
+
+def _taps_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final, silu, cfg, x):
+    """Form 2's forward launch (`kernels.causal_conv1d_fwd_taps`), channel-last x with
+    seqlen >= width."""
+    b, l, d = xp.shape
+    w = weight_t.shape[0]
+    kernel = FORMS[2][0][1 if needs_int64(xp, op) else 0]
+    kernel = with_hints(kernel, cfg.occupancy, cfg.warps)
+    head = physical(make_head(x, initial_states, cfg.block_l, w, True), True)
+    stand_in = weight_t
+    ids = seq_idx
+    if seq_idx is not None and seq_idx.stride(1) != 1:
+        ids = seq_idx.contiguous()
+    id_head = make_id_head(ids, cfg.block_l, w) if ids is not None else stand_in
+    rows = l - (w - 1)
+    grid = (-(-d // cfg.block_d), max(1, -(-(-(-rows // cfg.block_l)) // cfg.tiles)), b)
+    args = (xp, head, tap_views(xp, w), weight_t, bias if bias is not None else stand_in,
+            ids if ids is not None else stand_in, id_head,
+            tap_views(ids, w) if ids is not None else stand_in, op, op[:, w - 1:],
+            final if final is not None else xp,
+            w, halo_rows(w), head_front(w), cfg.block_l, cfg.block_d, cfg.tiles,
+            bias is not None, ids is not None, bool(silu), final is not None)
+    return KernelCall(kernel, grid, args)
 
 
 def backward_grid(x, cfg):
@@ -270,7 +314,7 @@ def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, 
             w, next_pow2(w), halo_rows(w), head_front(w), bl, cfg.bwd_block_d,
             cfg.bwd_tiles, cl, bias is not None, initial_states is not None,
             seq_idx is not None, bool(silu), dfinal is not None, bool(cfg.shift_tma))
-    if cfg.form == 1:
+    if cfg.form in (1, 2):
         args += (_unchecked(cfg, d, cfg.bwd_block_d), bool(cfg.store_tma))
     return [KernelCall(kernel, backward_grid(x, cfg), args)]
 

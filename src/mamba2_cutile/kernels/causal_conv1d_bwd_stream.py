@@ -144,6 +144,37 @@ def _store_dx(dx, de, b, l_tile, d_blk, BLOCK_L: ct.Constant[int], BLOCK_D: ct.C
                  check_bounds=not UNCHECKED, allow_tma=STORE_TMA)
 
 
+def _block_step(x, x_head, wts, bias_row, seq_idx, id_head, dout, dout_head, dfinal, dx,
+                dw_accs, db_acc, b, l_tile, d_blk, seqlen, WIDTH: ct.Constant[int],
+                HEAD_FRONT: ct.Constant[int], BLOCK_L: ct.Constant[int],
+                BLOCK_D: ct.Constant[int], CHANNEL_LAST: ct.Constant[bool],
+                HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool],
+                HAS_DFINAL: ct.Constant[bool], SHIFT_TMA: ct.Constant[bool],
+                UNCHECKED: ct.Constant[bool], STORE_TMA: ct.Constant[bool]):
+    """Token block l_tile: dx stored, (dw_accs, db_acc) + its dw products and g returned."""
+    l0 = l_tile * BLOCK_L
+    edge = (l_tile == 0) | (l0 + (BLOCK_L + WIDTH - 1) > seqlen)
+    if edge:
+        de, g, dws = _stream_grads(x, x_head, wts, bias_row, seq_idx, id_head, dout,
+                                   dout_head, dfinal, b, l0, d_blk, seqlen, WIDTH, BLOCK_L,
+                                   HEAD_FRONT, BLOCK_D, CHANNEL_LAST, HAS_SEQ, SILU,
+                                   HAS_DFINAL, True, False, True, False)
+        _store_dx(dx, de, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST, False, STORE_TMA)
+    else:
+        de, g, dws = _stream_grads(x, x_head, wts, bias_row, seq_idx, id_head, dout,
+                                   dout_head, dfinal, b, l0, d_blk, seqlen, WIDTH, BLOCK_L,
+                                   HEAD_FRONT, BLOCK_D, CHANNEL_LAST, HAS_SEQ, SILU,
+                                   HAS_DFINAL, False, SHIFT_TMA, True, UNCHECKED)
+        _store_dx(dx, de, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST, UNCHECKED,
+                  STORE_TMA)
+    db_acc = db_acc + g
+    summed = ()
+    for k in ct.static_iter(range(WIDTH)):
+        summed += (dw_accs[k] + dws[k],)
+    dw_accs = summed
+    return dw_accs, db_acc
+
+
 def _bwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, dfinal, dx,
                 dw_part, db_part, dinit, WIDTH: ct.Constant[int], WIDTH_PAD: ct.Constant[int],
                 HALO: ct.Constant[int], HEAD_FRONT: ct.Constant[int],
@@ -166,27 +197,19 @@ def _bwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, dout, dout_head, df
         dw_accs += (ct.full((BLOCK_L, BLOCK_D), 0.0, dtype=ct.float32),)
     db_acc = ct.full((BLOCK_L, BLOCK_D), 0.0, dtype=ct.float32)
     n_tiles = ct.cdiv(seqlen, BLOCK_L)
-    for l_tile in range(prog_l * TILES, ct.minimum(n_tiles, prog_l * TILES + TILES)):
-        l0 = l_tile * BLOCK_L
-        edge = (l_tile == 0) | (l0 + (BLOCK_L + WIDTH - 1) > seqlen)
-        if edge:
-            de, g, dws = _stream_grads(x, x_head, wts, bias_row, seq_idx, id_head, dout,
-                                       dout_head, dfinal, b, l0, d_blk, seqlen, WIDTH, BLOCK_L,
-                                       HEAD_FRONT, BLOCK_D, CHANNEL_LAST, HAS_SEQ, SILU,
-                                       HAS_DFINAL, True, False, True, False)
-            _store_dx(dx, de, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST, False, STORE_TMA)
-        else:
-            de, g, dws = _stream_grads(x, x_head, wts, bias_row, seq_idx, id_head, dout,
-                                       dout_head, dfinal, b, l0, d_blk, seqlen, WIDTH, BLOCK_L,
-                                       HEAD_FRONT, BLOCK_D, CHANNEL_LAST, HAS_SEQ, SILU,
-                                       HAS_DFINAL, False, SHIFT_TMA, True, UNCHECKED)
-            _store_dx(dx, de, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST, UNCHECKED,
-                      STORE_TMA)
-        db_acc = db_acc + g
-        summed = ()
-        for k in ct.static_iter(range(WIDTH)):
-            summed += (dw_accs[k] + dws[k],)
-        dw_accs = summed
+    if TILES == 1:
+        # one block per program: no loop (a loop over blocks is unrolled and pipelined by
+        # tileiras, doubling the live registers)
+        dw_accs, db_acc = _block_step(
+            x, x_head, wts, bias_row, seq_idx, id_head, dout, dout_head, dfinal, dx, dw_accs,
+            db_acc, b, prog_l, d_blk, seqlen, WIDTH, HEAD_FRONT, BLOCK_L, BLOCK_D,
+            CHANNEL_LAST, HAS_SEQ, SILU, HAS_DFINAL, SHIFT_TMA, UNCHECKED, STORE_TMA)
+    else:
+        for l_tile in range(prog_l * TILES, ct.minimum(n_tiles, prog_l * TILES + TILES)):
+            dw_accs, db_acc = _block_step(
+                x, x_head, wts, bias_row, seq_idx, id_head, dout, dout_head, dfinal, dx,
+                dw_accs, db_acc, b, l_tile, d_blk, seqlen, WIDTH, HEAD_FRONT, BLOCK_L, BLOCK_D,
+                CHANNEL_LAST, HAS_SEQ, SILU, HAS_DFINAL, SHIFT_TMA, UNCHECKED, STORE_TMA)
     tap_row = ct.arange(WIDTH_PAD, dtype=ct.int32).reshape((WIDTH_PAD, 1))
     dw_acc = ct.full((WIDTH_PAD, BLOCK_D), 0.0, dtype=ct.float32)
     for k in ct.static_iter(range(WIDTH)):

@@ -88,6 +88,27 @@ def _store_out(out, acc, own, b, l_tile, d_blk, BLOCK_L: ct.Constant[int],
                  check_bounds=not UNCHECKED, allow_tma=STORE_TMA)
 
 
+def _block(x, x_head, seq_idx, id_head, out, wts, bias_row, b, l_tile, d_blk, seqlen,
+           WIDTH: ct.Constant[int], HEAD_FRONT: ct.Constant[int], BLOCK_L: ct.Constant[int],
+           BLOCK_D: ct.Constant[int], CHANNEL_LAST: ct.Constant[bool],
+           HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool], SHIFT_TMA: ct.Constant[bool],
+           UNCHECKED: ct.Constant[bool], STORE_TMA: ct.Constant[bool]):
+    """Token block l_tile: out computed and stored (edge blocks through the safe loads)."""
+    l0 = l_tile * BLOCK_L
+    if (l_tile == 0) | (l0 + BLOCK_L > seqlen):
+        acc, own = _block_pre(x, x_head, seq_idx, id_head, wts, bias_row, b, l0, d_blk,
+                              seqlen, WIDTH, HEAD_FRONT, BLOCK_L, BLOCK_D, CHANNEL_LAST,
+                              HAS_SEQ, True, False, False)
+        _store_out(out, acc, own, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST,
+                   HAS_SEQ, SILU, False, STORE_TMA)
+    else:
+        acc, own = _block_pre(x, x_head, seq_idx, id_head, wts, bias_row, b, l0, d_blk,
+                              seqlen, WIDTH, HEAD_FRONT, BLOCK_L, BLOCK_D, CHANNEL_LAST,
+                              HAS_SEQ, False, SHIFT_TMA, UNCHECKED)
+        _store_out(out, acc, own, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST,
+                   HAS_SEQ, SILU, UNCHECKED, STORE_TMA)
+
+
 def _fwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, out, final,
                 WIDTH: ct.Constant[int], HALO: ct.Constant[int], HEAD_FRONT: ct.Constant[int],
                 BLOCK_L: ct.Constant[int], BLOCK_D: ct.Constant[int], TILES: ct.Constant[int],
@@ -104,20 +125,16 @@ def _fwd_stream(x, x_head, weight_t, bias, seq_idx, id_head, out, final,
         seqlen = x.shape[2]
     wts, bias_row = weight_rows_plain(weight_t, bias, d_blk, WIDTH, BLOCK_D, HAS_BIAS)
     n_tiles = ct.cdiv(seqlen, BLOCK_L)
-    for l_tile in range(prog_l * TILES, ct.minimum(n_tiles, prog_l * TILES + TILES)):
-        l0 = l_tile * BLOCK_L
-        if (l_tile == 0) | (l0 + BLOCK_L > seqlen):
-            acc, own = _block_pre(x, x_head, seq_idx, id_head, wts, bias_row, b, l0, d_blk,
-                                  seqlen, WIDTH, HEAD_FRONT, BLOCK_L, BLOCK_D, CHANNEL_LAST,
-                                  HAS_SEQ, True, False, False)
-            _store_out(out, acc, own, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST,
-                       HAS_SEQ, SILU, False, STORE_TMA)
-        else:
-            acc, own = _block_pre(x, x_head, seq_idx, id_head, wts, bias_row, b, l0, d_blk,
-                                  seqlen, WIDTH, HEAD_FRONT, BLOCK_L, BLOCK_D, CHANNEL_LAST,
-                                  HAS_SEQ, False, SHIFT_TMA, UNCHECKED)
-            _store_out(out, acc, own, b, l_tile, d_blk, BLOCK_L, BLOCK_D, CHANNEL_LAST,
-                       HAS_SEQ, SILU, UNCHECKED, STORE_TMA)
+    if TILES == 1:
+        # one block per program: no loop (tileiras unrolls and pipelines a loop over blocks)
+        _block(x, x_head, seq_idx, id_head, out, wts, bias_row, b, prog_l, d_blk, seqlen,
+               WIDTH, HEAD_FRONT, BLOCK_L, BLOCK_D, CHANNEL_LAST, HAS_SEQ, SILU, SHIFT_TMA,
+               UNCHECKED, STORE_TMA)
+    else:
+        for l_tile in range(prog_l * TILES, ct.minimum(n_tiles, prog_l * TILES + TILES)):
+            _block(x, x_head, seq_idx, id_head, out, wts, bias_row, b, l_tile, d_blk, seqlen,
+                   WIDTH, HEAD_FRONT, BLOCK_L, BLOCK_D, CHANNEL_LAST, HAS_SEQ, SILU,
+                   SHIFT_TMA, UNCHECKED, STORE_TMA)
     if HAS_FINAL:
         if prog_l == (n_tiles - 1) // TILES:
             _final_states(x, x_head, seq_idx, id_head, final, b, d_blk, seqlen, WIDTH, HALO,
