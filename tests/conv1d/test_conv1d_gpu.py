@@ -1,6 +1,8 @@
 """Causal conv1d on the GPU (cuTile kernels) against the float64 definition, on shapes that are
 not multiples of the tiles: forward, backward, decode update, determinism, 64-bit indexing,
-and (when importable) causal-conv1d itself as a baseline.
+and (when importable) causal-conv1d itself as a baseline. The forward, backward,
+determinism, 64-bit and CUDA-graph tests run for every kernel form (`FORMS`, through
+MAMBA2_CUTILE_CONV1D_CONFIG); select one with -k, e.g. -k form1-small.
 
 Tolerances (max|ours - ref| / max|ref|, `rel_err`): the reference runs in float64 on the same
 (already rounded) inputs, and the kernels accumulate in float32, so the error is the final
@@ -204,7 +206,7 @@ def test_update_matches_forward_continuation():
         assert err <= TOL_OUT[torch.bfloat16]
 
 
-def test_int64_indexing():
+def test_int64_indexing(form):
     """x of 2^31+ elements (4.3 GB in bf16): the 64-bit kernel variant; the tail checked
     against the definition on the tail's window."""
     b, d, l, w = 1, 1024, 2**21 + 5, 4
