@@ -21,7 +21,9 @@ with fewer live tiles and no per-tap branch in interior blocks.
   + W-1 <= seqlen, so that no dfinal term reaches them either) load each tap as a straight
   slice; with UNCHECKED (the launcher's promise that BLOCK_D divides dim, and tileiras 13.4+)
   their loads and the dx store skip the bounds checks. The edge blocks take the head/x/zero
-  branch of `causal_conv1d_common.token_tile` per tap and add the dfinal terms; the choice is one program-uniform branch around the block.
+  branch of `causal_conv1d_common.token_tile` per tap and add the dfinal terms; the choice
+  is one program-uniform branch around the block. TILES = 1: one block per program and no
+  loop (tileiras unrolls and pipelines a loop over blocks, doubling the live registers).
 - STORE_TMA lets the stores use TMA; without it they are plain stores (a TMA store makes
   tileiras warp-specialize the kernel: twice the threads, mbarrier waits).
 - Programs own BLOCK_D channels of one row and TILES consecutive token blocks; their partial
