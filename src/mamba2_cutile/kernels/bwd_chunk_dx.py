@@ -55,7 +55,6 @@ not launched.
 import cuda.tile as ct
 
 from ._common import int64_variant, mma_operand
-from .chunk_cb import load_cb_block
 from .bwd_common import (
     block_decay,
     block_seq,
@@ -70,6 +69,7 @@ from .bwd_common import (
     state_weight,
     wop,
 )
+from .chunk_cb import load_cb_block
 
 
 def bwd_chunk_dx_fn(
