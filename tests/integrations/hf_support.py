@@ -88,6 +88,27 @@ def teacher_forced_logits(model, sequences, prompt_len):
     return logits[:, prompt_len - 1:]
 
 
+def check_against_torch_decode(model, ours_steps, seq, prompt_len, ref_steps, tol, torch_path):
+    """The generation check where transformers' own decode path is wrong.
+
+    Asserts our per-step logits equal those of transformers' PyTorch path generating over the
+    same ids with the cache (`torch_path`: the integration's context manager), then returns
+    None if that path agrees with its own full forward `ref_steps` (teacher forcing), else the
+    reason to mark the comparison with the full forward an expected failure: transformers
+    5.17's FalconH1 gated norm reshapes a decode step's (batch, dim) input wrongly (fixed in
+    5.18), so its cached generation disagrees with its full forward."""
+    import transformers
+    with torch.no_grad(), torch_path():
+        _, torch_steps = greedy_generate(model, seq[:, :prompt_len], ours_steps.shape[1])
+    ours_vs_torch = rel_err(ours_steps, torch_steps)
+    assert ours_vs_torch <= tol, f"ours vs transformers' own decode path: {ours_vs_torch:.3e}"
+    own = rel_err(torch_steps.to(ref_steps.dtype), ref_steps)
+    if own <= tol:
+        return None
+    return (f"transformers {transformers.__version__}'s own PyTorch decode path disagrees with "
+            f"its full forward ({own:.3e}); ours equals its decode path ({ours_vs_torch:.1e})")
+
+
 def greedy_agreement(ids_a, ids_b, ref_logits, tol):
     """(positions compared, positions that differ) between two greedy continuations, over
     the steps whose reference top-2 logit margin exceeds `tol` (random weights give near-ties),

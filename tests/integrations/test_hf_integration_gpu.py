@@ -22,8 +22,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_support import (OTHER_FAMILIES, family_config, forward_logits, grad_errors,  # noqa: E402
-                        greedy_agreement, greedy_generate, packed, teacher_forced_logits,
+from hf_support import (OTHER_FAMILIES, check_against_torch_decode,  # noqa: E402
+                        family_config, forward_logits, grad_errors, greedy_agreement, greedy_generate, packed, teacher_forced_logits,
                         train_step)
 from support.gpu import log_result  # noqa: E402
 
@@ -110,6 +110,12 @@ def test_other_families_against_float64_torch_path(family):
                f"{max(errs.values()):.3e} generation {rel_err(steps, ref_steps):.3e}")
     assert rel_err(ours[0], ref[0]) <= LOGITS_TOL
     assert max(errs.values()) <= GRAD_TOL, {k: v for k, v in errs.items() if v > GRAD_TOL}
+    if rel_err(steps, ref_steps) > GEN_TOL:
+        reason = check_against_torch_decode(m32, steps, seq, 100, ref_steps, GEN_TOL,
+                                            it.torch_path)
+        if reason:
+            log_result(f"{family}: {reason}")
+            pytest.xfail(reason)
     assert rel_err(steps, ref_steps) <= GEN_TOL
 
 

@@ -128,7 +128,7 @@ def test_swiglu_parts_gradcheck():
 def _op_args(c, t, seq):
     return (t["zxbcdt"], t["conv1d_weight"], t["conv1d_bias"], t["dt_bias"], t["A"], t["D"],
             t["initial_states"], seq, t["rmsnorm_weight"], t["outproj_weight"], t["outproj_bias"],
-            c.chunk_size, c.p, c.g, 1e-5, c.norm_before_gate, c.activation is not None,
+            c.chunk_size, c.p, c.g, c.dim // c.g, 1e-5, c.norm_before_gate, c.activation is not None,
             float(c.dt_limit[0]), float(c.dt_limit[1]))
 
 

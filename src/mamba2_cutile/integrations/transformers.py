@@ -68,7 +68,7 @@ from .. import mamba_chunk_scan_combined as _scan
 from .. import selective_state_update as _state_update
 from ..conv1d import causal_conv1d_fn as _conv1d_fn
 from ..conv1d import causal_conv1d_update as _conv1d_update
-from ..layer import mamba_split_conv1d_scan_combined as _split_conv1d_scan
+from ..layer.fused import split_conv1d_scan_norm_groups as _split_conv1d_scan
 from ..ssd.forward import SUPPORTED_CHUNK_SIZES
 
 #: the transformers model families that define the five names
@@ -179,12 +179,16 @@ def mamba2_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bia
                                       dt_limit=(0.0, float("inf")), return_final_states=False,
                                       activation="silu", rmsnorm_weight=None, rmsnorm_eps=1e-6,
                                       outproj_weight=None, outproj_bias=None, headdim=None,
-                                      ngroups=1, norm_before_gate=True, **kwargs):
+                                      ngroups=1, norm_before_gate=True, *, _norm_whole=False,
+                                      **kwargs):
     """transformers' fused training layer on `mamba2_cutile.layer.mamba_split_conv1d_scan_combined`
     (mamba_ssm's semantics: zxbcdt = [z, xBC, dt] -> conv + silu on xBC -> SSD scan with D,
     dt_bias, softplus, dt_limit -> gated RMSNorm per group (or y * silu(z) without a norm
     weight) -> out proj), with the packing kwargs as seq_idx. Returns None (transformers then
-    runs its unfused path, on our conv and scan) for an activation the layer does not take."""
+    runs its unfused path, on our conv and scan) for an activation the layer does not take.
+    `_norm_whole`: the family's own gated norm normalises all of dim at once (transformers
+    before 5.18 for Mamba-2, Bamba and GraniteMoeHybrid, `_norm_is_whole`), so ours does too:
+    the model computes what its PyTorch path computes."""
     if activation not in _CONV_ACTIVATIONS:
         return None
     b, l = zxbcdt.shape[:2]
@@ -195,7 +199,8 @@ def mamba2_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bia
         return_final_states=return_final_states, activation=activation,
         rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=1e-6 if rmsnorm_eps is None else rmsnorm_eps,
         outproj_weight=outproj_weight, outproj_bias=outproj_bias, headdim=headdim,
-        ngroups=ngroups, norm_before_gate=norm_before_gate)
+        ngroups=ngroups, norm_before_gate=norm_before_gate,
+        norm_groups=1 if _norm_whole else ngroups)
 
 
 def falcon_h1_split_conv1d_scan_combined(*args, rmsnorm_weight=None, **kwargs):
@@ -207,6 +212,12 @@ def falcon_h1_split_conv1d_scan_combined(*args, rmsnorm_weight=None, **kwargs):
     if rmsnorm_weight is not None:
         return None
     return mamba2_split_conv1d_scan_combined(*args, rmsnorm_weight=None, **kwargs)
+
+
+def whole_norm_split_conv1d_scan_combined(*args, **kwargs):
+    """The fused training layer for a family whose gated norm normalises all of dim at once
+    (`_norm_is_whole`): ours with one norm group whatever `ngroups` (the B/C groups) is."""
+    return mamba2_split_conv1d_scan_combined(*args, _norm_whole=True, **kwargs)
 
 
 def _unfused(*args, **kwargs):
@@ -240,10 +251,28 @@ def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=No
                  dt_limit=tuple(dt_limit), return_final_states=bool(return_final_states))
 
 
-def _adapters(fused, module_name):
+def _norm_is_whole(module):
+    """Whether the module's gated RMSNorm normalises all of its input at once rather than per
+    group: its `*RMSNormGated` class takes neither `group_size` nor `n_groups` (transformers
+    5.17's Mamba-2, Bamba and GraniteMoeHybrid; grouped from 5.18, as in mamba_ssm)."""
+    classes = [v for k, v in vars(module).items()
+               if k.endswith("RMSNormGated") and inspect.isclass(v)]
+    if len(classes) != 1:
+        return False
+    try:
+        params = inspect.signature(classes[0].__init__).parameters
+    except (TypeError, ValueError):
+        return False
+    return not ({"group_size", "n_groups"} & set(params))
+
+
+def _adapters(fused, module):
+    module_name = module.__name__
     fused_fn = mamba2_split_conv1d_scan_combined
     if module_name.endswith(".modeling_falcon_h1"):
         fused_fn = falcon_h1_split_conv1d_scan_combined
+    elif _norm_is_whole(module):
+        fused_fn = whole_norm_split_conv1d_scan_combined
     return {
         "causal_conv1d_fn": causal_conv1d_fn,
         "causal_conv1d_update": causal_conv1d_update,
@@ -316,7 +345,7 @@ def _patch(module, fused, fresh=False):
         entries[:] = [(m, o) for m, o in entries if m is not module]
     if _originals(module) is None:
         entries.append((module, {n: module.__dict__[n] for n in NAMES}))
-    for n, fn in _adapters(fused, module.__name__).items():
+    for n, fn in _adapters(fused, module).items():
         setattr(module, n, fn)
 
 

@@ -132,10 +132,12 @@ def split_conv1d_scan(zxbcdt: Tensor, conv1d_weight: Tensor, conv1d_bias: Option
                       initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
                       rmsnorm_weight: Optional[Tensor], outproj_weight: Optional[Tensor],
                       outproj_bias: Optional[Tensor], chunk_size: int, headdim: int,
-                      ngroups: int, rmsnorm_eps: float, norm_before_gate: bool, silu: bool,
-                      dt_lo: float, dt_hi: float) -> tuple[Tensor, Tensor]:
+                      ngroups: int, norm_group_size: int, rmsnorm_eps: float,
+                      norm_before_gate: bool, silu: bool, dt_lo: float,
+                      dt_hi: float) -> tuple[Tensor, Tensor]:
     """(out (b, l, out_dim) in zxbcdt's dtype, final_states (b, h, p, n) float32); arguments
-    validated by `fused.mamba_split_conv1d_scan_combined`."""
+    validated by `fused.mamba_split_conv1d_scan_combined`. The gated norm normalises groups of
+    `norm_group_size` channels (mamba_ssm's dim // ngroups unless a caller asks otherwise)."""
     sz = Sizes(zxbcdt, conv1d_weight, A, headdim, ngroups)
     zx0, z, xBC, dt = sz.split(zxbcdt)
     x, B, C = sz.xbc(conv_act(xBC, conv1d_weight, conv1d_bias, seq_idx, silu))
@@ -144,7 +146,7 @@ def split_conv1d_scan(zxbcdt: Tensor, conv1d_weight: Tensor, conv1d_bias: Option
                      initial_states, seq_idx, dt_lo, dt_hi)
     if has_norm:
         y, _ = gated_norm(y.to(zxbcdt.dtype), rmsnorm_weight, z, rmsnorm_eps,
-                          sz.dim // ngroups, norm_before_gate)
+                          norm_group_size, norm_before_gate)
     y = _linear_input(sz, zx0, y.to(zxbcdt.dtype))
     if outproj_weight is not None:
         y = F.linear(y, outproj_weight.to(y.dtype),
@@ -154,8 +156,8 @@ def split_conv1d_scan(zxbcdt: Tensor, conv1d_weight: Tensor, conv1d_bias: Option
 
 @split_conv1d_scan.register_fake
 def _(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, seq_idx,
-      rmsnorm_weight, outproj_weight, outproj_bias, chunk_size, headdim, ngroups, rmsnorm_eps,
-      norm_before_gate, silu, dt_lo, dt_hi):
+      rmsnorm_weight, outproj_weight, outproj_bias, chunk_size, headdim, ngroups, norm_group_size,
+      rmsnorm_eps, norm_before_gate, silu, dt_lo, dt_hi):
     sz = Sizes(zxbcdt, conv1d_weight, A, headdim, ngroups)
     width = outproj_weight.shape[0] if outproj_weight is not None else sz.d_mlp + sz.dim
     out = zxbcdt.new_empty((sz.batch, sz.seqlen, width))
@@ -184,8 +186,8 @@ def split_conv1d_scan_backward(
         initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
         rmsnorm_weight: Optional[Tensor], outproj_weight: Optional[Tensor],
         outproj_bias: Optional[Tensor], chunk_size: int, headdim: int, ngroups: int,
-        rmsnorm_eps: float, norm_before_gate: bool, silu: bool, dt_lo: float,
-        dt_hi: float) -> list[Tensor]:
+        norm_group_size: int, rmsnorm_eps: float, norm_before_gate: bool, silu: bool,
+        dt_lo: float, dt_hi: float) -> list[Tensor]:
     """The gradients of GRAD_INPUTS in order (each in its input's dtype), an empty tensor for
     each absent input. dout / dfinal None: zero cotangents."""
     sz = Sizes(zxbcdt, conv1d_weight, A, headdim, ngroups)
@@ -205,7 +207,7 @@ def split_conv1d_scan_backward(
         width = outproj_weight.shape[0] if has_proj else sz.d_mlp + sz.dim
         dout = zxbcdt.new_zeros((sz.batch, sz.seqlen, width))
 
-    group_size = sz.dim // ngroups
+    group_size = norm_group_size
     y, rstd = y_scan, None
     if has_norm:
         y, rstd = gated_norm(y_scan, rmsnorm_weight, z, rmsnorm_eps, group_size,
@@ -251,8 +253,8 @@ def split_conv1d_scan_backward(
 
 @split_conv1d_scan_backward.register_fake
 def _(dout, dfinal, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, seq_idx,
-      rmsnorm_weight, outproj_weight, outproj_bias, chunk_size, headdim, ngroups, rmsnorm_eps,
-      norm_before_gate, silu, dt_lo, dt_hi):
+      rmsnorm_weight, outproj_weight, outproj_bias, chunk_size, headdim, ngroups, norm_group_size,
+      rmsnorm_eps, norm_before_gate, silu, dt_lo, dt_hi):
     inputs = (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight,
               outproj_weight, outproj_bias)
     return [zxbcdt.new_empty((0,)) if t is None else torch.empty_like(
@@ -261,8 +263,8 @@ def _(dout, dfinal, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_s
 
 _SAVED = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "initial_states",
           "seq_idx", "rmsnorm_weight", "outproj_weight", "outproj_bias")
-_SCALARS = ("chunk_size", "headdim", "ngroups", "rmsnorm_eps", "norm_before_gate", "silu",
-            "dt_lo", "dt_hi")
+_SCALARS = ("chunk_size", "headdim", "ngroups", "norm_group_size", "rmsnorm_eps",
+            "norm_before_gate", "silu", "dt_lo", "dt_hi")
 
 
 def _setup_context(ctx, inputs, output):

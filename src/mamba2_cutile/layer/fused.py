@@ -28,8 +28,8 @@ def _int_arg(name, v, lo=1):
 
 def _validate(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states,
               seq_idx, dt_limit, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight,
-              outproj_bias, headdim, ngroups, state_dtype):
-    """Checks every argument; returns (headdim, dt_lo, dt_hi)."""
+              outproj_bias, headdim, ngroups, state_dtype, norm_groups=None):
+    """Checks every argument; returns (headdim, dt_lo, dt_hi, the norm's group size)."""
     check_tensor("zxbcdt", zxbcdt, 3, FLOATS)
     b, l, d_in_proj = zxbcdt.shape
     check_tensor("A", A, 1, FLOATS)
@@ -98,12 +98,18 @@ def _validate(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, ini
         raise ValueError(f"dt_limit must satisfy min <= max, got {dt_limit!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if norm_groups is None:
+        norm_groups = ngroups
+    _int_arg("norm_groups", norm_groups)
+    if dim % norm_groups:
+        raise ValueError(f"norm_groups ({norm_groups}) must divide dim ({dim})")
+    group_size = dim // norm_groups
     check_tensor("rmsnorm_weight", rmsnorm_weight, 1, FLOATS, optional=True)
     if rmsnorm_weight is not None:
         expect_shape("rmsnorm_weight", rmsnorm_weight, (dim,), "(dim,) = (nheads * headdim,)")
         from ..norm.plan import MAX_GROUP_SIZE
-        if zxbcdt.is_cuda and dim // ngroups > MAX_GROUP_SIZE:
-            raise ValueError(f"dim // ngroups (the gated norm's group, {dim // ngroups}) must "
+        if zxbcdt.is_cuda and group_size > MAX_GROUP_SIZE:
+            raise ValueError(f"the gated norm's group (dim // ngroups = {group_size}) must "
                              f"be at most {MAX_GROUP_SIZE} on the GPU: use more groups")
     if not isinstance(rmsnorm_eps, (int, float)) or isinstance(rmsnorm_eps, bool) or \
             not rmsnorm_eps >= 0:
@@ -128,7 +134,7 @@ def _validate(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, ini
     if seq_idx is not None and l > 1 and value_checks_enabled(zxbcdt.is_cuda):
         if bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
             raise ValueError("seq_idx must be non-decreasing along each row")
-    return headdim, lo, hi
+    return headdim, lo, hi, group_size
 
 
 def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D,
@@ -156,12 +162,29 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     the scan's output instead of keeping them. `state_dtype` is accepted for signature
     compatibility and checked; the final states are float32 whatever it is.
     """
-    headdim, lo, hi = _validate(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
-                                initial_states, seq_idx, dt_limit, activation, rmsnorm_weight,
-                                rmsnorm_eps, outproj_weight, outproj_bias, headdim, ngroups,
-                                state_dtype)
+    return split_conv1d_scan_norm_groups(
+        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx,
+        dt_limit, return_final_states, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight,
+        outproj_bias, headdim, ngroups, norm_before_gate, state_dtype, norm_groups=ngroups)
+
+
+def split_conv1d_scan_norm_groups(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
+                                  initial_states=None, seq_idx=None,
+                                  dt_limit=(0.0, float("inf")), return_final_states=False,
+                                  activation="silu", rmsnorm_weight=None, rmsnorm_eps=1e-6,
+                                  outproj_weight=None, outproj_bias=None, headdim=None,
+                                  ngroups=1, norm_before_gate=True, state_dtype=None, *,
+                                  norm_groups):
+    """`mamba_split_conv1d_scan_combined` with the gated norm over `norm_groups` groups of
+    dim // norm_groups channels instead of mamba_ssm's `ngroups` (the B/C groups). For callers
+    whose norm is defined apart from the B/C grouping: transformers before 5.18 normalises the
+    Mamba-2, Bamba and GraniteMoeHybrid mixers' output over all of dim (norm_groups=1)."""
+    headdim, lo, hi, group_size = _validate(
+        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx,
+        dt_limit, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias,
+        headdim, ngroups, state_dtype, norm_groups)
     out, final = torch.ops.mamba2_cutile.split_conv1d_scan(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, seq_idx,
-        rmsnorm_weight, outproj_weight, outproj_bias, chunk_size, headdim, ngroups,
+        rmsnorm_weight, outproj_weight, outproj_bias, chunk_size, headdim, ngroups, group_size,
         float(rmsnorm_eps), bool(norm_before_gate), activation is not None, lo, hi)
     return (out, final) if return_final_states else out
