@@ -17,9 +17,10 @@ to the child process through a state-dict file, so both sides hold identical ten
 3. the same training step and teacher-forced logits from the PyTorch path in float64, so that
    both float32 paths get an error against a float64 definition.
 
-The PyTorch path runs in a child process with PYTHONPATH removed (the GPU kit puts the baseline
-mamba_ssm on it: in-process, transformers would import it and run its Triton kernels, and its
-fused function fails without causal-conv1d's CUDA extension), with `mamba_ssm` and
+The PyTorch path runs in a child process without the PYTHONPATH entries that hold mamba_ssm or
+causal_conv1d (the GPU kit puts the baseline mamba_ssm on it: in-process, transformers would
+import it and run its Triton kernels, and its fused function fails without causal-conv1d's CUDA
+extension), with `mamba_ssm` and
 `causal_conv1d` made unimportable there as well, so transformers resolves its PyTorch
 fallbacks. Each side reports what its five functions ran (`integrations.transformers.describe`)
 and the script fails if the child did not run transformers' PyTorch definitions everywhere.
@@ -98,6 +99,23 @@ def _build(family, dtype, device, state_path=None):
     if state_path is not None:
         model.load_state_dict(torch.load(state_path, map_location=device))
     return model.to(dtype)
+
+
+def _env_without_baselines():
+    """(the environment for the child, the PYTHONPATH entries taken out): every entry that holds
+    a `mamba_ssm` or `causal_conv1d` package goes; the rest (this library's source, cuTile)
+    stays."""
+    env = dict(os.environ)
+    keep, removed = [], []
+    for entry in filter(None, env.get("PYTHONPATH", "").split(os.pathsep)):
+        holds = any(os.path.isdir(os.path.join(entry, pkg))
+                    for pkg in ("mamba_ssm", "causal_conv1d"))
+        (removed if holds else keep).append(entry)
+    if keep:
+        env["PYTHONPATH"] = os.pathsep.join(keep)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env, removed
 
 
 def child(work):
@@ -181,10 +199,10 @@ def main(argv=None):
             del model
         it.disable()
         torch.save(job, os.path.join(work, "job.pt"))
-        env = dict(os.environ)
-        removed = env.pop("PYTHONPATH", None)
+        env, removed = _env_without_baselines()
         cmd = [sys.executable, os.path.abspath(__file__), "--child", work]
-        print(f"PyTorch path: {' '.join(cmd)} (PYTHONPATH removed: {removed!r})", flush=True)
+        print(f"PyTorch path: {' '.join(cmd)} (PYTHONPATH entries removed: {removed!r})",
+              flush=True)
         subprocess.run(cmd, env=env, check=True)
         ref = torch.load(os.path.join(work, "torch_path.pt"))
     for family in families:

@@ -17,8 +17,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_support import (OTHER_FAMILIES, check_against_torch_decode,  # noqa: E402
-                        family_config, forward_logits, grad_errors, greedy_agreement, greedy_generate, packed, teacher_forced_logits,
-                        train_step)
+                        family_config, forward_logits, grad_errors, greedy_agreement,
+                        greedy_generate, packed, teacher_forced_logits, train_step)
 
 from mamba2_cutile.bench.accuracy import rel_err  # noqa: E402
 from mamba2_cutile.bench.model import (build_model, small_bamba_config,  # noqa: E402
