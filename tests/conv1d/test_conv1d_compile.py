@@ -164,7 +164,11 @@ def test_forms_pick_their_kernels():
     from mamba2_cutile.kernels import causal_conv1d_bwd_stream, causal_conv1d_fwd_stream
     assert forward_call(form=1).kernel is causal_conv1d_fwd_stream.causal_conv1d_fwd_stream
     assert backward_call(form=1).kernel is causal_conv1d_bwd_stream.causal_conv1d_bwd_stream
-    assert forward_call().kernel is not forward_call(form=1).kernel
+    assert forward_call(form=0).kernel is not forward_call(form=1).kernel
+    # the dispatcher: channel-last inputs take form 1, the contiguous layout form 0
+    assert forward_call().kernel is forward_call(form=1).kernel
+    assert backward_call().kernel is backward_call(form=1).kernel
+    assert plan.conv1d_config(1, 4096, 16384, False).form == 0
     from mamba2_cutile.kernels.causal_conv1d_fwd_taps import causal_conv1d_fwd_taps
     assert forward_call(form=2).kernel is causal_conv1d_fwd_taps
     # form 2 is channel-last only: the contiguous layout takes form 1's forward
@@ -180,7 +184,7 @@ def test_forms_pick_their_kernels():
 
 def test_default_config_and_env(monkeypatch):
     cfg = plan.conv1d_config(1, 4096, 16384, True)
-    assert (cfg.block_l, cfg.block_d) == (32, 128) and cfg.bwd_tiles == 8
+    assert (cfg.block_l, cfg.block_d, cfg.form) == (32, 64, 1) and cfg.bwd_tiles == 8
     assert plan.conv1d_config(1, 64, 64, True).bwd_tiles == 1   # few blocks: one per program
     assert plan.conv1d_config(1, 4096, 16384, True, width=8).bwd_block_l == 8
     monkeypatch.setenv(plan.ENV_CONV1D, "block_l=64,shift_tma=1")

@@ -24,12 +24,15 @@ def family_config(family):
                                 mamba_d_state=16, mamba_chunk_size=64, mamba_d_ssm=128,
                                 mamba_rms_norm=family.endswith("norm"))
     if family == "granitemoehybrid":
-        return T.GraniteMoeHybridConfig(**common, num_hidden_layers=2, num_attention_heads=2,
-                                        num_key_value_heads=1, intermediate_size=128,
-                                        layer_types=["mamba", "attention"], mamba_n_heads=4,
-                                        mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16,
-                                        mamba_chunk_size=64, num_local_experts=2,
-                                        num_experts_per_tok=1)
+        config = T.GraniteMoeHybridConfig(**common, num_hidden_layers=2, num_attention_heads=2,
+                                          num_key_value_heads=1, intermediate_size=128,
+                                          layer_types=["mamba", "attention"], mamba_n_heads=4,
+                                          mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16,
+                                          mamba_chunk_size=64, num_local_experts=2,
+                                          num_experts_per_tok=1)
+        # the experts' loop, not torch._grouped_mm, which refuses float64 (the reference)
+        config._experts_implementation = "eager"
+        return config
     if family == "nemotron_h":
         return T.NemotronHConfig(**common, layers_block_type=["mamba", "attention", "mlp"],
                                  num_attention_heads=2, num_key_value_heads=1, head_dim=32,

@@ -110,11 +110,16 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
     forward at width 8 and 32x128 spills 528 bytes, the backward, which keeps 2*width-1 input
     tiles, 208 bytes at 16x64). The backward's programs walk up to 8 token blocks (so that
     the dweight partials stay ~1% of the traffic) but keep at least 4 programs per SM.
-    Untuned on the GPU:
-    `MAMBA2_CUTILE_CONV1D_CONFIG="field=value,..."` overrides any field.
+    Channel-last inputs take the streamed-tap kernels (form 1) with 32 x 64 forward tiles:
+    timed on the H200 (bf16, width 4, SiLU + bias, kernel alone in a CUDA graph, L2 flushed;
+    benchmarks/results/2026-12-01-h200-conv1d-form-sweep.txt) the forward went from 0.404 to
+    0.258 ms at (1, 16384, 5376) and 0.507 to 0.317 ms at (1, 65536, 1792) (20-22% -> 32-35%
+    of 4.3 TB/s), the backward from 4.93 to 1.03 ms and 6.58 to 1.37 ms (2.5% -> 12%); the
+    tap-view forward (form 2) was slower than form 1 (14-18%). The contiguous layout keeps
+    form 0 (not timed). `MAMBA2_CUTILE_CONV1D_CONFIG="field=value,..."` overrides any field.
     """
     if channel_last:
-        cfg = dict(block_l=32, block_d=128, bwd_block_l=16, bwd_block_d=64)
+        cfg = dict(block_l=32, block_d=64, bwd_block_l=16, bwd_block_d=64, form=1)
     else:
         cfg = dict(block_l=32, block_d=32, bwd_block_l=32, bwd_block_d=32)
     if width > 4:
