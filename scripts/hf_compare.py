@@ -103,8 +103,9 @@ def _build(family, dtype, device, state_path=None):
 
 def _env_without_baselines():
     """(the environment for the child, the PYTHONPATH entries taken out): every entry that holds
-    a `mamba_ssm` or `causal_conv1d` package goes; the rest (this library's source, cuTile)
-    stays."""
+    a `mamba_ssm` or `causal_conv1d` package goes, with whatever else it holds (the GPU kit keeps
+    the baselines in a directory of their own); the rest (this library's source, cuTile) stays.
+    The child also blocks both imports (`_block_baselines`)."""
     env = dict(os.environ)
     keep, removed = [], []
     for entry in filter(None, env.get("PYTHONPATH", "").split(os.pathsep)):

@@ -32,10 +32,13 @@ TOL_GRAD = {torch.bfloat16: 6e-3, torch.float16: 8e-4, torch.float32: 1.2e-6}
 #: (batch, dim, seqlen): dims and lengths that no tile divides, one long sequence, and one
 #: dim the channel tiles divide (form 1's interior blocks then skip their bounds checks)
 SHAPES = [(2, 1544, 1000), (1, 264, 333), (3, 72, 17), (1, 3352, 4097), (2, 1536, 1000)]
-#: kernel forms (`Conv1dConfig.form`, set through MAMBA2_CUTILE_CONV1D_CONFIG): today's, the
-#: streamed-tap kernels at the dispatcher's tiles and at small ones (many interior blocks),
-#: form 2 (tap-view forward, form 1's backward) with and without a loop over blocks
-FORMS = {"form0": "", "form1": "form=1", "form1-small": "form=1,block_l=16,block_d=64,"
+#: kernel forms (`Conv1dConfig.form`, set through MAMBA2_CUTILE_CONV1D_CONFIG): the dispatcher's
+#: choice (form 1 for channel-last inputs, form 0 for contiguous ones), the first kernels
+#: (form 0) at the dispatcher's tiles, the streamed-tap kernels at 128-channel tiles and at
+#: small ones (many interior blocks), form 2 (tap-view forward, form 1's backward) with and
+#: without a loop over blocks
+FORMS = {"default": "", "form0": "form=0", "form1": "form=1,block_d=128",
+         "form1-small": "form=1,block_l=16,block_d=64,"
          "bwd_block_l=16,bwd_block_d=32,bwd_tiles=2", "form2": "form=2",
          "form2-tiles": "form=2,block_l=16,block_d=64,tiles=4"}
 

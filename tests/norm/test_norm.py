@@ -323,3 +323,17 @@ def test_bench_helpers():
                  gb_s=2.0, rel_err_vs_rule=0.0)]
     assert bench.best_of_sweep(rows) == [rows[1]]
     assert "block_m" in bench.format_rows(rows)
+
+
+def test_shape_rule_values():
+    """The dispatcher's tiles at the group sizes it was timed at (512, 4096) and around them:
+    forward block_m rows of the padded group at occupancy 4 (2 up from 8192 channels),
+    backward 4096-channel tiles up to 1024-channel groups, one row from 2048, two programs
+    per SM."""
+    from mamba2_cutile.norm.plan import norm_shape_config
+    got = {gs: norm_shape_config(gs) for gs in (256, 512, 1536, 4096, 8192)}
+    assert [(c.block_g, c.block_m, c.occupancy) for c in got.values()] == [
+        (256, 16, 4), (512, 8, 4), (2048, 2, 4), (4096, 2, 4), (8192, 1, 2)]
+    assert [(c.bwd_block_m, c.bwd_occupancy, c.bwd_ctas_per_sm) for c in got.values()] == [
+        (16, 2, 2), (8, 2, 2), (1, 2, 2), (1, 2, 2), (1, 1, 2)]
+    assert got[8192].warps == 8 and got[8192].bwd_warps == 8 and got[4096].warps == 0

@@ -145,8 +145,8 @@ def format_rows(rows) -> str:
 SWEEP_SHAPES = [(1, 16384, 1792), (1, 16384, 5376), (2, 32768, 8448)]
 #: forward candidates: fields over the dispatcher's config ("" = the dispatcher's own)
 FWD_CANDIDATES = [
-    "", "block_d=64", "shift_tma=1", "shift_tma=1,tiles=4",
-    "form=1", "form=1,block_d=64", "form=1,block_l=16", "form=1,block_l=16,block_d=256",
+    "", "form=0", "form=0,block_d=128", "block_d=128", "shift_tma=1", "shift_tma=1,tiles=4",
+    "form=1,block_d=128", "form=1,block_l=16", "form=1,block_l=16,block_d=256",
     "form=1,block_l=64,block_d=64", "form=1,block_d=64,tiles=4", "form=1,block_d=64,tiles=8",
     "form=1,block_d=64,occupancy=4", "form=1,block_l=16,occupancy=4",
     "form=1,block_d=64,shift_tma=1", "form=1,shift_tma=1,tiles=4",
@@ -158,7 +158,7 @@ FWD_CANDIDATES = [
 ]
 #: backward candidates
 BWD_CANDIDATES = [
-    "", "bwd_block_d=32", "bwd_tiles=4",
+    "", "form=0", "bwd_block_d=32", "bwd_tiles=4",
     "form=1", "form=1,bwd_tiles=1", "form=1,bwd_tiles=4", "form=1,bwd_block_d=32",
     "form=1,bwd_block_d=128", "form=1,bwd_block_l=8,bwd_block_d=128",
     "form=1,bwd_block_l=32,bwd_block_d=32", "form=1,bwd_block_d=32,bwd_occupancy=4",
@@ -255,8 +255,9 @@ def sweep_conv1d(shapes=SWEEP_SHAPES, fwd_candidates=FWD_CANDIDATES,
                     else:
                         kernel, call, res = _bwd_runner(x, w, b, dout, cfg)
                     torch.cuda.synchronize()
-                    if ref is None:
-                        ref = tuple(t.clone() for t in res)    # the first candidate's (default)
+                    if ref is None:     # the first candidate that ran (the default's, when
+                        ref = tuple(t.clone() for t in res)    # it is listed first and runs)
+                        row["reference"] = True
                     row["max_rel_diff"] = max(_max_rel(r, q) for r, q in zip(res, ref))
                     row["kernel_ms"] = time_graph(kernel, reps=reps)["median_ms"]
                     row["call_ms"] = time_graph(call, reps=reps)["median_ms"]

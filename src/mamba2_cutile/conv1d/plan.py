@@ -101,15 +101,11 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
                   width=4) -> Conv1dConfig:
     """The dispatcher's tiles, from the shape alone (no search, no sync).
 
-    Channel-last tiles are wide along the channels (contiguous: 128 bf16 channels are 256-byte
-    rows), contiguous-layout tiles long along the tokens. The sizes are the largest whose sm_90
-    compile does not spill (`bench.resources` on the CPU compile, all options on: forward
-    32x128 channel-last at 245 registers, 32x32 contiguous at 216, where 64x32 spills 96
-    bytes; backward 16x64 at 255, where 32x64 spills 224 bytes); occupancy hints of 2-4 force
-    spills at these sizes. Above width 4 the blocks hold half the tokens (more taps live: the
-    forward at width 8 and 32x128 spills 528 bytes, the backward, which keeps 2*width-1 input
-    tiles, 208 bytes at 16x64). The backward's programs walk up to 8 token blocks (so that
-    the dweight partials stay ~1% of the traffic) but keep at least 4 programs per SM.
+    Channel-last tiles are wide along the channels (64 bf16 channels are 128-byte rows),
+    contiguous-layout tiles long along the tokens (form 0 there: 32x32 at 216 registers in the
+    sm_90 CPU compile, where 64x32 spills 96 bytes). Above width 4 the blocks hold half the
+    tokens (more taps live). The backward's programs walk up to 8 token blocks (so that the
+    dweight partials stay ~1% of the traffic) but keep at least 4 programs per SM.
     Channel-last inputs take the streamed-tap kernels (form 1) with 32 x 64 forward tiles:
     timed on the H200 (bf16, width 4, SiLU + bias, kernel alone in a CUDA graph, L2 flushed;
     benchmarks/results/2026-12-01-h200-conv1d-form-sweep.txt) the forward went from 0.404 to

@@ -216,7 +216,14 @@ def falcon_h1_split_conv1d_scan_combined(*args, rmsnorm_weight=None, **kwargs):
 
 def whole_norm_split_conv1d_scan_combined(*args, **kwargs):
     """The fused training layer for a family whose gated norm normalises all of dim at once
-    (`_norm_is_whole`): ours with one norm group whatever `ngroups` (the B/C groups) is."""
+    (`_norm_is_whole`): ours with one norm group whatever `ngroups` (the B/C groups) is; None
+    (transformers' unfused path, on our conv and scan) where the GPU norm cannot take all of
+    dim as one group."""
+    from ..norm.plan import MAX_GROUP_SIZE
+    zxbcdt = args[0] if args else kwargs["zxbcdt"]
+    rmsnorm_weight = kwargs.get("rmsnorm_weight", args[11] if len(args) > 11 else None)
+    if zxbcdt.is_cuda and rmsnorm_weight is not None and rmsnorm_weight.numel() > MAX_GROUP_SIZE:
+        return None
     return mamba2_split_conv1d_scan_combined(*args, _norm_whole=True, **kwargs)
 
 

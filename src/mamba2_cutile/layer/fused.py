@@ -28,7 +28,7 @@ def _int_arg(name, v, lo=1):
 
 def _validate(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states,
               seq_idx, dt_limit, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight,
-              outproj_bias, headdim, ngroups, state_dtype, norm_groups=None):
+              outproj_bias, headdim, ngroups, state_dtype, norm_groups):
     """Checks every argument; returns (headdim, dt_lo, dt_hi, the norm's group size)."""
     check_tensor("zxbcdt", zxbcdt, 3, FLOATS)
     b, l, d_in_proj = zxbcdt.shape
@@ -98,8 +98,6 @@ def _validate(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, ini
         raise ValueError(f"dt_limit must satisfy min <= max, got {dt_limit!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if norm_groups is None:
-        norm_groups = ngroups
     _int_arg("norm_groups", norm_groups)
     if dim % norm_groups:
         raise ValueError(f"norm_groups ({norm_groups}) must divide dim ({dim})")
@@ -109,8 +107,9 @@ def _validate(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, ini
         expect_shape("rmsnorm_weight", rmsnorm_weight, (dim,), "(dim,) = (nheads * headdim,)")
         from ..norm.plan import MAX_GROUP_SIZE
         if zxbcdt.is_cuda and group_size > MAX_GROUP_SIZE:
-            raise ValueError(f"the gated norm's group (dim // ngroups = {group_size}) must "
-                             f"be at most {MAX_GROUP_SIZE} on the GPU: use more groups")
+            what = "ngroups" if norm_groups == ngroups else "norm_groups"
+            raise ValueError(f"the gated norm's group (dim // {what} = {group_size}) must be "
+                             f"at most {MAX_GROUP_SIZE} on the GPU: use more groups")
     if not isinstance(rmsnorm_eps, (int, float)) or isinstance(rmsnorm_eps, bool) or \
             not rmsnorm_eps >= 0:
         raise ValueError(f"rmsnorm_eps must be a number >= 0, got {rmsnorm_eps!r}")

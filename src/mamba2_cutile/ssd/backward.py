@@ -137,9 +137,11 @@ def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
         # narrow state-pass tiles at four programs per SM, and 32-channel dx programs at two
         # per SM (H200, bf16, B=2 T=4096 H=80 G=1 and B=8 T=2048 H=128 G=8, chunk 256:
         # bwd_state_pass 0.241 -> 0.123 and 0.480 -> 0.386 ms, bwd_chunk_dx 0.832 -> 0.669 and
-        # 2.636 -> 2.119 ms; gradients equal but dA, which moves 1e-6 relative;
-        # benchmarks/results/2026-12-01-h200-backward-sweep-tiles-occupancy.txt). Wide
-        # problems keep the forward's state tiles and compiler-chosen occupancy (not timed).
+        # 2.636 -> 2.119 ms; gradients equal but dA, which moves 1e-6 relative; each change
+        # timed on its own, the two together not yet:
+        # benchmarks/results/2026-12-01-h200-backward-sweep-state-pass-tiles.jsonl and
+        # ...-backward-sweep-tiles-occupancy.txt). fp16 takes them untimed; wide problems
+        # (dstate 256, fp32) keep the forward's state tiles and the compiler's occupancy.
         bstate_block_p=fwd.state_block_p if wide else min(pp, 32),
         bstate_block_n=fwd.state_block_n if wide else min(np_, 64),
         bstate_occupancy=0 if wide else 4,
