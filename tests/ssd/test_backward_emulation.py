@@ -219,3 +219,64 @@ def test_emulation_harness_checks():
     CT.program = 2
     with pytest.raises(AssertionError):
         CT.store(out, index=(1,), tile=_tile(torch.ones(2, dtype=F64)))
+
+
+#: bc_head_split (the fused dB/dC launch's heads over several programs per group, fp32
+#: partials summed by the launcher): option set, chunk, (heads, groups), config overrides,
+#: the splits the launch must run (head_splits: gcd(S, heads per group)). Lengths 150 (Q=64)
+#: and 300 (Q=128, 256) end inside a chunk; p=40, n=20 span several p- and n-tiles. 6 heads per
+#: group at S=4 runs 2 splits of 3 heads (S need not divide), 3 at S=2 runs unsplit.
+HEAD_SPLIT = {
+    "D_head_z_seq-Q64-S2-local": ("D_head_z_seq", 64, (8, 2), dict(bc_head_split=2,
+                                                                    da_mode=1), 2),
+    "D_chan_z-Q128-S4-split-da": ("D_chan_z", 128, (8, 1), dict(bc_head_split=4, da_mode=2),
+                                  4),
+    "all-Q256-S4-split-da-lowp": ("all", 256, (4, 1), dict(bc_head_split=4, da_mode=2, lowp=1,
+                                                           bc_block_n=32), 4),
+    "all-Q64-S4-6-heads": ("all", 64, (6, 1), dict(bc_head_split=4, da_mode=1), 2),
+    "seq_idx-Q128-S2-split-da-no-z": ("seq_idx", 128, (8, 2), dict(bc_head_split=2,
+                                                                    da_mode=2), 2),
+    "D_head-Q64-S8-stable-da": ("D_head", 64, (8, 1), dict(bc_head_split=8, da_mode=0), 8),
+    "all-Q128-S2-3-heads-unsplit": ("all", 128, (6, 2), dict(bc_head_split=2, da_mode=2), 1),
+}
+
+
+def _launch_recording(calls_seen):
+    def launch(calls):
+        calls_seen.extend(calls)
+        emulate_launch(calls)
+    return launch
+
+
+@pytest.mark.parametrize("case", list(HEAD_SPLIT))
+def test_emulated_head_split(case):
+    """With a head split the dB/dC launch has that many programs on grid axis 2, each writing
+    its heads' partial sums (and, with da_mode 2, its own heads' da_part W slots: the harness
+    fails on any element two programs write); the summed gradients match the float64 stage
+    formulas."""
+    opt, Q, (h, g), over, splits = HEAD_SPLIT[case]
+    args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=150 if Q == 64 else 300, Q=Q, h=h,
+                                          g=g, p=40, n=20, seed=8)
+    cfg = small_config(Q, 40, 20, bc_fused=1, **over)
+    assert backward.head_splits(cfg, h, g) == splits
+    calls, bufs = [], {}
+    got = backward.run_backward(**args, chunk_size=Q, dout=dout, dfinal_states=dfinal, **kw,
+                                config=cfg, launch_fn=_launch_recording(calls), buf_dtype=F64,
+                                on_buffers=lambda b: (poison(b), bufs.update(b=b)))
+    dbc = [c for c in calls
+           if c.kernel._annotated_function.pyfunc.__name__ == "bwd_chunk_dbc_fused_fn"]
+    assert len(dbc) == 1 and dbc[0].grid[2] == splits
+    assert (bufs["b"].db_part is None) == (splits == 1)
+    assert_close(got, reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("Q", [64, 256])
+def test_emulated_dispatcher_config_head_split(Q):
+    """The dispatcher's tiles with bc_head_split=2 and 4 (4 heads, one group)."""
+    args, kw, dout, dfinal = make_problem(OPTIONS["all"], b=1, l=300, h=4, g=1, p=24, n=12,
+                                          Q=Q, seed=4)
+    ref = reference_grads(args, kw, Q, dout, dfinal)
+    for split in (2, 4):
+        cfg = replace(backward.backward_config(1, 4, 1, 24, 12, Q, torch.bfloat16),
+                      bc_head_split=split)
+        assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg), ref)

@@ -12,10 +12,12 @@ tiles and grid):
   4. bwd_chunk_dx        per chunk: dx, dz, and per-tile partials of dD, ddt_direct, da
                          (S blocks from `cb` with dx_cb=1, else formed by two MMAs per block)
   5. bwd_chunk_dbc       per chunk: dB and dC, summed over each group's heads in-program
+                         (with bc_head_split > 1 over S programs per group writing fp32
+                         partials, then one torch sum over the S partials)
   6. bwd_dt              da -> ddt' -> ddt (clamp, softplus, dt_bias), partials of dA, ddt_bias
 
-then three small fixed-shape torch sums (dA, ddt_bias, dD partials; deterministic) and dtype
-casts. Nothing uses atomics: every cross-program reduction goes through a partial buffer that
+then three small fixed-shape torch sums (dA, ddt_bias, dD partials; deterministic; with a head
+split also the dB/dC partials, `reduce_head_splits`) and dtype casts. Nothing uses atomics: every cross-program reduction goes through a partial buffer that
 a later kernel or a torch sum reduces in a fixed order, so two runs give equal bits.
 
 Plans are built from tensors (real CUDA tensors, or `meta` tensors for the CPU compile check,
@@ -24,6 +26,7 @@ or CPU float64 tensors for the tile-program emulation in tests/ssd/test_backward
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -41,6 +44,7 @@ from .forward import ForwardConfig, forward_plan, forward_shape_config
 
 INF = float("inf")
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+HEAD_SPLITS = (1, 2, 4, 8, 16, 32, 64)     # BackwardConfig.bc_head_split's values
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,12 @@ class BackwardConfig:
                                  # an fp32 scratch (B*nc*G*Q*Q*4 bytes) that bwd_chunk_dx reads,
                                  # instead of two N-deep MMAs per block pair in every head's
                                  # and p-tile's program
+    bc_head_split: int = 1       # S (power of two, 1..64; S > 1 needs bc_fused=1): the fused
+                                 # dB/dC launch splits each group's HPG heads over up to S
+                                 # programs (grid axis 2), `head_splits`: gcd(S, HPG) of them,
+                                 # HPG/that heads each; they write fp32 partials
+                                 # (2 * splits * B*L*G*N*4 bytes) that one torch sum adds.
+                                 # 1: one program walks all the group's heads, no scratch
 
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
     FIXED = ("dstate_pad",)
@@ -108,6 +118,22 @@ class BackwardConfig:
         if self.da_mode not in (0, 1, 2) or (self.da_mode == 2 and not self.bc_fused):
             raise ValueError(f"BackwardConfig: da_mode={self.da_mode} must be 0, 1, or 2 with "
                              "bc_fused=1")
+        c.check_choice(self, "bc_head_split", HEAD_SPLITS)
+        if self.bc_head_split > 1 and not self.bc_fused:
+            raise ValueError(f"BackwardConfig: bc_head_split={self.bc_head_split} needs "
+                             "bc_fused=1 (the per-block dB/dC programs do not split heads)")
+
+
+def head_splits(cfg: BackwardConfig, nheads: int, ngroups: int) -> int:
+    """How many programs share each group's heads in the fused dB/dC launch: the largest
+    divisor of the heads per group HPG that divides `bc_head_split`, gcd(S, HPG) (S is a power
+    of two, so the largest power of two dividing HPG, capped at S). Every split then walks the
+    same number of heads, HPG / splits, so the kernel's head loop keeps a compile-time trip
+    count; one config fits every layer of a model whatever its head counts (HPG = 6 at S = 4
+    runs 2 splits of 3 heads; HPG = 1 runs unsplit). 1 means the unsplit launch."""
+    if not cfg.bc_fused or ngroups == 0:
+        return 1
+    return math.gcd(cfg.bc_head_split, nheads // ngroups)
 
 
 def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
@@ -202,6 +228,8 @@ class BackwardBuffers:
     dA_part: torch.Tensor      # (B * nc, H) fp32
     dbias_part: torch.Tensor | None  # (B * nc, H) fp32
     cb: torch.Tensor | None    # (B, nc, G, Q, Q) fp32 S = C B^T blocks (dx_cb=1)
+    db_part: torch.Tensor | None   # (splits, B, L, G, N) fp32 per-split dB (head_splits > 1)
+    dc_part: torch.Tensor | None   # the same for dC
     dx: torch.Tensor
     dz: torch.Tensor | None
     dB: torch.Tensor
@@ -229,6 +257,7 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
     od.update(out_dtypes or {})
     e = lambda *s, dt=buf_dtype: torch.empty(s, dtype=dt, device=dev)  # noqa: E731
     sdt = state_dtype or buf_dtype
+    splits = head_splits(cfg, h, g)
     return BackwardBuffers(
         dt_buf=e(b, h, lp), cum_buf=e(b, h, lp), states=e(b, h, nc, p, n, dt=sdt),
         hbuf=e(b, h, p, n), dstates=e(b, h, nc, p, n, dt=sdt),
@@ -239,6 +268,8 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
         dD_part=None if D is None else e(n_q, b, h, p),
         dA_part=e(b * nc, h), dbias_part=None if dt_bias is None else e(b * nc, h),
         cb=e(b, nc, g, Q, Q) if cfg.dx_cb else None,
+        db_part=e(splits, b, l, g, n) if splits > 1 else None,
+        dc_part=e(splits, b, l, g, n) if splits > 1 else None,
         dx=e(b, l, h, p, dt=od["x"]), dz=None if z is None else e(b, l, h, p, dt=od["z"]),
         dB=e(b, l, g, n, dt=od["B"]), dC=e(b, l, g, n, dt=od["C"]), ddt=e(b, l, h, dt=od["dt"]),
     )
@@ -257,7 +288,9 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
                   dout, dfinal, bufs: BackwardBuffers, cfg: BackwardConfig):
     """The six launches of the backward (seven with dx_cb=1). Inputs as the kernels take
     them (B, C, z, dout in x's dtype with unit innermost stride; A, D, dt_bias, init, dfinal
-    fp32; seq_idx int32); unused optional inputs None. Reads no tensor values."""
+    fp32; seq_idx int32); unused optional inputs None. Reads no tensor values. With a head
+    split (bufs.db_part set) the dB/dC launch writes partials: `reduce_head_splits(bufs)`
+    after the launches forms bufs.dB and bufs.dC."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
@@ -310,17 +343,20 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          cfg.dstate_pad, hpg, d_mode, has_z, has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency,
          bool(cfg.dx_cb))))
 
-    # 5: dB, dC
+    # 5: dB, dC (with a head split: their per-split partials, which reduce_head_splits adds)
+    split = bufs.db_part is not None
+    db_out, dc_out = (bufs.db_part, bufs.dc_part) if split else (bufs.dB, bufs.dC)
     int64 = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
-                      bufs.dstates, bufs.dB, bufs.dC, bufs.da_part if cfg.bc_fused else None)
+                      bufs.dstates, db_out, dc_out, bufs.da_part if cfg.bc_fused else None)
     if cfg.bc_fused:
+        splits = bufs.db_part.shape[0] if split else 1
         calls.append(KernelCall(
             with_hints(bwd_chunk_dbc_fused_i64 if int64 else bwd_chunk_dbc_fused, cfg.bc_occupancy,
                    cfg.bc_warps),
-            (nchunks * batch * ngroups, -(-dstate // cfg.bc_block_n), 1),
+            (nchunks * batch * ngroups, -(-dstate // cfg.bc_block_n), splits),
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
-             bufs.dstates, bufs.dB, bufs.dC, bufs.da_part, Q, cfg.bc_block_p, cfg.bc_block_n,
-             hpg, has_z, has_seq, lowp, cfg.da_mode == 2, cfg.bc_load_latency)))
+             bufs.dstates, db_out, dc_out, bufs.da_part, Q, cfg.bc_block_p, cfg.bc_block_n,
+             hpg, has_z, has_seq, lowp, cfg.da_mode == 2, cfg.bc_load_latency, splits)))
     else:
         n_qb = -(-seqlen // cfg.bc_block_q)
         calls.append(KernelCall(
@@ -341,6 +377,16 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          Q, cfg.dx_block_q, cfg.cumsum_block_h, dt_bias is not None, bool(dt_softplus),
          cfg.da_mode)))
     return calls
+
+
+def reduce_head_splits(bufs: BackwardBuffers):
+    """dB = sum_s db_part[s] and dC = sum_s dc_part[s] (s = 0, 1, ... in that order: one torch
+    sum over axis 0, deterministic, no atomics), cast to the gradients' dtypes; nothing without
+    a head split. Runs on the launches' stream after them (no synchronization)."""
+    if bufs.db_part is None:
+        return
+    bufs.dB.copy_(bufs.db_part.sum(dim=0))
+    bufs.dC.copy_(bufs.dc_part.sum(dim=0))
 
 
 def default_state_dtype(input_dtype, buf_dtype=torch.float32):
@@ -399,6 +445,7 @@ def run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z
     if on_buffers is not None:
         on_buffers(bufs)
     launch_fn(calls)
+    reduce_head_splits(bufs)
 
     grads = dict(x=bufs.dx, dt=bufs.ddt, B=bufs.dB, C=bufs.dC, z=bufs.dz)
     grads["A"] = bufs.dA_part.sum(dim=0)
