@@ -360,6 +360,9 @@ CONFIGS = [
     {"dx_cb": 1, "dx_block_p": 32, "dx_occupancy": 2}, {"dx_cb": 1, "dx_block_q": 128},
     {"dx_cb": 1, "da_mode": 2, "bc_block_n": 32}, {"dx_cb": 1, "bc_fused": 0, "da_mode": 0},
     {"dx_cb": 1, "lowp": 0, "dx_lowp": 1},
+    # the fused dB/dC launch's heads split over programs (fp32 partials, one torch sum); at
+    # this problem's 2 heads per group both run 2 splits (head_splits: gcd(S, 2))
+    {"bc_head_split": 2, "bc_occupancy": 2}, {"bc_head_split": 4, "da_mode": 2, "bc_block_n": 32},
 ]
 
 

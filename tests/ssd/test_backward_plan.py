@@ -23,8 +23,8 @@ def test_plan_grids_respect_cuda_limits():
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(da_mode=2), dict(bc_fused=0, da_mode=0),
-                                       dict(dx_cb=1)],
-                         ids=["default", "da_mode2", "unfused", "dx_cb"])
+                                       dict(dx_cb=1), dict(bc_head_split=2, da_mode=2)],
+                         ids=["default", "da_mode2", "unfused", "dx_cb", "head_split"])
 def test_int64_variant_whenever_an_argument_needs_it(overrides):
     """Every launch with an array argument of 2^31 elements or more gets its 64-bit variant
     (here the decay-gradient scratch is the largest array: narrow p- and n-tiles)."""
@@ -114,3 +114,105 @@ def test_dx_cb_must_be_0_or_1(value):
     cfg = backward.backward_config(1, 4, 1, 64, 128, 128, torch.bfloat16)
     with pytest.raises(ValueError, match="dx_cb"):
         replace(cfg, dx_cb=value)
+
+
+@pytest.mark.parametrize("split, want", [(1, 1), (2, 2), (4, 4), (8, 4)])
+def test_head_split_plan(split, want):
+    """bc_head_split: the fused dB/dC launch gets `want` programs on grid axis 2 (gcd with the 4
+    heads per group) and fp32 (splits, B, L, G, N) partials for dB and dC, counted in the
+    buffers' bytes, as its db/dc arguments with HEAD_SPLIT = splits; unsplit it writes dB and
+    dC themselves and no partials exist. The launch count stays 6."""
+    b, l, h, g, p, n, Q = 2, 1000, 8, 2, 64, 128, 128
+    x, dt, A, B, C = _meta_problem(b, l, h, g, p, n)
+    cfg = replace(backward.backward_config(b, h, g, p, n, Q, torch.bfloat16), bc_head_split=split)
+    calls, bufs_ = [], {}
+    backward.run_backward(x, dt, A, B, C, Q, x, launch_fn=calls.extend, config=cfg,
+                          on_buffers=lambda bf: bufs_.setdefault("b", bf))
+    bufs = bufs_["b"]
+    names = _kernel_names(calls)
+    assert len(names) == 6
+    call = calls[names.index("bwd_chunk_dbc_fused")]
+    nc = -(-l // Q)
+    assert tuple(call.grid) == (nc * b * g, -(-n // cfg.bc_block_n), want)
+    fn = call.kernel._annotated_function.pyfunc
+    args = dict(zip(fn.__code__.co_varnames[:fn.__code__.co_argcount], call.args))
+    assert args["HEAD_SPLIT"] == want
+    base = replace(cfg, bc_head_split=1)
+    base_bytes = backward.allocate_buffers(x, dt, B, C, None, None, None, base,
+                                           backward.default_state_dtype(x.dtype)).nbytes()
+    if want == 1:
+        assert bufs.db_part is None and bufs.dc_part is None
+        assert args["db"] is bufs.dB and args["dc"] is bufs.dC
+        assert bufs.nbytes() == base_bytes
+    else:
+        for part in (bufs.db_part, bufs.dc_part):
+            assert part.shape == (want, b, l, g, n) and part.dtype == torch.float32
+        assert args["db"] is bufs.db_part and args["dc"] is bufs.dc_part
+        assert bufs.nbytes() - base_bytes == 2 * want * b * l * g * n * 4
+
+
+def test_head_split_reduction():
+    """reduce_head_splits: dB and dC become the sum over the partials' axis 0 (float64
+    reference, rounded once to bf16), the same bits on every call; nothing without a split."""
+    b, l, h, g, p, n, Q = 1, 70, 4, 1, 8, 16, 64
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(b, l, h, p, generator=gen).bfloat16()
+    B = torch.randn(b, l, g, n, generator=gen).bfloat16()
+    dt = torch.rand(b, l, h, generator=gen)
+    cfg = replace(backward.backward_config(b, h, g, p, n, Q, torch.bfloat16), bc_head_split=4)
+    bufs = backward.allocate_buffers(x, dt, B, B, None, None, None, cfg)
+    assert bufs.db_part.shape[0] == 4
+    bufs.db_part.copy_(torch.randn(bufs.db_part.shape, generator=gen))
+    bufs.dc_part.copy_(torch.randn(bufs.dc_part.shape, generator=gen))
+    backward.reduce_head_splits(bufs)
+    first = (bufs.dB.clone(), bufs.dC.clone())
+    for out, part in ((bufs.dB, bufs.db_part), (bufs.dC, bufs.dc_part)):
+        want = part.double().sum(dim=0)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), want, rtol=2**-8, atol=1e-6)
+    backward.reduce_head_splits(bufs)
+    assert torch.equal(first[0], bufs.dB) and torch.equal(first[1], bufs.dC)
+    unsplit = backward.allocate_buffers(x, dt, B, B, None, None, None,
+                                        replace(cfg, bc_head_split=1))
+    unsplit.dB.fill_(3.0)
+    backward.reduce_head_splits(unsplit)
+    assert unsplit.db_part is None and unsplit.dB.eq(3.0).all()
+
+
+def test_head_split_partials_alone_pick_int64():
+    """A problem where only the dB/dC partials (splits * B*L*G*N elements) reach 2^31: the
+    fused dB/dC launch takes its 64-bit variant, every other launch stays 32-bit."""
+    import cuda.tile as ct
+
+    b, l, h, g, p, n, Q = 1, 2**22 + 5, 2, 1, 8, 256, 256
+    x, dt, A, B, C = _meta_problem(b, l, h, g, p, n)
+    cfg = replace(backward.backward_config(b, h, g, p, n, Q, torch.bfloat16), bc_head_split=2)
+    calls, bufs_ = [], {}
+    backward.run_backward(x, dt, A, B, C, Q, x, launch_fn=calls.extend, config=cfg,
+                          on_buffers=lambda bf: bufs_.setdefault("b", bf))
+    bufs = bufs_["b"]
+    assert bufs.db_part.numel() >= 2**31 > bufs.dB.numel()
+    for call in calls:
+        fn = call.kernel._annotated_function.pyfunc
+        is64 = any(v is ct.IndexedWithInt64 for v in fn.__annotations__.values())
+        name = fn.__name__.removesuffix("_fn")
+        assert is64 == (name == "bwd_chunk_dbc_fused"), name
+        big = max(a.numel() for a in call.args if isinstance(a, torch.Tensor))
+        assert is64 == (big >= 2**31), (name, big)
+
+
+@pytest.mark.parametrize("over", [dict(bc_head_split=3), dict(bc_head_split=0),
+                                  dict(bc_head_split=128),
+                                  dict(bc_head_split=2, bc_fused=0, da_mode=0)])
+def test_head_split_validation(over):
+    cfg = backward.backward_config(1, 4, 1, 64, 128, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match="bc_head_split"):
+        replace(cfg, **over)
+
+
+@pytest.mark.parametrize("hpg, split, want", [(80, 2, 2), (80, 4, 4), (80, 32, 16), (6, 4, 2),
+                                              (3, 4, 1), (1, 8, 1), (16, 64, 16)])
+def test_head_splits_divide_the_heads(hpg, split, want):
+    cfg = replace(backward.backward_config(1, hpg, 1, 64, 128, 128, torch.bfloat16),
+                  bc_head_split=split)
+    assert backward.head_splits(cfg, 2 * hpg, 2) == want
