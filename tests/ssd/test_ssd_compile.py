@@ -117,3 +117,42 @@ def test_dx_cb_plans_have_their_launches():
     for name, over, _ in DX_CB_VARIANTS:
         names = [variants.kernel_name(c) for c in _dx_cb_plan(name, over)]
         assert len(names) == 7 and names[names.index("chunk_cb") + 1] == "bwd_chunk_dx", name
+
+
+#: bc_head_split > 1 (the fused dB/dC launch over several programs per group, fp32 partial
+#: outputs): (problem for plans.backward_problem_plan, config overrides, slow). The first two
+#: are the seed problem's sweep candidates (B=2 T=4096 H=80 G=1, chunk 256 computed at 128).
+SEED = dict(batch=2, seqlen=4096, nheads=80, ngroups=1, headdim=64, dstate=128, chunk_size=256,
+            options=())
+HEAD_SPLIT_VARIANTS = [
+    (SEED, dict(bc_head_split=2, bc_occupancy=2), False),
+    (SEED, dict(bc_head_split=4, bc_occupancy=2), False),
+    (dict(), dict(bc_head_split=4, da_mode=2, bc_block_n=32), False),
+    (dict(int64=True), dict(bc_head_split=2), True),
+    (dict(dtype=__import__("torch").float32), dict(bc_head_split=2), True),
+]
+
+
+def _head_split_call(problem, over):
+    calls = plans.backward_problem_plan(**problem, overrides=over)
+    (call,) = [c for c in calls if variants.kernel_name(c) == "bwd_chunk_dbc_fused"]
+    return call
+
+
+@pytest.mark.parametrize("problem, over", [
+    pytest.param(p, o, id="-".join(f"{k}{v}" for k, v in {**p, **o}.items()
+                                   if k not in ("options",)) or "default",
+                 marks=(pytest.mark.slow,) if slow else ())
+    for p, o, slow in HEAD_SPLIT_VARIANTS])
+def test_head_split_launch_compiles(problem, over):
+    """The split dB/dC variants compile for sm_90; registers, spills, shared memory and CTAs
+    per SM are printed (pyelftools)."""
+    call = _head_split_call(problem, over)
+    assert call.grid[2] == over["bc_head_split"]
+    cubin = cpu_compile.compile_cubin(call, "sm_90")
+    assert len(cubin) > 0
+    try:
+        from mamba2_cutile.bench.resources import resources
+    except ImportError:        # pyelftools (the dev extra) is optional
+        pytest.skip("compiled; registers and spills not read: pyelftools (the dev extra) missing")
+    print(over, resources(cubin))
