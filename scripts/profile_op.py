@@ -60,9 +60,10 @@ def _op(name, shape):
         src = torch.randn(r, c, device="cuda").to(torch.bfloat16)
         dst = torch.empty_like(src)
         grid = (r // br, c // bcol, 1)
-        stream = torch.cuda.current_stream()
         args = (src, dst, br, bcol, name == "copy-tma")
-        return (lambda: ct.launch(stream, grid, copy_kernel, args)), 2 * src.numel() * 2
+        # the current stream at call time: a CUDA graph captures on its own stream
+        return (lambda: ct.launch(torch.cuda.current_stream(), grid, copy_kernel, args)), \
+            2 * src.numel() * 2
     raise SystemExit(f"unknown op {name!r}")
 
 
@@ -82,8 +83,9 @@ def main():
         return
     from mamba2_cutile.bench.timing import time_graph
     ms = time_graph(fn, reps=a.reps)["median_ms"]
-    print(f"{a.op:<11} {a.shape:<22} {ms:8.4f} ms  {nbytes / ms / 1e9:7.0f} GB/s  "
-          f"{100 * nbytes / ms / 1e9 / 4300:5.1f}% of 4.3 TB/s")
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    print(f"{a.op:<11} {a.shape:<22} {ms:8.4f} ms  {gbs:7.0f} GB/s  "
+          f"{100 * gbs / 4300:5.1f}% of 4.3 TB/s")
 
 
 if __name__ == "__main__":
