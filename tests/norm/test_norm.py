@@ -261,6 +261,28 @@ def test_config_validates_itself(monkeypatch):
     monkeypatch.setenv("MAMBA2_CUTILE_NORM_CONFIG", "warps=3")
     with pytest.raises(ValueError, match="warps"):
         norm_config(320)
+    for bad in (3, 32, 8192):
+        with pytest.raises(ValueError, match="chunk"):
+            NormConfig(block_g=64, block_m=1, bwd_block_m=1, chunk=bad)
+    monkeypatch.setenv("MAMBA2_CUTILE_NORM_CONFIG", "chunk=0")
+    assert norm_config(1536).chunk == 0                   # the padded kernels on request
+
+
+def test_chunk_must_divide_the_group():
+    """A chunk that does not cut the group into whole chunks (at most 32) is refused by the
+    plan with an error naming chunk, before any launch."""
+    from dataclasses import replace
+
+    from mamba2_cutile.norm.plan import check_chunk, norm_shape_config, problem_plans
+    cfg = replace(norm_shape_config(1536), chunk=1024)
+    with pytest.raises(ValueError, match="chunk"):
+        check_chunk(cfg, 1536)
+    with pytest.raises(ValueError, match="chunk"):
+        problem_plans(rows=64, hidden=1536, config=cfg)
+    with pytest.raises(ValueError, match="chunk"):
+        check_chunk(replace(cfg, chunk=64), 64 * 33)
+    check_chunk(replace(cfg, chunk=512), 1536)
+    check_chunk(replace(cfg, chunk=0), 1000)
 
 
 # ---------------------------------------------------------------------------- ops and compile
@@ -331,9 +353,28 @@ def test_shape_rule_values():
     backward 4096-channel tiles up to 1024-channel groups, one row from 2048, two programs
     per SM."""
     from mamba2_cutile.norm.plan import norm_shape_config
-    got = {gs: norm_shape_config(gs) for gs in (256, 512, 1536, 4096, 8192)}
+    got = {gs: norm_shape_config(gs) for gs in (256, 512, 2048, 4096, 8192, 1000)}
     assert [(c.block_g, c.block_m, c.occupancy) for c in got.values()] == [
-        (256, 16, 4), (512, 8, 4), (2048, 2, 4), (4096, 2, 4), (8192, 1, 2)]
+        (256, 16, 4), (512, 8, 4), (2048, 2, 4), (4096, 2, 4), (8192, 1, 2), (1024, 4, 4)]
     assert [(c.bwd_block_m, c.bwd_occupancy, c.bwd_ctas_per_sm) for c in got.values()] == [
-        (16, 2, 2), (8, 2, 2), (1, 2, 2), (1, 2, 2), (1, 1, 2)]
+        (16, 2, 2), (8, 2, 2), (1, 2, 2), (1, 2, 2), (1, 1, 2), (4, 2, 2)]
     assert got[8192].warps == 8 and got[8192].bwd_warps == 8 and got[4096].warps == 0
+    assert all(c.chunk == 0 for c in got.values())         # powers of two and 1000: padded
+
+
+def test_chunked_rule_values():
+    """Group widths m * 2^k (m odd) take the chunked kernels with 2^k-channel chunks (at most
+    1024); widths whose chunks would be under 64 channels or more than 32 keep the padded
+    kernels; rows per tile the power of two <= 4096 / S."""
+    from mamba2_cutile.norm.plan import group_chunk, norm_shape_config
+    chunks = {s: group_chunk(s) for s in (1536, 2560, 3072, 5120, 7680, 10240, 15360, 320,
+                                          1000, 1030, 37, 1, 4096, 64 * 33)}
+    assert chunks == {1536: 512, 2560: 512, 3072: 1024, 5120: 1024, 7680: 512, 10240: 1024,
+                      15360: 1024, 320: 64, 1000: 0, 1030: 0, 37: 0, 1: 0, 4096: 0,
+                      64 * 33: 0}
+    got = {s: norm_shape_config(s) for s in (320, 1536, 2560, 5120, 7680, 10240)}
+    assert [(c.chunk, c.block_m, c.occupancy, c.warps) for c in got.values()] == [
+        (64, 8, 4, 0), (512, 2, 4, 0), (512, 1, 4, 0), (1024, 1, 2, 0), (512, 1, 2, 0),
+        (1024, 1, 2, 8)]
+    assert [(c.bwd_block_m, c.bwd_occupancy, c.bwd_warps) for c in got.values()] == [
+        (8, 2, 0), (2, 2, 0), (1, 2, 0), (1, 1, 8), (1, 1, 8), (1, 1, 8)]

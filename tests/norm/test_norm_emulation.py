@@ -20,6 +20,8 @@ from support import emulator
 F64 = torch.float64
 if not hasattr(emulator.CT, "sqrt"):       # the norm kernels' one op the SSD kernels do not use
     emulator.CT.sqrt = staticmethod(torch.sqrt)
+if not hasattr(emulator.CT, "static_iter"):   # the chunked kernels' unrolled loops
+    emulator.CT.static_iter = staticmethod(lambda iterable: iterable)
 
 
 def _problem(m, hidden, has_z, has_bias, seed=0):
@@ -63,12 +65,17 @@ def _emulated_backward(dout, x, w, b, z, rstd, gs, nbg, cfg, sms):
 
 
 #: (rows, hidden, group_size, config overrides): rows not a multiple of block_m, groups not
-#: powers of two, a group of 1, a tile row count of 1
+#: powers of two, a group of 1, a tile row count of 1; the chunked kernels (chunk > 0) at
+#: 3 and 5 chunks per group, one and two groups, and a power-of-two group in 4 chunks
 CASES = [(13, 24, 8, dict(block_m=4, bwd_block_m=2)),
          (10, 30, 10, dict(block_m=8, bwd_block_m=4)),
          (7, 37, 37, dict(block_m=2, bwd_block_m=1)),
          (9, 6, 1, dict(block_m=4, bwd_block_m=4)),
-         (5, 64, 64, {})]
+         (5, 64, 64, {}),
+         (13, 192, 192, dict(chunk=64, block_m=4, bwd_block_m=2)),
+         (10, 640, 320, dict(chunk=64, block_m=8, bwd_block_m=4)),
+         (7, 384, 384, dict(chunk=128, block_m=2, bwd_block_m=1)),
+         (6, 256, 256, dict(chunk=64, block_m=4, bwd_block_m=4))]
 
 
 @pytest.mark.parametrize("m, hidden, gs, over", CASES)
@@ -76,7 +83,7 @@ CASES = [(13, 24, 8, dict(block_m=4, bwd_block_m=2)),
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_kernels_match_definition(m, hidden, gs, over, has_z, nbg, has_bias):
     x, w, b, z = _problem(m, hidden, has_z, has_bias)
-    cfg = replace(norm_shape_config(gs), **over)
+    cfg = replace(norm_shape_config(gs), **{"chunk": 0, **over})
     eps = 1e-5
     out, rstd = _emulated_forward(x, w, b, z, eps, gs, nbg, cfg)
 

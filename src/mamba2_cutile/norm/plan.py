@@ -6,6 +6,12 @@ launch, and the launchers.
 | forward | `rmsnorm_gated_fwd` | (cdiv(M, block_m), G): one tile of block_m rows x one group |
 | backward | `rmsnorm_gated_bwd` | (P, G): P programs per group walk the row blocks, partial dw/db |
 
+A group width S that is not a power of two but S = m * 2^k with 2^k >= MIN_CHUNK (1536 =
+3 * 512, 2560 = 5 * 512, 5120 = 5 * 1024, 7680 = 15 * 512) takes the chunked kernels instead
+(`rmsnorm_gated_fwd_chunked`, `rmsnorm_gated_bwd_chunked`, same grids): the group is read as
+S / chunk column chunks of `NormConfig.chunk` channels, so no lane is padding. Other widths
+(1000 = 125 * 8, 37) keep the padded one-tile kernels.
+
 The backward's (P, G, S) partial sums of dweight and dbias are then summed over P by
 `torch.sum` (a fixed order: the result does not depend on scheduling).
 
@@ -23,7 +29,11 @@ import torch
 
 from .. import config as _config
 from ..kernels.rmsnorm_gated_bwd import rmsnorm_gated_bwd, rmsnorm_gated_bwd_i64
+from ..kernels.rmsnorm_gated_bwd_chunked import (rmsnorm_gated_bwd_chunked,
+                                                 rmsnorm_gated_bwd_chunked_i64)
 from ..kernels.rmsnorm_gated_fwd import rmsnorm_gated_fwd, rmsnorm_gated_fwd_i64
+from ..kernels.rmsnorm_gated_fwd_chunked import (rmsnorm_gated_fwd_chunked,
+                                                 rmsnorm_gated_fwd_chunked_i64)
 from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, launch_calls,
                        narrow_unit_strides, needs_int64, next_pow2, num_sms, with_hints)
 
@@ -33,6 +43,11 @@ MAX_GROUP_SIZE = 16384
 #: the grid's second dimension (one program column per group) is limited to 65535 by CUDA
 MAX_GROUPS = 65535
 ENV_NORM = "MAMBA2_CUTILE_NORM_CONFIG"
+#: the chunked kernels' chunk widths: narrower chunks make short row segments (under 128 bytes
+#: of bf16), wider ones are no longer needed to cover a group in few chunks
+MIN_CHUNK, MAX_CHUNK = 64, 4096
+#: at most this many chunks per group (each is unrolled in the kernels)
+MAX_CHUNKS = 32
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,9 @@ class NormConfig:
     occupancy, warps (forward) and bwd_occupancy, bwd_warps: kernel hints, 0 = the compiler's.
     tma / bwd_tma: 1 lets the row tiles load and store through TMA (staged in shared memory),
     0 makes them plain loads and stores.
+    chunk: 0 runs the padded kernels (one (rows, block_g) tile per group); a power of two
+    dividing the group size runs the chunked kernels, which read the group as
+    group_size / chunk column chunks (at most MAX_CHUNKS) and pad nothing.
     """
     block_g: int
     block_m: int
@@ -57,6 +75,7 @@ class NormConfig:
     bwd_warps: int = 0
     tma: int = 1
     bwd_tma: int = 1
+    chunk: int = 0
 
     FIXED = ("block_g",)
 
@@ -74,6 +93,11 @@ class NormConfig:
         c.check_choice(self, "bwd_warps", (0, 4, 8))
         c.check_choice(self, "tma", (0, 1))
         c.check_choice(self, "bwd_tma", (0, 1))
+        v = self.chunk
+        if not isinstance(v, int) or v < 0 or v & (v - 1) or 0 < v < MIN_CHUNK \
+                or v > MAX_CHUNK:
+            raise ValueError(f"NormConfig: chunk={v!r} is not 0 or a power of two in "
+                             f"{MIN_CHUNK}..{MAX_CHUNK}")
 
 
 def norm_shape_config(group_size: int) -> NormConfig:
@@ -91,13 +115,27 @@ def norm_shape_config(group_size: int) -> NormConfig:
       at one 4096-channel group (248 us with four programs per SM), 239.5 us = 2805 GB/s at
       groups of 512 (eight rows; four rows 293 us).
     Only groups of 512 and 4096 were timed; the other sizes take the same tile sizes in
-    channels untimed. The occupancy hints cap the registers per thread where the tiles fit (CPU compiles for
-    sm_90, `bench.resources`: forward 64 registers at occupancy 4 up to 4096-channel groups
-    (8 bytes of stack at 4096),
-    backward 128 at occupancy 2); a group of 8192 needs 8 warps at occupancy 1 in the
+    channels untimed. The occupancy hints cap the registers per thread where the tiles fit
+    (CPU compiles for sm_90, `bench.resources`: forward 64 registers at occupancy 4 up to
+    4096-channel groups (8 bytes of stack at 4096), backward 128 at occupancy 2); a group of 8192 needs 8 warps at occupancy 1 in the
     backward (168 registers). `MAMBA2_CUTILE_NORM_CONFIG` overrides any field.
+
+    Group widths S = m * 2^k that are not powers of two (`group_chunk`) take the chunked
+    kernels with chunks of 2^k channels (at most 1024) and the same channels per tile, untimed:
+    rows per tile the power of two <= 4096 / S (at least 1), the backward's likewise below
+    2048 channels; the forward at occupancy 4 up to 4096 channels, 2 above; the backward
+    at occupancy 2 up to 4096 channels, above with 8 warps at occupancy 1.
     """
     bg = next_pow2(group_size)
+    chunk = group_chunk(group_size)
+    if chunk:
+        rows = prev_pow2(max(1, 4096 // group_size))
+        return NormConfig(block_g=bg, block_m=rows,
+                          bwd_block_m=min(32, rows) if group_size < 2048 else 1,
+                          bwd_ctas_per_sm=2, occupancy=4 if group_size <= 4096 else 2,
+                          warps=8 if group_size >= 8192 else 0,
+                          bwd_occupancy=2 if group_size <= 4096 else 1,
+                          bwd_warps=8 if group_size > 4096 else 0, chunk=chunk)
     bm = max(1, min(64, 4096 // bg)) if bg < 4096 else max(1, 8192 // bg)
     bbm = max(1, min(32, 4096 // bg)) if bg <= 1024 else 1
     return NormConfig(block_g=bg, block_m=bm, bwd_block_m=bbm, bwd_ctas_per_sm=2,
@@ -105,6 +143,23 @@ def norm_shape_config(group_size: int) -> NormConfig:
                       warps=8 if bg >= 8192 else 0,
                       bwd_occupancy=2 if bg <= 4096 else 1,
                       bwd_warps=8 if bg >= 8192 else 0)
+
+
+def prev_pow2(n: int) -> int:
+    """Largest power of two <= n (n >= 1)."""
+    return 1 << (int(n).bit_length() - 1)
+
+
+def group_chunk(group_size: int, max_chunk: int = 1024) -> int:
+    """The chunk width of the chunked kernels for this group size: its largest power-of-two
+    divisor, at most `max_chunk`; 0 (the padded kernels) for a power of two, and for a size
+    whose chunks would be narrower than MIN_CHUNK or more than MAX_CHUNKS (1000 = 125 * 8)."""
+    if group_size & (group_size - 1) == 0:
+        return 0
+    chunk = min(group_size & -group_size, max_chunk)
+    if chunk < MIN_CHUNK or group_size // chunk > MAX_CHUNKS:
+        return 0
+    return chunk
 
 
 def norm_config(group_size: int) -> NormConfig:
@@ -128,17 +183,33 @@ def rows_view(t, group_size):
     return narrow_unit_strides(t.view(m, hidden // group_size, group_size))
 
 
+def check_chunk(cfg: NormConfig, group_size: int):
+    """A chunked config must cut the group into whole chunks, at most MAX_CHUNKS of them."""
+    if cfg.chunk and (group_size % cfg.chunk or group_size // cfg.chunk > MAX_CHUNKS):
+        raise ValueError(f"NormConfig: chunk={cfg.chunk} must divide group_size "
+                         f"({group_size}) into at most {MAX_CHUNKS} chunks (chunk=0: the "
+                         f"padded kernels)")
+
+
+def _tiling(cfg: NormConfig, group_size: int):
+    """The kernels' channel constants: (BLOCK_G,) padded, (CHUNK, NCHUNK) chunked."""
+    check_chunk(cfg, group_size)
+    return (cfg.chunk, group_size // cfg.chunk) if cfg.chunk else (cfg.block_g,)
+
+
 def forward_plan(x3, z3, w2, b2, out3, rstd, eps, norm_before_gate, cfg: NormConfig):
     """The forward launch. x3, z3, out3 (M, G, S); w2, b2 (G, S); rstd (G, M) float32; absent
     z3 / b2 are None."""
-    m, g, _ = x3.shape
+    m, g, s = x3.shape
     int64 = needs_int64(x3, z3, out3, rstd)
-    kernel = with_hints(rmsnorm_gated_fwd_i64 if int64 else rmsnorm_gated_fwd,
-                        cfg.occupancy, cfg.warps)
+    if cfg.chunk:
+        kernel = rmsnorm_gated_fwd_chunked_i64 if int64 else rmsnorm_gated_fwd_chunked
+    else:
+        kernel = rmsnorm_gated_fwd_i64 if int64 else rmsnorm_gated_fwd
     return [KernelCall(
-        kernel, (-(-m // cfg.block_m), g, 1),
+        with_hints(kernel, cfg.occupancy, cfg.warps), (-(-m // cfg.block_m), g, 1),
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, out3, rstd,
-         float(eps), cfg.block_m, cfg.block_g, z3 is not None, b2 is not None,
+         float(eps), cfg.block_m, *_tiling(cfg, s), z3 is not None, b2 is not None,
          bool(norm_before_gate), bool(cfg.tma)))]
 
 
@@ -146,15 +217,17 @@ def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_
                   cfg: NormConfig):
     """The backward launch; dw_part (and db_part with a bias) (P, G, S) float32, P their first
     size. Absent z3 / dz3 / b2 / db_part are None."""
-    g = x3.shape[1]
+    _, g, s = x3.shape
     int64 = needs_int64(x3, z3, dout3, dx3, dz3, rstd)
-    kernel = with_hints(rmsnorm_gated_bwd_i64 if int64 else rmsnorm_gated_bwd,
-                        cfg.bwd_occupancy, cfg.bwd_warps)
+    if cfg.chunk:
+        kernel = rmsnorm_gated_bwd_chunked_i64 if int64 else rmsnorm_gated_bwd_chunked
+    else:
+        kernel = rmsnorm_gated_bwd_i64 if int64 else rmsnorm_gated_bwd
     return [KernelCall(
-        kernel, (dw_part.shape[0], g, 1),
+        with_hints(kernel, cfg.bwd_occupancy, cfg.bwd_warps), (dw_part.shape[0], g, 1),
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, rstd, dout3, dx3,
          dz3 if dz3 is not None else dx3, dw_part, db_part if db_part is not None else dw_part,
-         cfg.bwd_block_m, cfg.block_g, z3 is not None, b2 is not None,
+         cfg.bwd_block_m, *_tiling(cfg, s), z3 is not None, b2 is not None,
          bool(norm_before_gate), bool(cfg.bwd_tma)))]
 
 
@@ -169,6 +242,7 @@ def rmsnorm_forward_cuda(x, weight, bias, z, eps, group_size, norm_before_gate, 
     m, hidden = x.shape
     g = hidden // group_size
     cfg = config if config is not None else norm_config(group_size)
+    check_chunk(cfg, group_size)
     x = as_kernel_input(x)
     z = as_kernel_input(z)
     out = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
@@ -190,6 +264,7 @@ def rmsnorm_backward_cuda(dout, x, weight, bias, z, rstd, group_size, norm_befor
     m, hidden = x.shape
     g = hidden // group_size
     cfg = config if config is not None else norm_config(group_size)
+    check_chunk(cfg, group_size)
     x, z, dout = as_kernel_input(x), as_kernel_input(z), as_kernel_input(dout)
     dx = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
     dz = None if z is None else torch.empty((m, hidden), dtype=z.dtype, device=x.device)

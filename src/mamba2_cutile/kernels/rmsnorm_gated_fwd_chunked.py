@@ -1,0 +1,77 @@
+"""Gated RMSNorm, forward, for a group width S = NCHUNK * CHUNK that is not a power of two:
+one program per (block of BLOCK_M rows, channel group), the group read as NCHUNK column chunks
+of CHUNK channels (CHUNK a power of two dividing S), so no lane holds padding.
+
+The math is `rmsnorm_gated_fwd`'s: per row and group, in float32,
+
+    u      = x * silu(z)               if HAS_Z and not NORM_BEFORE_GATE, else x
+    rstd   = 1 / sqrt(sum_j u_j^2 / S + eps)     (the sum over the NCHUNK chunks)
+    out    = u * rstd * w (+ b)  (* silu(z) if HAS_Z and NORM_BEFORE_GATE)
+
+The chunks are an unrolled (compile-time) loop: the first pass loads every chunk of x (and z)
+and accumulates the sum of squares, keeping the chunks in registers; the second writes each
+normalised chunk. A padded (BLOCK_M, 1, next_pow2(S)) tile would spend up to half its lanes and
+registers on zeros (a third at S = 1536 = 3 * 512, three eighths at 2560 = 5 * 512).
+
+Layout: x, z and out are (M, G, S) views of (M, hidden) rows (any row stride, unit channel
+stride), weight and bias (G, S), rstd (G, M). Rows past M load as zeros and are not stored.
+TMA=False makes the row tiles plain loads and stores.
+Grid: (cdiv(M, BLOCK_M), G).
+"""
+
+import cuda.tile as ct
+
+from ._common import int64_variant
+
+
+def rmsnorm_gated_fwd_chunked_fn(
+    x,           # (M, G, S) fp16/bf16/fp32, S = NCHUNK * CHUNK
+    z,           # (M, G, S) any float dtype (ignored unless HAS_Z)
+    weight,      # (G, S)
+    bias,        # (G, S) (ignored unless HAS_BIAS)
+    out,         # (M, G, S) out, x's dtype
+    rstd,        # (G, M) float32 out
+    eps: float,
+    BLOCK_M: ct.Constant[int],
+    CHUNK: ct.Constant[int],
+    NCHUNK: ct.Constant[int],
+    HAS_Z: ct.Constant[bool],
+    HAS_BIAS: ct.Constant[bool],
+    NORM_BEFORE_GATE: ct.Constant[bool],
+    TMA: ct.Constant[bool],
+):
+    row_blk, group = ct.bid(0), ct.bid(1)
+    zero = ct.PaddingMode.ZERO
+    tile3, tile2 = (BLOCK_M, 1, CHUNK), (BLOCK_M, CHUNK)
+    us = ()
+    gates = ()
+    sum_sq = ct.full((BLOCK_M, 1), 0.0, dtype=ct.float32)
+    for c in ct.static_iter(range(NCHUNK)):
+        u = ct.load(x, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
+                    allow_tma=TMA).reshape(tile2).astype(ct.float32)
+        if HAS_Z:
+            zt = ct.load(z, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
+                         allow_tma=TMA).reshape(tile2).astype(ct.float32)
+            gate = zt / (1.0 + ct.exp(-zt))
+            if not NORM_BEFORE_GATE:
+                u = u * gate
+            gates += (gate,)
+        sum_sq = sum_sq + ct.sum(u * u, axis=1, keepdims=True)
+        us += (u,)
+    r = 1.0 / ct.sqrt(sum_sq / (NCHUNK * CHUNK) + eps)                   # (BLOCK_M, 1)
+    for c in ct.static_iter(range(NCHUNK)):
+        w = ct.load(weight, index=(group, c), shape=(1, CHUNK)).astype(ct.float32)
+        y = us[c] * r * w
+        if HAS_BIAS:
+            y = y + ct.load(bias, index=(group, c), shape=(1, CHUNK)).astype(ct.float32)
+        if HAS_Z:
+            if NORM_BEFORE_GATE:
+                y = y * gates[c]
+        ct.store(out, index=(row_blk, group, c), tile=y.reshape(tile3).astype(out.dtype),
+                 allow_tma=TMA)
+    ct.store(rstd, index=(group, row_blk), tile=r.reshape((1, BLOCK_M)))
+
+
+rmsnorm_gated_fwd_chunked = ct.kernel(rmsnorm_gated_fwd_chunked_fn)
+rmsnorm_gated_fwd_chunked_i64 = ct.kernel(int64_variant(
+    rmsnorm_gated_fwd_chunked_fn, ["x", "z", "weight", "bias", "out", "rstd"]))
