@@ -1,7 +1,7 @@
 """The float64 cuTile emulation of `support.emulator`, extended with what the conv1d kernels
 use: `Array.slice`, `ct.static_iter`, loads and stores with an axis `order` (and with
 `check_bounds=False`, asserting that the tile lies inside the array), masked `scatter` and
-`gather`. Runs the kernels' own source on CPU tensors, one program at a time."""
+`gather`, `cat`. Runs the kernels' own source on CPU tensors, one program at a time."""
 
 import torch
 
@@ -67,6 +67,7 @@ CT.store = _store
 CT.scatter = _scatter
 CT.gather = _gather
 CT.static_iter = lambda it: it
+CT.cat = staticmethod(lambda tiles, axis: _tile(torch.cat(tuple(tiles), axis)))
 
 
 def run_calls(calls):

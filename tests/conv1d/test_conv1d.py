@@ -482,3 +482,73 @@ def test_bad_token_stays_in_its_sequence(bad):
     assert torch.equal(got[..., :7], clean[..., :7])
     assert torch.equal(got[..., 9:], clean[..., 9:]) and torch.equal(fin_b, fin)
     assert not torch.isfinite(got[0, 2, 7])
+
+
+#: form 3 (row streaming) at spans and step sizes that make several programs per row, partial
+#: last steps and spans, and lookahead rows crossing into the next span; row loads and row tiles
+ROWS_CFGS = {
+    "span8-rows4": dict(span=8, rows=4, bwd_span=8, bwd_rows=4),
+    "span16-rows8-tile": dict(span=16, rows=8, row_tile=1, bwd_span=16, bwd_rows=8,
+                              bwd_row_tile=1),
+    "span8-rows1": dict(span=8, rows=1, bwd_span=8, bwd_rows=1),
+    "span32-rows2-tile": dict(span=32, rows=2, row_tile=1, bwd_span=16, bwd_rows=16,
+                              bwd_row_tile=1),
+}
+
+
+def _rows_cfg(name):
+    return dataclasses.replace(EMU_CFG, form=3, **ROWS_CFGS[name])
+
+
+@pytest.mark.parametrize("rows_cfg", sorted(ROWS_CFGS))
+@pytest.mark.parametrize("w,silu,opts", [(4, True, "all"), (2, False, "none"), (8, True, "all"),
+                                         (3, True, "seq"), (5, False, "init")])
+def test_kernels_emulated_row_streaming(w, silu, opts, rows_cfg, monkeypatch):
+    """Form 3 on channel-last x (37 tokens, 40 channels: partial channel blocks, partial
+    last steps), forward and backward against the float64 definition."""
+    monkeypatch.setattr(plan, "conv1d_config", lambda *a, **k: _rows_cfg(rows_cfg))
+    _emulated_forward_backward("channel_last", w, silu, opts, "default", 3)
+
+
+@pytest.mark.parametrize("rows_cfg", ["span8-rows4", "span16-rows8-tile"])
+@pytest.mark.parametrize("w,silu,opts", [(4, True, "all"), (8, True, "all"), (2, False, "none")])
+def test_kernels_emulated_row_streaming_unchecked(w, silu, opts, rows_cfg, monkeypatch):
+    """Form 3 with block_d dividing dim: full steps skip their bounds checks (the emulation
+    asserts that each such tile lies inside its array)."""
+    monkeypatch.setattr(plan, "unchecked_supported", lambda: True)
+    monkeypatch.setattr(plan, "conv1d_config", lambda *a, **k: _rows_cfg(rows_cfg))
+    _emulated_forward_backward("channel_last", w, silu, opts, "default", 3, d=32, l=70)
+
+
+@pytest.mark.parametrize("rows_cfg", ["span8-rows4", "span16-rows8-tile"])
+@pytest.mark.parametrize("w,l", [(4, 1), (4, 3), (4, 4), (8, 9), (8, 5), (2, 17), (4, 8),
+                                 (4, 11)])
+def test_kernels_emulated_row_streaming_short(w, l, rows_cfg, monkeypatch):
+    """Sequences of about the width and of about one span: halo from the initial states,
+    final states reaching into them, dfinal terms in the first span's dinit."""
+    monkeypatch.setattr(plan, "conv1d_config", lambda *a, **k: _rows_cfg(rows_cfg))
+    _emulated_forward_backward("channel_last", w, True, "all", "default", 3, l=l)
+
+
+def test_row_streaming_plan():
+    """Form 3's grid (spans along the tokens), its partial-buffer rows, the contiguous layout
+    on form 1, and the config's checks."""
+    x = make_x(2, 100, 1000, "channel_last")
+    cfg = plan.Conv1dConfig(form=3, block_d=64, span=256, bwd_block_d=32, bwd_span=128)
+    out = plan.empty_like_layout(x, True)
+    call = plan.forward_plan(x, torch.empty(4, 100, dtype=F64), None, None, None, out, None,
+                             True, cfg)[0]
+    from mamba2_cutile.kernels import causal_conv1d_fwd_rows, causal_conv1d_fwd_stream
+    assert call.kernel is causal_conv1d_fwd_rows.causal_conv1d_fwd_rows
+    assert tuple(call.grid) == (2, 4, 2)
+    assert plan.backward_grid(x, cfg) == (4, 8, 2)
+    c = x.contiguous()
+    call = plan.forward_plan(c, torch.empty(4, 100, dtype=F64), None, None, None,
+                             torch.empty_like(c), None, True, cfg)[0]
+    assert call.kernel is causal_conv1d_fwd_stream.causal_conv1d_fwd_stream
+    assert plan.backward_grid(c, cfg) == plan.backward_grid(c, dataclasses.replace(cfg, form=1))
+    for bad, match in ((dict(span=4), "span"), (dict(rows=16, span=8), "span"),
+                       (dict(bwd_rows=3), "bwd_rows"), (dict(row_tile=2), "row_tile"),
+                       (dict(block_d=2048), "block_d")):
+        with pytest.raises(ValueError, match=match):
+            plan.Conv1dConfig(**bad)

@@ -22,6 +22,8 @@ from ..kernels.causal_conv1d_bwd_stream import (causal_conv1d_bwd_stream,
 from ..kernels.causal_conv1d_fwd import causal_conv1d_fwd, causal_conv1d_fwd_i64
 from ..kernels.causal_conv1d_fwd_stream import (causal_conv1d_fwd_stream,
                                                  causal_conv1d_fwd_stream_i64)
+from ..kernels.causal_conv1d_bwd_rows import causal_conv1d_bwd_rows, causal_conv1d_bwd_rows_i64
+from ..kernels.causal_conv1d_fwd_rows import causal_conv1d_fwd_rows, causal_conv1d_fwd_rows_i64
 from ..kernels.causal_conv1d_fwd_taps import causal_conv1d_fwd_taps, causal_conv1d_fwd_taps_i64
 from ..kernels.causal_conv1d_update import (causal_conv1d_state_copy,
                                             causal_conv1d_state_copy_i64,
@@ -38,7 +40,12 @@ FORMS = {
         (causal_conv1d_bwd_stream, causal_conv1d_bwd_stream_i64)),
     2: ((causal_conv1d_fwd_taps, causal_conv1d_fwd_taps_i64),
         (causal_conv1d_bwd_stream, causal_conv1d_bwd_stream_i64)),
+    3: ((causal_conv1d_fwd_rows, causal_conv1d_fwd_rows_i64),
+        (causal_conv1d_bwd_rows, causal_conv1d_bwd_rows_i64)),
 }
+#: the largest block_d (form 3's row tiles are (1, block_d): 1024 bf16 channels is 16 bytes a
+#: thread at 4 warps)
+MAX_BLOCK_D = 1024
 
 
 @dataclass(frozen=True)
@@ -55,8 +62,13 @@ class Conv1dConfig:
     in interior blocks, the backward's taps streamed through a W-tile window), 2 = form 1
     with the forward `causal_conv1d_fwd_taps` (channel-last x of at least width tokens: each
     tap an aligned load of an overlapping (batch, width, seqlen-width+1, dim) view; other
-    inputs take form 1's forward). unchecked
-    (form 1): 1 lets interior blocks skip the bounds checks of their loads and stores when
+    inputs take form 1's forward), 3 = the row-streaming kernels (`causal_conv1d_fwd_rows` /
+    `causal_conv1d_bwd_rows`, channel-last x only, other layouts take form 1: every input row
+    read once, the last W-1 rows carried in registers). span, rows, row_tile (form 3): tokens
+    per forward program, rows per unrolled step, 1 = one (rows, block_d) tile load per step
+    with the rows extracted on chip (0: one (1, block_d) load per row); bwd_span, bwd_rows,
+    bwd_row_tile: the same for the backward. unchecked
+    (forms 1, 3): 1 lets interior blocks skip the bounds checks of their loads and stores when
     block_d divides dim (and tileiras is 13.4+; otherwise it has no effect). warps: the
     num_worker_warps hint (0: the compiler's choice; 4 or 8). store_tma (form 1): 1 lets the
     output stores use TMA. bwd_occupancy, bwd_warps: the
@@ -75,12 +87,30 @@ class Conv1dConfig:
     store_tma: int = 0
     bwd_occupancy: int = 0
     bwd_warps: int = 0
+    span: int = 512
+    rows: int = 8
+    row_tile: int = 0
+    bwd_span: int = 512
+    bwd_rows: int = 8
+    bwd_row_tile: int = 0
 
     FIXED = ()
 
     def __post_init__(self):
         c = _config
-        c.check_pow2(self, "block_l", "block_d", "bwd_block_l", "bwd_block_d")
+        c.check_pow2(self, "block_l", "bwd_block_l")
+        for name, hi in (("block_d", MAX_BLOCK_D), ("bwd_block_d", MAX_BLOCK_D), ("rows", 64),
+                         ("bwd_rows", 64), ("span", 65536), ("bwd_span", 65536)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v & (v - 1) or v > hi:
+                raise ValueError(f"Conv1dConfig: {name}={v!r} is not a power of two in 1..{hi}")
+        for span, rows in (("span", "rows"), ("bwd_span", "bwd_rows")):
+            if getattr(self, span) < max(8, getattr(self, rows)):
+                raise ValueError(f"Conv1dConfig: {span}={getattr(self, span)} must be at least "
+                                 f"8 (the width-1 halo lies in the previous span) and at least "
+                                 f"{rows}={getattr(self, rows)}")
+        c.check_choice(self, "row_tile", (0, 1))
+        c.check_choice(self, "bwd_row_tile", (0, 1))
         for name in ("block_l", "bwd_block_l"):
             if getattr(self, name) < 8:
                 raise ValueError(f"Conv1dConfig: {name}={getattr(self, name)} must be at "
@@ -233,7 +263,10 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
     if cfg.form == 2 and cl and l >= w:
         return [_taps_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final,
                                    silu, cfg, x)]
-    form = 1 if cfg.form == 2 else cfg.form
+    if cfg.form == 3 and cl:
+        return [_rows_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final,
+                                   silu, cfg)]
+    form = 1 if cfg.form in (2, 3) else cfg.form
     kernel = FORMS[form][0][1 if needs_int64(xp, op) else 0]
     kernel = with_hints(kernel, cfg.occupancy, cfg.warps)
     head = physical(make_head(x, initial_states, cfg.block_l, w, cl), cl)
@@ -249,6 +282,25 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
     if form == 1:
         args += (_unchecked(cfg, d, cfg.block_d), bool(cfg.store_tma))
     return [KernelCall(kernel, grid, args)]
+
+
+def _rows_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final, silu, cfg):
+    """Form 3's forward launch (`kernels.causal_conv1d_fwd_rows`), channel-last x: no head
+    copies (the first span's halo is read from initial_states itself)."""
+    b, l, d = xp.shape
+    w = weight_t.shape[0]
+    kernel = FORMS[3][0][1 if needs_int64(xp, op) else 0]
+    kernel = with_hints(kernel, cfg.occupancy, cfg.warps)
+    stand_in = weight_t
+    grid = (-(-d // cfg.block_d), -(-l // cfg.span), b)
+    args = (xp, weight_t, bias if bias is not None else stand_in,
+            initial_states if initial_states is not None else stand_in,
+            seq_idx if seq_idx is not None else stand_in, op,
+            final if final is not None else stand_in,
+            w, cfg.span, cfg.rows, cfg.block_d, bias is not None, initial_states is not None,
+            seq_idx is not None, bool(silu), final is not None, bool(cfg.row_tile),
+            _unchecked(cfg, d, cfg.block_d))
+    return KernelCall(kernel, grid, args)
 
 
 def tap_views(xp, width):
@@ -286,7 +338,10 @@ def _taps_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final, s
 
 
 def backward_grid(x, cfg):
+    """The backward's grid; its axis 1 times batch is the number of dw/dbias partial rows."""
     b, d, l = x.shape
+    if cfg.form == 3 and is_channel_last(x):
+        return (-(-d // cfg.bwd_block_d), -(-l // cfg.bwd_span), b)
     return (-(-d // cfg.bwd_block_d), -(-(-(-l // cfg.bwd_block_l)) // cfg.bwd_tiles), b)
 
 
@@ -301,11 +356,15 @@ def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, 
     if cfg is None:
         cfg = conv1d_config(b, d, l, cl, num_sms(x), w)
     xp, dop, dxp = physical(x, cl), physical(dout, cl), physical(dx, cl)
-    kernel = FORMS[cfg.form][1][1 if needs_int64(xp, dop, dxp) else 0]
+    if cfg.form == 3 and cl:
+        return [_rows_backward_call(xp, weight_t, bias, initial_states, seq_idx, dop, dfinal,
+                                    dxp, dw_part, db_part, dinit, silu, cfg, x)]
+    form = 1 if cfg.form == 3 else cfg.form
+    kernel = FORMS[form][1][1 if needs_int64(xp, dop, dxp) else 0]
     kernel = with_hints(kernel, cfg.bwd_occupancy or cfg.occupancy, cfg.bwd_warps or cfg.warps)
     bl = cfg.bwd_block_l
     head = physical(make_head(x, initial_states, bl, w, cl), cl)
-    if cfg.form in (1, 2) and initial_states is None:
+    if form in (1, 2) and initial_states is None:
         # form 1 reads dout before token 0 only for dinit: no head to build (two small
         # launches fewer); the stand-in is never read
         dout_head = dop
@@ -320,9 +379,28 @@ def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, 
             w, next_pow2(w), halo_rows(w), head_front(w), bl, cfg.bwd_block_d,
             cfg.bwd_tiles, cl, bias is not None, initial_states is not None,
             seq_idx is not None, bool(silu), dfinal is not None, bool(cfg.shift_tma))
-    if cfg.form in (1, 2):
+    if form in (1, 2):
         args += (_unchecked(cfg, d, cfg.bwd_block_d), bool(cfg.store_tma))
     return [KernelCall(kernel, backward_grid(x, cfg), args)]
+
+
+def _rows_backward_call(xp, weight_t, bias, initial_states, seq_idx, dop, dfinal, dxp, dw_part,
+                        db_part, dinit, silu, cfg, x):
+    """Form 3's backward launch (`kernels.causal_conv1d_bwd_rows`), channel-last x."""
+    d = xp.shape[2]
+    w = weight_t.shape[0]
+    kernel = FORMS[3][1][1 if needs_int64(xp, dop, dxp) else 0]
+    kernel = with_hints(kernel, cfg.bwd_occupancy or cfg.occupancy, cfg.bwd_warps or cfg.warps)
+    stand_in = weight_t
+    args = (xp, weight_t, bias if bias is not None else stand_in,
+            initial_states if initial_states is not None else stand_in,
+            seq_idx if seq_idx is not None else stand_in, dop,
+            dfinal if dfinal is not None else stand_in, dxp, dw_part, db_part,
+            dinit if dinit is not None else stand_in,
+            w, cfg.bwd_span, cfg.bwd_rows, cfg.bwd_block_d, bias is not None,
+            initial_states is not None, seq_idx is not None, bool(silu), dfinal is not None,
+            bool(cfg.bwd_row_tile), _unchecked(cfg, d, cfg.bwd_block_d))
+    return KernelCall(kernel, backward_grid(x, cfg), args)
 
 
 UPDATE_BLOCK_D = 64

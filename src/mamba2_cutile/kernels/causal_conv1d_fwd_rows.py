@@ -1,0 +1,257 @@
+"""Causal depthwise conv1d forward, form 3 ("row streaming", channel-last x): the math of
+`causal_conv1d_fwd`,
+
+    pre[t]   = bias[c] + sum_{k<W} w[c, k] * e(t-(W-1)+k) * [id(t-(W-1)+k) == id(t)]
+    out[t]   = act(pre[t]) (identity or SiLU: pre * sigmoid(pre)), 0 where id(t) < 0
+    final[j] = e(l-(W-1)+j) * [id(l-(W-1)+j) == id(l-1)]        (j < W-1)
+
+e(u) is x, the initial states at u = -(W-1)..-1, zero before and past the end; id(u < 0) is
+the row's first id, id(0).
+
+Layout of the work: each input row crosses L2 -> SM once. A program owns BLOCK_D channels of
+one batch row and SPAN consecutive tokens s0 .. s0+SPAN-1; it walks them ROWS at a time and
+carries the last W-1 input rows (float32, (1, BLOCK_D) each) and their ids from row to row, so
+that tap k of token t is a register it already holds, not a reload of a shifted tile (form 1
+issues W overlapping tile loads per block, W+1 passes of L2 -> SM traffic). Per span the
+W-1 rows before s0 are read again (the halo; W-1 rows per SPAN, under 1% at SPAN >= 512).
+
+- Every row is a (1, BLOCK_D) tile and every tap, weight and output row has that one shape, so
+  the whole per-token computation is elementwise on one register layout: no shuffles, no
+  shared memory. ROW_TILE = 0 loads each of a step's ROWS rows as its own (1, BLOCK_D) tile and
+  stores each output row; ROW_TILE = 1 loads the step as one (ROWS, BLOCK_D) tile, takes the
+  rows out with `ct.extract`, and stores one (ROWS, BLOCK_D) tile assembled with `ct.cat`
+  (fewer, wider memory instructions, if the compiler's layout makes the row moves free).
+- Full steps (all ROWS tokens inside the sequence) are straight-line code over the ROWS rows:
+  the loads can all be in flight before the first is used. With UNCHECKED (the launcher's
+  promise that BLOCK_D divides dim, and tileiras 13.4+) their loads and stores skip the
+  bounds checks. The sequence's last, partial step branches per row on t < seqlen (no load
+  or store of a row past the end).
+- The halo of the first span comes from initial_states (a strided (1, BLOCK_D) load per row)
+  or is zero: no head copy is built. The final states are W-1 rows of x (or of the initial
+  states, when seqlen < W-1), written by the program holding the last token.
+- Grid: (cdiv(dim, BLOCK_D), cdiv(seqlen, SPAN), batch); SPAN is a multiple of ROWS.
+"""
+
+import cuda.tile as ct
+
+from ._common import int64_variant
+from .causal_conv1d_common import weight_rows_plain
+
+
+def load_row(t, b, row, d_blk, BLOCK_D: ct.Constant[int], UNCHECKED: ct.Constant[bool]):
+    """Token `row` of the channel-last (batch, seqlen, dim) tensor t at channel block d_blk,
+    as (1, BLOCK_D) in t's dtype (channels past dim are zero; 0 <= row < seqlen). A plain
+    load: TMA for one row would add a producer warp group for nothing."""
+    if UNCHECKED:
+        tile = ct.load(t, index=(b, row, d_blk), shape=(1, 1, BLOCK_D), allow_tma=False,
+                       check_bounds=False)
+    else:
+        tile = ct.load(t, index=(b, row, d_blk), shape=(1, 1, BLOCK_D),
+                       padding_mode=ct.PaddingMode.ZERO, allow_tma=False)
+    return tile.reshape((1, BLOCK_D))
+
+
+def store_row(t, b, row, d_blk, value, BLOCK_D: ct.Constant[int],
+              UNCHECKED: ct.Constant[bool]):
+    """value (1, BLOCK_D) stored as token `row` of the channel-last tensor t (0 <= row <
+    seqlen), cast to t's dtype."""
+    ct.store(t, index=(b, row, d_blk), tile=value.astype(t.dtype).reshape((1, 1, BLOCK_D)),
+             allow_tma=False, check_bounds=not UNCHECKED)
+
+
+def load_id(seq_idx, b, row):
+    """id(row) as a (1, 1) int32 tile, 0 <= row < seqlen."""
+    return ct.load(seq_idx, index=(b, row), shape=(1, 1), allow_tma=False)
+
+
+def load_state_row(states, b, j, d_blk, BLOCK_D: ct.Constant[int]):
+    """Column j of states (batch, dim, W-1) at the channel block as (1, BLOCK_D) float32."""
+    return ct.load(states, index=(b, d_blk, j), shape=(1, BLOCK_D, 1),
+                   padding_mode=ct.PaddingMode.ZERO, allow_tma=False).reshape(
+                       (1, BLOCK_D)).astype(ct.float32)
+
+
+def halo_rows(x, init, seq_idx, b, s0, d_blk, WIDTH: ct.Constant[int],
+              BLOCK_D: ct.Constant[int], HAS_INIT: ct.Constant[bool],
+              HAS_SEQ: ct.Constant[bool]):
+    """(e(s0-(W-1)+j) as (1, BLOCK_D) float32, id(s0-(W-1)+j) as (1, 1)) for j < W-1, as two
+    tuples (the ids one empty without seq_idx); s0 is a span start (a multiple of SPAN >=
+    W-1, so s0 > 0 means every halo row is inside x)."""
+    xs = ()
+    ids = ()
+    if s0 == 0:
+        first = ct.full((1, 1), 0, dtype=ct.int32)
+        if HAS_SEQ:
+            first = load_id(seq_idx, b, 0)
+        for j in ct.static_iter(range(WIDTH - 1)):
+            if HAS_INIT:
+                xs += (load_state_row(init, b, j, d_blk, BLOCK_D),)
+            else:
+                xs += (ct.full((1, BLOCK_D), 0.0, dtype=ct.float32),)
+            if HAS_SEQ:
+                ids += (first,)
+    else:
+        for j in ct.static_iter(range(WIDTH - 1)):
+            u = s0 - (WIDTH - 1) + j
+            xs += (load_row(x, b, u, d_blk, BLOCK_D, False).astype(ct.float32),)
+            if HAS_SEQ:
+                ids += (load_id(seq_idx, b, u),)
+    return xs, ids
+
+
+def conv_row(xs, ids, xt, idt, wts, bias_row, WIDTH: ct.Constant[int],
+             HAS_SEQ: ct.Constant[bool]):
+    """pre(t) as (1, BLOCK_D) float32 from the W-1 carried rows xs (tokens t-(W-1)..t-1, ids
+    `ids`) and row t (xt float32, id idt); taps summed in k order."""
+    acc = bias_row
+    for k in ct.static_iter(range(WIDTH - 1)):
+        tap = xs[k]
+        if HAS_SEQ:
+            tap = ct.where(ids[k] == idt, tap, 0.0)
+        acc = acc + wts[k] * tap
+    return acc + wts[WIDTH - 1] * xt
+
+
+def shift(carried, new, WIDTH: ct.Constant[int]):
+    """The carried W-1 rows without the oldest and with `new` appended."""
+    moved = ()
+    for k in ct.static_iter(range(1, WIDTH - 1)):
+        moved += (carried[k],)
+    return moved + (new,)
+
+
+def _activate(acc, idt, HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool]):
+    if SILU:
+        acc = acc / (1.0 + ct.exp(-acc))
+    if HAS_SEQ:
+        acc = ct.where(idt >= 0, acc, 0.0)
+    return acc
+
+
+def cat_rows(rows, ROWS: ct.Constant[int]):
+    """The ROWS (1, BLOCK_D) tiles of `rows` stacked into (ROWS, BLOCK_D) (a balanced tree of
+    `ct.cat`, which joins equal shapes only)."""
+    level = rows
+    n = ROWS
+    while n > 1:
+        joined = ()
+        for i in ct.static_iter(range(n // 2)):
+            joined += (ct.cat((level[2 * i], level[2 * i + 1]), 0),)
+        level = joined
+        n = n // 2
+    return level[0]
+
+
+def _full_step(x, seq_idx, out, wts, bias_row, xs, ids, b, t0, step_tile, d_blk,
+               WIDTH: ct.Constant[int], ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
+               HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool],
+               ROW_TILE: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
+    """Tokens t0 .. t0+ROWS-1, all inside the sequence: outputs stored; (xs, ids) carried on."""
+    rows = ()
+    if ROW_TILE:
+        tile = ct.load(x, index=(b, step_tile, d_blk), shape=(1, ROWS, BLOCK_D),
+                       allow_tma=False, check_bounds=not UNCHECKED).reshape((ROWS, BLOCK_D))
+        for i in ct.static_iter(range(ROWS)):
+            rows += (ct.extract(tile, (i, 0), shape=(1, BLOCK_D)),)
+    else:
+        for i in ct.static_iter(range(ROWS)):
+            rows += (load_row(x, b, t0 + i, d_blk, BLOCK_D, UNCHECKED),)
+    outs = ()
+    for i in ct.static_iter(range(ROWS)):
+        xt = rows[i].astype(ct.float32)
+        idt = ct.full((1, 1), 0, dtype=ct.int32)
+        if HAS_SEQ:
+            idt = load_id(seq_idx, b, t0 + i)
+        acc = _activate(conv_row(xs, ids, xt, idt, wts, bias_row, WIDTH, HAS_SEQ), idt,
+                        HAS_SEQ, SILU)
+        if ROW_TILE:
+            outs += (acc.astype(out.dtype),)
+        else:
+            store_row(out, b, t0 + i, d_blk, acc, BLOCK_D, UNCHECKED)
+        xs = shift(xs, xt, WIDTH)
+        if HAS_SEQ:
+            ids = shift(ids, idt, WIDTH)
+    if ROW_TILE:
+        ct.store(out, index=(b, step_tile, d_blk),
+                 tile=cat_rows(outs, ROWS).reshape((1, ROWS, BLOCK_D)), allow_tma=False,
+                 check_bounds=not UNCHECKED)
+    return xs, ids
+
+
+def _tail_step(x, seq_idx, out, wts, bias_row, xs, ids, b, t0, d_blk, seqlen,
+               WIDTH: ct.Constant[int], ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
+               HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool]):
+    """The sequence's last, partial step: tokens t0 .. seqlen-1 (< t0+ROWS)."""
+    for i in ct.static_iter(range(ROWS)):
+        t = t0 + i
+        xt = ct.full((1, BLOCK_D), 0.0, dtype=ct.float32)
+        idt = ct.full((1, 1), 0, dtype=ct.int32)
+        if t < seqlen:
+            xt = load_row(x, b, t, d_blk, BLOCK_D, False).astype(ct.float32)
+            if HAS_SEQ:
+                idt = load_id(seq_idx, b, t)
+        acc = _activate(conv_row(xs, ids, xt, idt, wts, bias_row, WIDTH, HAS_SEQ), idt,
+                        HAS_SEQ, SILU)
+        if t < seqlen:
+            store_row(out, b, t, d_blk, acc, BLOCK_D, False)
+        xs = shift(xs, xt, WIDTH)
+        if HAS_SEQ:
+            ids = shift(ids, idt, WIDTH)
+    return xs, ids
+
+
+def _final_states(x, init, seq_idx, final, b, d_blk, seqlen, WIDTH: ct.Constant[int],
+                  BLOCK_D: ct.Constant[int], HAS_INIT: ct.Constant[bool],
+                  HAS_SEQ: ct.Constant[bool]):
+    """final[b, :, j] = e(l-(W-1)+j), masked to the last token's sequence."""
+    last = ct.full((1, 1), 0, dtype=ct.int32)
+    if HAS_SEQ:
+        last = load_id(seq_idx, b, seqlen - 1)
+    for j in ct.static_iter(range(WIDTH - 1)):
+        u = seqlen - (WIDTH - 1) + j
+        if u >= 0:
+            val = load_row(x, b, u, d_blk, BLOCK_D, False).astype(ct.float32)
+            if HAS_SEQ:
+                val = ct.where(load_id(seq_idx, b, u) == last, val, 0.0)
+        else:
+            val = ct.full((1, BLOCK_D), 0.0, dtype=ct.float32)
+            if HAS_INIT:
+                val = load_state_row(init, b, u + (WIDTH - 1), d_blk, BLOCK_D)
+            if HAS_SEQ:
+                val = ct.where(load_id(seq_idx, b, 0) == last, val, 0.0)
+        ct.store(final, index=(b, d_blk, j),
+                 tile=val.astype(final.dtype).reshape((1, BLOCK_D, 1)), allow_tma=False)
+
+
+def _fwd_rows(x, weight_t, bias, init, seq_idx, out, final, WIDTH: ct.Constant[int],
+              SPAN: ct.Constant[int], ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
+              HAS_BIAS: ct.Constant[bool], HAS_INIT: ct.Constant[bool],
+              HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool],
+              HAS_FINAL: ct.Constant[bool], ROW_TILE: ct.Constant[bool],
+              UNCHECKED: ct.Constant[bool]):
+    d_blk = ct.bid(0)
+    prog = ct.bid(1)
+    b = ct.bid(2)
+    seqlen = x.shape[1]
+    wts, bias_row = weight_rows_plain(weight_t, bias, d_blk, WIDTH, BLOCK_D, HAS_BIAS)
+    s0 = prog * SPAN
+    xs, ids = halo_rows(x, init, seq_idx, b, s0, d_blk, WIDTH, BLOCK_D, HAS_INIT, HAS_SEQ)
+    n_steps = ct.cdiv(ct.minimum(seqlen - s0, SPAN), ROWS)
+    for step in range(n_steps):
+        t0 = s0 + step * ROWS
+        if t0 + ROWS <= seqlen:
+            xs, ids = _full_step(x, seq_idx, out, wts, bias_row, xs, ids, b, t0,
+                                 prog * (SPAN // ROWS) + step, d_blk, WIDTH, ROWS, BLOCK_D,
+                                 HAS_SEQ, SILU, ROW_TILE, UNCHECKED)
+        else:
+            xs, ids = _tail_step(x, seq_idx, out, wts, bias_row, xs, ids, b, t0, d_blk,
+                                 seqlen, WIDTH, ROWS, BLOCK_D, HAS_SEQ, SILU)
+    if HAS_FINAL:
+        if prog == ct.num_blocks(1) - 1:
+            _final_states(x, init, seq_idx, final, b, d_blk, seqlen, WIDTH, BLOCK_D, HAS_INIT,
+                          HAS_SEQ)
+
+
+causal_conv1d_fwd_rows = ct.kernel(_fwd_rows)
+#: 64-bit indexing of x and out (2**31 elements or more)
+causal_conv1d_fwd_rows_i64 = ct.kernel(int64_variant(_fwd_rows, ("x", "out")))
