@@ -329,7 +329,7 @@ def test_bench_helpers():
     from dataclasses import replace
 
     from mamba2_cutile.bench import norm as bench
-    from mamba2_cutile.norm.plan import norm_shape_config
+    from mamba2_cutile.norm.plan import norm_shape_config, padded_shape_config
     fwd, bwd = bench.norm_bytes(16384, 4096, 8, elem=2, has_z=True)
     assert fwd == 16384 * 4096 * 2 * 3 + 4096 * 4 + 16384 * 8 * 4
     assert bwd == 16384 * 4096 * 2 * 5 + 16384 * 8 * 4 + 2 * 4096 * 4
@@ -339,6 +339,19 @@ def test_bench_helpers():
         assert len(f) >= 6 and len(b) >= 12
         for over in f + b:
             replace(rule, **over)
+    for gs in (1536, 2560, 3072, 5120, 1024, 1000, 37):
+        rule, padded = norm_shape_config(gs), padded_shape_config(gs)
+        f, b = bench.candidate_space(gs)
+        assert {} in f and {} in b
+        for over, fields in [(o, bench._FWD_FIELDS) for o in f] + \
+                [(o, bench._BWD_FIELDS) for o in b]:
+            assert set(over) <= set(fields)
+            replace(rule, **over)
+        if rule.chunk:              # the padded kernels under their own rule are a candidate
+            assert replace(rule, **f[0]) == replace(padded, **{
+                k: getattr(rule, k) for k in bench._BWD_FIELDS if k != "chunk"})
+            assert f[0]["chunk"] == 0 and b[0]["chunk"] == 0
+        assert len(f) == len({tuple(sorted(o.items())) for o in f})
     rows = [dict(tokens=1, hidden=2, ngroups=1, kind="fwd", overrides={}, ms=2.0, gb_s=1.0,
                  rel_err_vs_rule=0.0),
             dict(tokens=1, hidden=2, ngroups=1, kind="fwd", overrides={"block_m": 2}, ms=1.0,
@@ -363,14 +376,15 @@ def test_shape_rule_values():
 
 
 def test_chunked_rule_values():
-    """Group widths m * 2^k (m odd) take the chunked kernels with 2^k-channel chunks (at most
-    1024); widths whose chunks would be under 64 channels or more than 32 keep the padded
-    kernels; rows per tile the power of two <= 4096 / S."""
+    """Group widths m * 2^k (m odd) up to 10240 take the chunked kernels with 2^k-channel
+    chunks (at most 1024); widths whose chunks would be under 64 channels or more than 32,
+    and widths above 10240, keep the padded kernels; rows per tile the power of two
+    <= 4096 / S."""
     from mamba2_cutile.norm.plan import group_chunk, norm_shape_config
     chunks = {s: group_chunk(s) for s in (1536, 2560, 3072, 5120, 7680, 10240, 15360, 320,
                                           1000, 1030, 37, 1, 4096, 64 * 33)}
     assert chunks == {1536: 512, 2560: 512, 3072: 1024, 5120: 1024, 7680: 512, 10240: 1024,
-                      15360: 1024, 320: 64, 1000: 0, 1030: 0, 37: 0, 1: 0, 4096: 0,
+                      15360: 0, 320: 64, 1000: 0, 1030: 0, 37: 0, 1: 0, 4096: 0,
                       64 * 33: 0}
     got = {s: norm_shape_config(s) for s in (320, 1536, 2560, 5120, 7680, 10240)}
     assert [(c.chunk, c.block_m, c.occupancy, c.warps) for c in got.values()] == [

@@ -1,9 +1,10 @@
 """CPU: every gated-RMSNorm kernel variant the dispatcher picks compiles for sm_90, from the same
 plans the GPU path launches (on `meta` tensors): every dtype, each gate order and no gate,
 bias or not, 64-bit indexing, mixed z / parameter dtypes, the channel-tile buckets of the
-shape rule from a group of 1 to the largest group (16384), and the config's tma=0 option. A
-launch whose machine code an earlier one already decides (`support.variants.signature_key`)
-is compiled once.
+shape rule from a group of 1 to the largest group (16384), the chunked kernels at the group
+widths m * 2^k the rule gives them (320 to 10240), and the config's tma=0 and chunk=0
+options. A launch whose machine code an earlier one already decides
+(`support.variants.signature_key`) is compiled once.
 
 Each compile also reads the cubin's registers and spills (`bench.resources`, when pyelftools
 is there); the shape rule's configs must not spill up to 2048-channel groups (measured:
@@ -46,6 +47,21 @@ PROBLEMS = [
     # the config's tma=0 option (plain loads and stores), at a large group
     ("bf16-h8192-no-tma", dict(hidden=8192, dtype=BF, config=replace(
         norm_shape_config(8192), tma=0, bwd_tma=0))),
+    # the chunked kernels at the rule's other group widths m * 2^k (above: 1536 = 3 * 512,
+    # 320 = 5 * 64, 5120 = 5 * 1024 without z), gate first with a bias, and a padded width
+    # without a chunking (1000 = 125 * 8)
+    ("bf16-h2560-z-nbg", dict(hidden=2560, dtype=BF)),
+    ("bf16-h3072-z-nbg", dict(hidden=3072, dtype=BF)),
+    ("bf16-h5120-z-nbg", dict(hidden=5120, dtype=BF)),
+    ("bf16-h7680-z-nbg", dict(hidden=7680, dtype=BF)),
+    ("bf16-h10240-z-nbg", dict(hidden=10240, dtype=BF)),
+    ("bf16-h15360-z-nbg-padded-by-rule", dict(hidden=15360, dtype=BF)),
+    ("bf16-h1536-z-gate-first-bias", dict(hidden=1536, dtype=BF, norm_before_gate=False,
+                                          has_bias=True)),
+    ("bf16-h1000-z-nbg", dict(hidden=1000, dtype=BF)),
+    # the padded kernels at a chunkable width (config chunk=0, a sweep candidate)
+    ("bf16-h1536-padded", dict(hidden=1536, dtype=BF, config=replace(
+        norm_shape_config(1536), chunk=0))),
 ]
 
 

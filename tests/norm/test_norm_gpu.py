@@ -1,8 +1,10 @@
 """GPU: the cuTile gated RMSNorm against the float64 definition (`reference.norm`) on the same
 rounded inputs, forward and backward, over dtypes, gate orders, bias, groups, hidden sizes that
 are not powers of two and row counts that are not multiples of the tiles; strided x and z (the
-Mamba-2 layer's slices of its input projection); determinism; CUDA-graph capture;
-torch.compile; 64-bit indexing; and mamba_ssm's Triton rmsnorm_fn on the same inputs (skipped
+Mamba-2 layer's slices of its input projection); the chunked kernels (group widths m * 2^k)
+at real model widths, every config the candidate sweep times, chunked against padded;
+determinism; CUDA-graph capture; torch.compile; 64-bit indexing (padded and chunked); and
+mamba_ssm's Triton rmsnorm_fn on the same inputs (skipped
 when mamba_ssm is not importable or MAMBA2_TEST_COMPARE_MAMBA=0).
 
 Tolerances, on max|got - ref| / max|ref| (support.gpu.rel_err), from the error each result
@@ -153,9 +155,10 @@ def test_layer_slices_of_projection(dtype, nbg):
     assert float(results["ours"][3][..., dim:].abs().max()) == 0.0   # only z's part has a grad
 
 
-def test_deterministic():
-    x, w, b, z = make(4099, 2048, BF, has_bias=True)
-    dout = torch.randn(4099, 2048, device="cuda").to(BF)
+@pytest.mark.parametrize("hidden", [2048, 1536])       # the padded and the chunked kernels
+def test_deterministic(hidden):
+    x, w, b, z = make(4099, hidden, BF, has_bias=True)
+    dout = torch.randn(4099, hidden, device="cuda").to(BF)
     first = ours(x, w, b, z, 1e-5, None, True, dout)
     for _ in range(3):
         again = ours(x, w, b, z, 1e-5, None, True, dout)
@@ -210,27 +213,99 @@ def test_torch_compile_inductor():
         assert rel_err(a, e) <= TOL[BF] / 10
 
 
-def test_int64_indexing():
+@pytest.mark.parametrize("hidden, gs", [(2048, 256), (1536, 1536)])   # padded, chunked
+def test_int64_indexing(hidden, gs):
     """2**31 + elements: the 64-bit variants. Rows are independent, so the first and the last
     rows (addresses past 2**31 elements) are checked against the float64 definition of those
     rows alone, forward and dx, dz."""
-    hidden, rows = 2048, 2**31 // 2048 + 7
+    rows = 2**31 // hidden + 7
     if torch.cuda.get_device_properties(0).total_memory < 60 * 2**30:
         pytest.skip("needs 60 GiB of GPU memory")
     x = torch.randn(rows, hidden, device="cuda", dtype=BF).requires_grad_()
     z = torch.randn(rows, hidden, device="cuda", dtype=BF).requires_grad_()
     w = torch.rand(hidden, device="cuda") + 0.5
     dout = torch.randn(rows, hidden, device="cuda", dtype=BF)
-    out = rmsnorm_fn(x, w, None, z=z, group_size=256)
+    out = rmsnorm_fn(x, w, None, z=z, group_size=gs)
     dx, dz = torch.autograd.grad(out, (x, z), dout)
     for part in (slice(0, 3000), slice(rows - 3000, rows)):
-        ref, (rdx, _, _, rdz) = reference(x[part], w, None, z[part], 1e-6, 256, True,
+        ref, (rdx, _, _, rdz) = reference(x[part], w, None, z[part], 1e-6, gs, True,
                                           dout[part])
         for name, got, want in (("out", out[part], ref), ("dx", dx[part], rdx),
                                 ("dz", dz[part], rdz)):
             e = rel_err(got, want)
             log_result(f"rows {part.start}.. {name} err {e:.3e} tol {TOL[BF]:.1e}")
             assert e <= TOL[BF], (part, name, e)
+
+
+# ------------------------------------------------------------ chunked and padded kernels, configs
+
+#: (rows, hidden, group_size): the chunked kernels at the other widths m * 2^k of real models
+#: (3072 = 3 * 1024, 7680 = 15 * 512, 10240 = 5 * 2048 in 1024-chunks, six groups of 1536)
+#: and widths the rule pads (15360 = 15 * 1024, past the chunked limit; 1000 = 125 * 8);
+#: rows not multiples of the tiles
+CHUNKED_SHAPES = [(1001, 3072, None), (257, 7680, None), (129, 10240, None), (65, 15360, None),
+                  (333, 9216, 1536), (300, 1000, None)]
+
+
+@pytest.mark.parametrize("rows, hidden, gs", CHUNKED_SHAPES)
+@pytest.mark.parametrize("has_z, nbg, has_bias", [(True, True, False), (True, False, True)])
+def test_chunked_widths_against_float64(rows, hidden, gs, has_z, nbg, has_bias):
+    from mamba2_cutile.norm.plan import norm_config
+    x, w, b, z = make(rows, hidden, BF, has_z, has_bias)
+    dout = torch.randn(rows, hidden, device="cuda").to(BF)
+    out, grads = ours(x, w, b, z, 1e-5, gs, nbg, dout)
+    ref, rgrads = reference(x, w, b, z, 1e-5, gs, nbg, dout)
+    e = rel_err(out, ref)
+    tag = f"chunk {norm_config(gs or hidden).chunk}"
+    log_result(f"{tag} out err {e:.3e} tol {TOL[BF]:.1e}")
+    assert e <= TOL[BF]
+    _check_grads(tag, grads, rgrads, (BF, w.dtype, None if b is None else b.dtype, BF))
+
+
+def _sweep_candidates():
+    from mamba2_cutile.bench.norm import candidate_space
+    out = []
+    for hidden, gs in ((1536, 1536), (5120, 5120), (2048, 1024)):
+        fwd, bwd = candidate_space(gs)
+        for i, over in enumerate(fwd + [o for o in bwd if o not in fwd]):
+            spec = ",".join(f"{k}={v}" for k, v in over.items()) or "default"
+            out.append(pytest.param(hidden, gs, spec, id=f"{hidden}-g{gs}-{spec}"))
+    return out
+
+
+@pytest.mark.parametrize("hidden, gs, spec", _sweep_candidates())
+def test_sweep_candidates_against_float64(monkeypatch, hidden, gs, spec):
+    """Every config the candidate sweep (`bench.norm.candidate_space`) times, among them the
+    padded kernels at chunkable widths (chunk=0) and the chunked kernels at a power-of-two
+    group, is correct: forward and backward against float64, rows not a multiple of any
+    tile."""
+    monkeypatch.setenv("MAMBA2_CUTILE_NORM_CONFIG", spec)
+    x, w, b, z = make(515, hidden, BF)
+    dout = torch.randn(515, hidden, device="cuda").to(BF)
+    out, grads = ours(x, w, b, z, 1e-5, gs, True, dout)
+    ref, rgrads = reference(x, w, b, z, 1e-5, gs, True, dout)
+    e = rel_err(out, ref)
+    log_result(f"{spec} out err {e:.3e} tol {TOL[BF]:.1e}")
+    assert e <= TOL[BF]
+    _check_grads(spec, grads, rgrads, (BF, w.dtype, None, BF))
+
+
+def test_chunked_matches_padded(monkeypatch):
+    """At 1536 channels the chunked kernels (the rule) and the padded ones (chunk=0) compute
+    the same float32 values in another order: their float32 results differ by float32
+    rounding only (bound 2e-6 as TOL[F32]), the weight gradient included."""
+    x, w, b, z = make(2047, 1536, F32, has_bias=True)
+    dout = torch.randn(2047, 1536, device="cuda")
+    chunked = ours(x, w, b, z, 1e-5, None, True, dout)
+    monkeypatch.setenv("MAMBA2_CUTILE_NORM_CONFIG", "chunk=0")
+    padded = ours(x, w, b, z, 1e-5, None, True, dout)
+    pairs = [("out", chunked[0], padded[0])] + list(zip(NAMES, chunked[1], padded[1]))
+    for name, a, p in pairs:
+        if a is None:
+            continue
+        e = rel_err(a, p)
+        log_result(f"{name} chunked vs padded {e:.3e} tol {TOL[F32]:.1e}")
+        assert e <= TOL[F32], (name, e)
 
 
 # ----------------------------------------------------------------------------- against mamba_ssm

@@ -8,7 +8,8 @@ and weight and writes dx, dz, dweight (and dbias); forward + backward is the sum
 must read x and z again). Fractions are of 4.3 TB/s (`bench.roofline.HBM_BYTES_PER_S`).
 
     python -m mamba2_cutile.bench.norm                      # the default shapes, bf16, z gate
-    python -m mamba2_cutile.bench.norm --sweep              # a few configs at two shapes
+    python -m mamba2_cutile.bench.norm --sweep --reps 10    # candidates beside today's rule
+    python -m mamba2_cutile.bench.norm --sweep --space full # every sweep_space override
     python -m mamba2_cutile.bench.norm --json out.json --gate-first --dtype fp32
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 
 import torch
 
@@ -26,6 +28,12 @@ from .roofline import HBM_BYTES_PER_S
 DEFAULT_SHAPES = [(t, h, g) for t in (16384, 65536) for h in (1536, 2560, 4096, 5120, 8192)
                   for g in (1, 8)] + [(4096, 4096, 1), (4096, 4096, 8)]
 QUICK_SHAPES = [(16384, 1536, 1), (16384, 8192, 8), (65536, 4096, 1)]
+#: the candidate sweep's shapes: one group of 1536 = 3 * 512, 2560 = 5 * 512, 3072 = 3 * 1024,
+#: 5120 = 5 * 1024, and eight groups of 1024 (8192 channels)
+CANDIDATE_SHAPES = [(16384, 1536, 1), (16384, 2560, 1), (16384, 3072, 1), (16384, 5120, 1),
+                    (16384, 8192, 8)]
+#: the full sweep's shapes (the padded kernels' timing of today's rule)
+FULL_SWEEP_SHAPES = [(16384, 4096, 1), (16384, 4096, 8)]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -136,41 +144,154 @@ def sweep_space(rule):
     return fwd, bwd
 
 
-def sweep_norm(shapes=((16384, 4096, 1), (16384, 4096, 8)), dtype=torch.bfloat16, reps=30):
-    """Times the forward and the backward under each override of `sweep_space` (through
-    MAMBA2_CUTILE_NORM_CONFIG), checks each result against the rule's, and returns rows
-    {shape, pass, overrides, ms, GB/s}; the fastest per shape and pass is printed."""
-    from ..norm.plan import ENV_NORM, norm_shape_config
+_FWD_FIELDS = ("block_m", "occupancy", "warps", "tma", "chunk")
+_BWD_FIELDS = ("bwd_block_m", "bwd_ctas_per_sm", "bwd_occupancy", "bwd_warps", "bwd_tma",
+               "chunk")
+
+
+def candidate_space(group_size):
+    """(forward, backward) overrides of the candidate sweep at one group size: the padded
+    kernels under their rule (`padded_shape_config`, as before the chunked kernels; "padded"
+    below), the dispatcher's rule ({}), and one step away from it per field: rows per tile
+    halved and doubled, the other occupancy and warp count, no TMA, chunks half as wide;
+    at a power-of-two group the chunked kernels with two chunks. Each override
+    names the pass's fields it changes; the chunk field reaches both passes."""
+    from ..norm.plan import (MAX_CHUNK, MAX_CHUNKS, MIN_CHUNK, norm_shape_config,
+                             padded_shape_config)
+
+    rule, padded = norm_shape_config(group_size), padded_shape_config(group_size)
+
+    def diff(cfg, names):
+        return {k: getattr(cfg, k) for k in names if getattr(cfg, k) != getattr(rule, k)}
+
+    def step(names, **over):
+        cand = replace(rule, **over)
+        return diff(cand, names)
+
+    fwd = [diff(padded, _FWD_FIELDS), {}]
+    bwd = [diff(padded, _BWD_FIELDS), {}]
+    fwd += [step(_FWD_FIELDS, block_m=max(1, rule.block_m // 2)),
+            step(_FWD_FIELDS, block_m=min(256, rule.block_m * 2)),
+            step(_FWD_FIELDS, occupancy=2 if rule.occupancy == 4 else 4),
+            step(_FWD_FIELDS, warps=4 if rule.warps == 8 else 8),
+            step(_FWD_FIELDS, tma=1 - rule.tma)]
+    bwd += [step(_BWD_FIELDS, bwd_block_m=max(1, rule.bwd_block_m // 2)),
+            step(_BWD_FIELDS, bwd_block_m=min(256, rule.bwd_block_m * 2)),
+            step(_BWD_FIELDS, bwd_ctas_per_sm=4 if rule.bwd_ctas_per_sm == 2 else 2),
+            step(_BWD_FIELDS, bwd_occupancy=1 if rule.bwd_occupancy == 2 else 2),
+            step(_BWD_FIELDS, bwd_warps=4 if rule.bwd_warps == 8 else 8),
+            step(_BWD_FIELDS, bwd_tma=1 - rule.bwd_tma)]
+    # chunks half as wide (twice as many); a power-of-two group in two chunks
+    half_chunk = (rule.chunk or (group_size if group_size & (group_size - 1) == 0 else 0)) // 2
+    if half_chunk >= MIN_CHUNK and half_chunk <= MAX_CHUNK \
+            and group_size // half_chunk <= MAX_CHUNKS:
+        fwd.append(step(_FWD_FIELDS, chunk=half_chunk))
+        bwd.append(step(_BWD_FIELDS, chunk=half_chunk))
+    out = []
+    for space in (fwd, bwd):
+        seen, uniq = set(), []
+        for over in space:
+            key = tuple(sorted(over.items()))
+            if key not in seen:
+                seen.add(key)
+                uniq.append(over)
+        out.append(uniq)
+    return tuple(out)
+
+
+def _space(space, group_size):
+    from ..norm.plan import norm_shape_config
+    if space == "full":
+        return sweep_space(norm_shape_config(group_size))
+    return candidate_space(group_size)
+
+
+def _env_spec(over):
+    # "default" (no override) where the candidate is the rule itself
+    return ",".join(f"{k}={v}" for k, v in over.items()) or "default"
+
+
+def _sweep_call(kind, x, z, w, dout, gs):
+    from ..norm import rmsnorm_fn
+    if kind == "fwd":
+        return lambda: rmsnorm_fn(x, w, None, z=z, group_size=gs)
+    return _ours_bwd(x, z, w, dout, gs, True)
+
+
+def _warm(task):
+    """Runs one sweep candidate once in this (worker) process, so that its kernels are compiled
+    into the on-disk cuTile cache before the timing process launches them."""
+    from ..norm.plan import ENV_NORM
+    tokens, hidden, ngroups, kind, over, dtype = task
+    os.environ[ENV_NORM] = _env_spec(over)
+    try:
+        x, z, w, dout = make_inputs(tokens, hidden, dtype)
+        _sweep_call(kind, x, z, w, dout, hidden // ngroups)()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the timing process reports it for this candidate
+        return f"{task[:5]}: {e!r}"[:300]
+    return None
+
+
+def warm_compile(tasks, jobs):
+    """Compiles the sweep's candidates in `jobs` spawned processes (compiling is serial within
+    one process and takes seconds per kernel; the timing process then finds them cached)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+        for fut in cf.as_completed([pool.submit(_warm, t) for t in tasks]):
+            if fut.result():
+                print("compile failed:", fut.result(), flush=True)
+
+
+def sweep_norm(shapes=None, dtype=torch.bfloat16, reps=30, space="candidates", jobs=0):
+    """Times the forward and the backward under each override of the sweep space ("candidates":
+    `candidate_space`, at CANDIDATE_SHAPES by default; "full": `sweep_space` around the rule,
+    at FULL_SWEEP_SHAPES) through MAMBA2_CUTILE_NORM_CONFIG, checks each result against the
+    rule's, and returns rows {shape, pass, overrides, ms, GB/s}. `jobs` > 1 compiles the
+    candidates first in that many processes."""
+    from ..norm.plan import ENV_NORM
     from .accuracy import rel_err
     from .timing import time_graph
-    from ..norm import rmsnorm_fn
 
+    if shapes is None:
+        shapes = CANDIDATE_SHAPES if space == "candidates" else FULL_SWEEP_SHAPES
     elem = torch.empty((), dtype=dtype).element_size()
     saved = os.environ.get(ENV_NORM)
     rows = []
     try:
+        if jobs > 1:
+            warm_compile([(t, h, g, kind, over, dtype) for t, h, g in shapes
+                          for kind, sp in zip(("fwd", "bwd"), _space(space, h // g))
+                          for over in sp], jobs)
         for tokens, hidden, ngroups in shapes:
             gs = hidden // ngroups
             x, z, w, dout = make_inputs(tokens, hidden, dtype)
             fwd_b, bwd_b = norm_bytes(tokens, hidden, ngroups, elem)
             os.environ.pop(ENV_NORM, None)
-            want = rmsnorm_fn(x, w, None, z=z, group_size=gs)
-            want_bwd = _ours_bwd(x, z, w, dout, gs, True)()
-            fwd_space, bwd_space = sweep_space(norm_shape_config(gs))
-            for kind, space, nbytes in (("fwd", fwd_space, fwd_b), ("bwd", bwd_space, bwd_b)):
-                for over in space:
-                    os.environ[ENV_NORM] = ",".join(f"{k}={v}" for k, v in over.items())
-                    if kind == "fwd":
-                        call = lambda: rmsnorm_fn(x, w, None, z=z, group_size=gs)  # noqa: E731
-                        err = rel_err(call(), want)
-                    else:
-                        call = _ours_bwd(x, z, w, dout, gs, True)
-                        err = max(rel_err(a, b) for a, b in zip(call(), want_bwd)
-                                  if a.numel())
-                    ms = time_graph(call, reps=reps)["median_ms"]
-                    rows.append(dict(tokens=tokens, hidden=hidden, ngroups=ngroups,
-                                     kind=kind, overrides=over, ms=ms,
-                                     gb_s=nbytes / (ms * 1e-3) / 1e9, rel_err_vs_rule=err))
+            want = _sweep_call("fwd", x, z, w, dout, gs)()
+            want_bwd = _sweep_call("bwd", x, z, w, dout, gs)()
+            fwd_space, bwd_space = _space(space, gs)
+            for kind, sp, nbytes in (("fwd", fwd_space, fwd_b), ("bwd", bwd_space, bwd_b)):
+                for over in sp:
+                    os.environ[ENV_NORM] = _env_spec(over)
+                    row = dict(tokens=tokens, hidden=hidden, ngroups=ngroups, kind=kind,
+                               overrides=over)
+                    try:
+                        call = _sweep_call(kind, x, z, w, dout, gs)
+                        if kind == "fwd":
+                            err = rel_err(call(), want)
+                        else:
+                            err = max(rel_err(a, b) for a, b in zip(call(), want_bwd)
+                                      if a.numel())
+                        ms = time_graph(call, reps=reps)["median_ms"]
+                    except Exception as e:  # noqa: BLE001 - one failed candidate, not the sweep
+                        rows.append(dict(row, ms=float("inf"), gb_s=0.0, frac_hbm=0.0,
+                                         rel_err_vs_rule=float("nan"), error=repr(e)[:300]))
+                        continue
+                    rows.append(dict(row, ms=ms, gb_s=nbytes / (ms * 1e-3) / 1e9,
+                                     frac_hbm=nbytes / (ms * 1e-3) / HBM_BYTES_PER_S,
+                                     rel_err_vs_rule=err))
     finally:
         if saved is None:
             os.environ.pop(ENV_NORM, None)
@@ -189,8 +310,13 @@ def format_rows(rows) -> str:
             lines.append(f"{shape}  {r['impl']:<14} {r['mode']:<7} {r['ms'] * 1e3:9.1f} us  "
                          f"{r['gb_s']:7.0f} GB/s  {100 * r['frac_hbm']:5.1f}% of 4.3 TB/s{extra}")
         else:
+            if "error" in r:
+                lines.append(f"{shape}  {r['kind']}  {r['overrides']}  failed: {r['error']}")
+                continue
+            frac = f"  {100 * r['frac_hbm']:5.1f}%" if "frac_hbm" in r else ""
             lines.append(f"{shape}  {r['kind']}  {r['overrides']}  {r['ms'] * 1e3:9.1f} us  "
-                         f"{r['gb_s']:7.0f} GB/s  err vs rule {r['rel_err_vs_rule']:.1e}")
+                         f"{r['gb_s']:7.0f} GB/s{frac}  err vs rule "
+                         f"{r['rel_err_vs_rule']:.1e}")
     return "\n".join(lines)
 
 
@@ -211,13 +337,19 @@ def main(argv=None):
     ap.add_argument("--no-z", action="store_true", help="plain RMSNorm (no gate)")
     ap.add_argument("--gate-first", action="store_true", help="norm_before_gate=False")
     ap.add_argument("--no-baseline", action="store_true", help="skip mamba_ssm")
-    ap.add_argument("--sweep", action="store_true", help="time the configs of sweep_space")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time config candidates (--space) beside the rule")
+    ap.add_argument("--space", choices=("candidates", "full"), default="candidates",
+                    help="candidates: candidate_space at CANDIDATE_SHAPES; full: sweep_space "
+                         "at FULL_SWEEP_SHAPES")
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                    help="processes compiling the sweep's kernels before timing (1: none)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args(argv)
     dtype = _DTYPES[args.dtype]
     if args.sweep:
-        rows = sweep_norm(dtype=dtype, reps=args.reps)
+        rows = sweep_norm(dtype=dtype, reps=args.reps, space=args.space, jobs=args.jobs)
         print(format_rows(rows))
         print("fastest:")
         print(format_rows(best_of_sweep(rows)))

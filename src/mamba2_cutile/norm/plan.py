@@ -48,6 +48,8 @@ ENV_NORM = "MAMBA2_CUTILE_NORM_CONFIG"
 MIN_CHUNK, MAX_CHUNK = 64, 4096
 #: at most this many chunks per group (each is unrolled in the kernels)
 MAX_CHUNKS = 32
+#: the shape rule's largest group for the chunked kernels (`group_chunk`)
+MAX_CHUNKED_GROUP = 10240
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,9 @@ def norm_shape_config(group_size: int) -> NormConfig:
     Only groups of 512 and 4096 were timed; the other sizes take the same tile sizes in
     channels untimed. The occupancy hints cap the registers per thread where the tiles fit
     (CPU compiles for sm_90, `bench.resources`: forward 64 registers at occupancy 4 up to
-    4096-channel groups (8 bytes of stack at 4096), backward 128 at occupancy 2); a group of 8192 needs 8 warps at occupancy 1 in the
-    backward (168 registers). `MAMBA2_CUTILE_NORM_CONFIG` overrides any field.
+    4096-channel groups (8 bytes of stack at 4096), backward 128 at occupancy 2); a group of
+    8192 needs 8 warps at occupancy 1 in the backward (168 registers).
+    `MAMBA2_CUTILE_NORM_CONFIG` overrides any field.
 
     Group widths S = m * 2^k that are not powers of two (`group_chunk`) take the chunked
     kernels with chunks of 2^k channels (at most 1024) and the same channels per tile, untimed:
@@ -136,6 +139,13 @@ def norm_shape_config(group_size: int) -> NormConfig:
                           warps=8 if group_size >= 8192 else 0,
                           bwd_occupancy=2 if group_size <= 4096 else 1,
                           bwd_warps=8 if group_size > 4096 else 0, chunk=chunk)
+    return padded_shape_config(group_size)
+
+
+def padded_shape_config(group_size: int) -> NormConfig:
+    """The rule's padded-kernel config (chunk=0): what every group size took before the
+    chunked kernels, and what powers of two and widths without a chunking still take."""
+    bg = next_pow2(group_size)
     bm = max(1, min(64, 4096 // bg)) if bg < 4096 else max(1, 8192 // bg)
     bbm = max(1, min(32, 4096 // bg)) if bg <= 1024 else 1
     return NormConfig(block_g=bg, block_m=bm, bwd_block_m=bbm, bwd_ctas_per_sm=2,
@@ -152,9 +162,12 @@ def prev_pow2(n: int) -> int:
 
 def group_chunk(group_size: int, max_chunk: int = 1024) -> int:
     """The chunk width of the chunked kernels for this group size: its largest power-of-two
-    divisor, at most `max_chunk`; 0 (the padded kernels) for a power of two, and for a size
-    whose chunks would be narrower than MIN_CHUNK or more than MAX_CHUNKS (1000 = 125 * 8)."""
-    if group_size & (group_size - 1) == 0:
+    divisor, at most `max_chunk`; 0 (the padded kernels) for a power of two, for a size
+    whose chunks would be narrower than MIN_CHUNK or more than MAX_CHUNKS (1000 = 125 * 8),
+    and above MAX_CHUNKED_GROUP, where the chunks held in registers spill (15360 = 15 * 1024:
+    536 bytes per thread in the backward, sm_90 compile) and padding to 16384 wastes at most
+    3/8 of a tile."""
+    if group_size & (group_size - 1) == 0 or group_size > MAX_CHUNKED_GROUP:
         return 0
     chunk = min(group_size & -group_size, max_chunk)
     if chunk < MIN_CHUNK or group_size // chunk > MAX_CHUNKS:
