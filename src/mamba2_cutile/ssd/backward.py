@@ -10,7 +10,9 @@ tiles and grid):
   (3b. chunk_cb          only with dx_cb=1: S = C B^T per (batch, chunk, group) into the fp32
                          scratch `cb`, the lower block triangle bwd_chunk_dx reads)
   4. bwd_chunk_dx        per chunk: dx, dz, and per-tile partials of dD, ddt_direct, da
-                         (S blocks from `cb` with dx_cb=1, else formed by two MMAs per block)
+                         (S blocks from `cb` with dx_cb=1, else formed by two MMAs per block);
+                         with dx_head_block > 1 bwd_chunk_dx_heads instead: the same outputs,
+                         several heads of a group per program sharing one S
   5. bwd_chunk_dbc       per chunk: dB and dC, summed over each group's heads in-program
                          (with bc_head_split > 1 over S programs per group writing fp32
                          partials, then one torch sum over the S partials)
@@ -35,6 +37,7 @@ from .. import config as _config
 from ..kernels.bwd_chunk_dbc import (bwd_chunk_dbc, bwd_chunk_dbc_fused, bwd_chunk_dbc_fused_i64,
                                      bwd_chunk_dbc_i64)
 from ..kernels.bwd_chunk_dx import bwd_chunk_dx, bwd_chunk_dx_i64
+from ..kernels.bwd_chunk_dx_heads import bwd_chunk_dx_heads, bwd_chunk_dx_heads_i64
 from ..kernels.bwd_dt import bwd_dt, bwd_dt_i64
 from ..kernels.bwd_state_pass import bwd_state_pass, bwd_state_pass_i64
 from ..kernels.chunk_cb import chunk_cb, chunk_cb_i64
@@ -45,6 +48,7 @@ from .forward import ForwardConfig, forward_plan, forward_shape_config
 INF = float("inf")
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 HEAD_SPLITS = (1, 2, 4, 8, 16, 32, 64)     # BackwardConfig.bc_head_split's values
+DX_HEAD_BLOCKS = HEAD_SPLITS               # BackwardConfig.dx_head_block's values
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,11 @@ class BackwardConfig:
                                  # HPG/that heads each; they write fp32 partials
                                  # (2 * splits * B*L*G*N*4 bytes) that one torch sum adds.
                                  # 1: one program walks all the group's heads, no scratch
+    dx_head_block: int = 1       # HB (power of two, 1..64): bwd_chunk_dx_heads, one program per
+                                 # token block, p-tile and gcd(HB, HPG) heads of one group
+                                 # (`dx_head_blocks`), S = C B^T and B/C formed once for them;
+                                 # 1, or da_mode 2 or dx_cb=1 (which it does not take), or
+                                 # gcd 1: bwd_chunk_dx, one head per program
 
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
     FIXED = ("dstate_pad",)
@@ -119,6 +128,7 @@ class BackwardConfig:
             raise ValueError(f"BackwardConfig: da_mode={self.da_mode} must be 0, 1, or 2 with "
                              "bc_fused=1")
         c.check_choice(self, "bc_head_split", HEAD_SPLITS)
+        c.check_choice(self, "dx_head_block", DX_HEAD_BLOCKS)
         if self.bc_head_split > 1 and not self.bc_fused:
             raise ValueError(f"BackwardConfig: bc_head_split={self.bc_head_split} needs "
                              "bc_fused=1 (the per-block dB/dC programs do not split heads)")
@@ -134,6 +144,18 @@ def head_splits(cfg: BackwardConfig, nheads: int, ngroups: int) -> int:
     if not cfg.bc_fused or ngroups == 0:
         return 1
     return math.gcd(cfg.bc_head_split, nheads // ngroups)
+
+
+def dx_head_blocks(cfg: BackwardConfig, nheads: int, ngroups: int) -> int:
+    """Heads per bwd_chunk_dx program: gcd(dx_head_block, HPG), the largest power of two that
+    divides the heads per group HPG, capped at dx_head_block, so that a program's heads lie in
+    one group (they share its B, C and S) and every program walks the same number of them (one
+    config fits every layer whatever its head counts: HPG = 6 at dx_head_block = 4 runs 2 heads
+    per program). 1 means the one-head kernel bwd_chunk_dx, also whenever the config asks for
+    what the multi-head kernel does not do: da_mode 2 or dx_cb=1."""
+    if cfg.da_mode == 2 or cfg.dx_cb or ngroups == 0:
+        return 1
+    return math.gcd(cfg.dx_head_block, nheads // ngroups)
 
 
 def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
@@ -333,15 +355,28 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
     int64 = needs_int64(x, B, C, z, dout, D, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
                       bufs.dstates, bufs.dx, bufs.dz, bufs.da_part, bufs.ddt_part, bufs.dD_part,
                       bufs.cb)
-    calls.append(KernelCall(
-        with_hints(bwd_chunk_dx_i64 if int64 else bwd_chunk_dx, cfg.dx_occupancy, cfg.dx_warps),
-        (n_q * batch * nheads, -(-headdim // cfg.dx_block_p), 1),
-        (x, B, C, z if has_z else x, dout, D if D is not None else A, bufs.dt_buf, bufs.cum_buf,
-         seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
-         bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
-         v_part, bufs.cb if cfg.dx_cb else bufs.ddt_part, Q, cfg.dx_block_q, cfg.dx_block_p,
-         cfg.dstate_pad, hpg, d_mode, has_z, has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency,
-         bool(cfg.dx_cb))))
+    hb = dx_head_blocks(cfg, nheads, ngroups)
+    dx_args = (x, B, C, z if has_z else x, dout, D if D is not None else A, bufs.dt_buf,
+               bufs.cum_buf, seq_arg, bufs.states, bufs.dstates, bufs.dx,
+               bufs.dz if has_z else bufs.dx, bufs.da_part, bufs.ddt_part,
+               bufs.dD_part if D is not None else bufs.ddt_part)
+    if hb > 1:
+        # several heads of one group per program (grid axis 0: token blocks fastest, then
+        # batch x head blocks)
+        calls.append(KernelCall(
+            with_hints(bwd_chunk_dx_heads_i64 if int64 else bwd_chunk_dx_heads,
+                       cfg.dx_occupancy, cfg.dx_warps),
+            (n_q * batch * (nheads // hb), -(-headdim // cfg.dx_block_p), 1),
+            dx_args + (Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, hb, d_mode,
+                       has_z, has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency)))
+    else:
+        calls.append(KernelCall(
+            with_hints(bwd_chunk_dx_i64 if int64 else bwd_chunk_dx, cfg.dx_occupancy,
+                       cfg.dx_warps),
+            (n_q * batch * nheads, -(-headdim // cfg.dx_block_p), 1),
+            dx_args + (v_part, bufs.cb if cfg.dx_cb else bufs.ddt_part, Q, cfg.dx_block_q,
+                       cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z, has_seq, dx_lowp,
+                       cfg.da_mode, cfg.dx_load_latency, bool(cfg.dx_cb))))
 
     # 5: dB, dC (with a head split: their per-split partials, which reduce_head_splits adds)
     split = bufs.db_part is not None
