@@ -6,6 +6,7 @@ defaults (mamba_ssm's), argument errors naming the argument, the custom ops unde
 torch.compile(fullgraph=True)."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -358,6 +359,39 @@ def test_bench_helpers():
                  gb_s=2.0, rel_err_vs_rule=0.0)]
     assert bench.best_of_sweep(rows) == [rows[1]]
     assert "block_m" in bench.format_rows(rows)
+
+
+def test_sweep_loop_on_the_cpu_path(monkeypatch):
+    """The candidate sweep's loop, on CPU tensors (the PyTorch path: every candidate gives the
+    rule's result) with a stub timer: one row per candidate and pass, none failed, each
+    candidate's overrides in MAMBA2_CUTILE_NORM_CONFIG while it runs and the variable restored
+    after; a compile warm-up task that fails reports itself instead of raising."""
+    from mamba2_cutile.bench import norm as bench
+    from mamba2_cutile.bench import timing
+
+    def cpu_inputs(tokens, hidden, dtype=torch.float32, has_z=True, seed=0):
+        x, w, _, z = make((tokens,), hidden, torch.float32, seed=seed, bias=False)
+        return x, z, w, torch.randn(tokens, hidden)
+    seen = []
+
+    def fake_time(call, reps):
+        call()
+        seen.append(os.environ.get("MAMBA2_CUTILE_NORM_CONFIG"))
+        return {"median_ms": 1.0}
+    monkeypatch.setattr(bench, "make_inputs", cpu_inputs)
+    monkeypatch.setattr(timing, "time_graph", fake_time)
+    monkeypatch.setenv("MAMBA2_CUTILE_NORM_CONFIG", "block_m=1")
+    shapes = [(33, 1536, 1), (33, 2048, 2)]
+    rows = bench.sweep_norm(shapes=shapes, dtype=torch.float32, reps=1)
+    want = sum(len(f) + len(b) for f, b in (bench.candidate_space(h // g) for _, h, g in shapes))
+    assert len(rows) == want and not any("error" in r for r in rows)
+    assert all(r["rel_err_vs_rule"] == 0 for r in rows)
+    assert seen == [bench._env_spec(r["overrides"]) for r in rows]
+    assert os.environ["MAMBA2_CUTILE_NORM_CONFIG"] == "block_m=1"
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert bench._warm((33, 1536, 1, "bwd", {"chunk": 0}, torch.float32)) is None
+    monkeypatch.setattr(bench, "make_inputs", lambda *a: 1 / 0)
+    assert "ZeroDivisionError" in bench._warm((33, 1536, 1, "fwd", {}, torch.float32))
 
 
 def test_shape_rule_values():

@@ -153,7 +153,8 @@ def candidate_space(group_size):
     """(forward, backward) overrides of the candidate sweep at one group size: the padded
     kernels under their rule (`padded_shape_config`, as before the chunked kernels; "padded"
     below), the dispatcher's rule ({}), and one step away from it per field: rows per tile
-    halved and doubled, the other occupancy and warp count, no TMA, chunks half as wide;
+    halved and doubled, the other occupancy and warp count, no TMA, chunks half as wide,
+    (forward) twice the rows at half the occupancy;
     at a power-of-two group the chunked kernels with two chunks. Each override
     names the pass's fields it changes; the chunk field reaches both passes."""
     from ..norm.plan import (MAX_CHUNK, MAX_CHUNKS, MIN_CHUNK, norm_shape_config,
@@ -174,7 +175,11 @@ def candidate_space(group_size):
             step(_FWD_FIELDS, block_m=min(256, rule.block_m * 2)),
             step(_FWD_FIELDS, occupancy=2 if rule.occupancy == 4 else 4),
             step(_FWD_FIELDS, warps=4 if rule.warps == 8 else 8),
-            step(_FWD_FIELDS, tma=1 - rule.tma)]
+            step(_FWD_FIELDS, tma=1 - rule.tma),
+            # twice the rows with the registers of half the CTAs (at occupancy 4 the
+            # doubled tiles spill: 40-128 bytes per thread at 1536 and 2560 channels)
+            step(_FWD_FIELDS, block_m=min(256, rule.block_m * 2),
+                 occupancy=max(1, rule.occupancy // 2))]
     bwd += [step(_BWD_FIELDS, bwd_block_m=max(1, rule.bwd_block_m // 2)),
             step(_BWD_FIELDS, bwd_block_m=min(256, rule.bwd_block_m * 2)),
             step(_BWD_FIELDS, bwd_ctas_per_sm=4 if rule.bwd_ctas_per_sm == 2 else 2),

@@ -83,14 +83,22 @@ def rmsnorm_gated_bwd_chunked_fn(
                          allow_tma=TMA).reshape(tile2).astype(ct.float32)
             w = ct.load(weight, index=(group, c), shape=(1, CHUNK)).astype(ct.float32)
             u = xt
+            gate = xt                   # replaced below when HAS_Z (read only then)
+            dgate = xt
             if HAS_Z:
                 zt = ct.load(z, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
                              allow_tma=TMA).reshape(tile2).astype(ct.float32)
                 sg = 1.0 / (1.0 + ct.exp(-zt))
                 gate = zt * sg
                 dgate = sg * (1.0 + zt * (1.0 - sg))
+                if not NORM_BEFORE_GATE:
+                    u = xt * gate
+                    xts += (xt,)
+                    gates += (gate,)
+                    dgates += (dgate,)
+            xhat = u * r
+            if HAS_Z:
                 if NORM_BEFORE_GATE:
-                    xhat = xt * r
                     y = xhat * w
                     if HAS_BIAS:
                         y = y + ct.load(bias, index=(group, c),
@@ -99,12 +107,6 @@ def rmsnorm_gated_bwd_chunked_fn(
                              tile=(dy * y * dgate).reshape(tile3).astype(dz.dtype),
                              allow_tma=TMA)
                     dy = dy * gate
-                else:
-                    u = xt * gate
-                    xts += (xt,)
-                    gates += (gate,)
-                    dgates += (dgate,)
-            xhat = u * r
             new_dw += (dw_acc[c] + ct.sum(dy * xhat, axis=0, keepdims=True),)
             if HAS_BIAS:
                 new_db += (db_acc[c] + ct.sum(dy, axis=0, keepdims=True),)
