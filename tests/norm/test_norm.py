@@ -5,6 +5,7 @@ hidden sizes that are not powers of two, strided x and z, leading dimensions; th
 defaults (mamba_ssm's), argument errors naming the argument, the custom ops under opcheck and
 torch.compile(fullgraph=True)."""
 
+import argparse
 import itertools
 import os
 
@@ -358,6 +359,10 @@ def test_bench_helpers():
             dict(tokens=1, hidden=2, ngroups=1, kind="fwd", overrides={"block_m": 2}, ms=1.0,
                  gb_s=2.0, rel_err_vs_rule=0.0)]
     assert bench.best_of_sweep(rows) == [rows[1]]
+    assert bench._parse_shapes("16384x1536x1,64x8192x8") == [(16384, 1536, 1), (64, 8192, 8)]
+    for bad in ("", "16384x1536", "1x10x3", "axbxc"):
+        with pytest.raises(argparse.ArgumentTypeError, match="TOKENSxHIDDENxGROUPS"):
+            bench._parse_shapes(bad)
     assert "block_m" in bench.format_rows(rows)
 
 

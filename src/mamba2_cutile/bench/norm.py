@@ -8,8 +8,10 @@ and weight and writes dx, dz, dweight (and dbias); forward + backward is the sum
 must read x and z again). Fractions are of 4.3 TB/s (`bench.roofline.HBM_BYTES_PER_S`).
 
     python -m mamba2_cutile.bench.norm                      # the default shapes, bf16, z gate
+    python -m mamba2_cutile.bench.norm --shapes targets     # the real model widths
     python -m mamba2_cutile.bench.norm --sweep --reps 10    # candidates beside today's rule
     python -m mamba2_cutile.bench.norm --sweep --space full # every sweep_space override
+    python -m mamba2_cutile.bench.norm --sweep --sweep-shapes 16384x1536x1,16384x8192x8
     python -m mamba2_cutile.bench.norm --json out.json --gate-first --dtype fp32
 """
 
@@ -24,10 +26,18 @@ import torch
 
 from .roofline import HBM_BYTES_PER_S
 
-#: (tokens, hidden, ngroups): the Mamba-2 layer sizes, 1 and 8 groups, 4K to 64K tokens
-DEFAULT_SHAPES = [(t, h, g) for t in (16384, 65536) for h in (1536, 2560, 4096, 5120, 8192)
-                  for g in (1, 8)] + [(4096, 4096, 1), (4096, 4096, 8)]
+#: (tokens, hidden, ngroups): the Mamba-2 layer sizes, 1 and 8 groups, 16K and 64K tokens, and
+#: 4K tokens at 4096
+DEFAULT_SHAPES = [(t, h, g) for t in (16384, 65536)
+                  for h in (1536, 2560, 3072, 4096, 5120, 8192) for g in (1, 8)] + [
+                  (4096, 4096, 1), (4096, 4096, 8)]
 QUICK_SHAPES = [(16384, 1536, 1), (16384, 8192, 8), (65536, 4096, 1)]
+#: the real Mamba-2 / hybrid widths from 16K tokens: d_inner 1536 (also 64K tokens), 2048,
+#: 2560, 3072, 4096, 5120 in one group, 8192 in eight, and the whole-d_inner groups of 7680
+#: and 10240
+TARGET_SHAPES = [(16384, 1536, 1), (65536, 1536, 1), (16384, 2048, 1), (16384, 2560, 1),
+                 (16384, 3072, 1), (16384, 4096, 1), (16384, 5120, 1), (16384, 8192, 8),
+                 (16384, 7680, 1), (16384, 10240, 1)]
 #: the candidate sweep's shapes: one group of 1536 = 3 * 512, 2560 = 5 * 512, 3072 = 3 * 1024,
 #: 5120 = 5 * 1024, and eight groups of 1024 (8192 channels)
 CANDIDATE_SHAPES = [(16384, 1536, 1), (16384, 2560, 1), (16384, 3072, 1), (16384, 5120, 1),
@@ -334,10 +344,22 @@ def best_of_sweep(rows):
     return list(best.values())
 
 
+def _parse_shapes(text):
+    """"16384x1536x1,16384x8192x8" -> [(16384, 1536, 1), (16384, 8192, 8)]."""
+    try:
+        shapes = [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(sh) != 3 or min(sh) < 1 or sh[1] % sh[2] for sh in shapes):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected TOKENSxHIDDENxGROUPS,... with GROUPS dividing HIDDEN")
+    return shapes
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mamba2_cutile.bench.norm",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", choices=("default", "quick"), default="default")
+    ap.add_argument("--shapes", choices=("default", "quick", "targets"), default="default")
     ap.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16")
     ap.add_argument("--no-z", action="store_true", help="plain RMSNorm (no gate)")
     ap.add_argument("--gate-first", action="store_true", help="norm_before_gate=False")
@@ -347,6 +369,10 @@ def main(argv=None):
     ap.add_argument("--space", choices=("candidates", "full"), default="candidates",
                     help="candidates: candidate_space at CANDIDATE_SHAPES; full: sweep_space "
                          "at FULL_SWEEP_SHAPES")
+    ap.add_argument("--sweep-shapes", type=_parse_shapes, default=None,
+                    metavar="TOKENSxHIDDENxGROUPS,...",
+                    help="the sweep's shapes, e.g. 16384x1536x1,16384x8192x8 (default: the "
+                         "space's shapes)")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                     help="processes compiling the sweep's kernels before timing (1: none)")
     ap.add_argument("--reps", type=int, default=50)
@@ -354,12 +380,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dtype = _DTYPES[args.dtype]
     if args.sweep:
-        rows = sweep_norm(dtype=dtype, reps=args.reps, space=args.space, jobs=args.jobs)
+        rows = sweep_norm(args.sweep_shapes, dtype=dtype, reps=args.reps, space=args.space,
+                          jobs=args.jobs)
         print(format_rows(rows))
         print("fastest:")
         print(format_rows(best_of_sweep(rows)))
     else:
-        shapes = DEFAULT_SHAPES if args.shapes == "default" else QUICK_SHAPES
+        shapes = {"default": DEFAULT_SHAPES, "quick": QUICK_SHAPES,
+                  "targets": TARGET_SHAPES}[args.shapes]
         rows = bench_norm(shapes, dtype, has_z=not args.no_z,
                           norm_before_gate=not args.gate_first, reps=args.reps,
                           baseline=not args.no_baseline)
