@@ -1,7 +1,10 @@
 """The float64 cuTile emulation of `support.emulator`, extended with what the conv1d kernels
 use: `Array.slice`, `ct.static_iter`, loads and stores with an axis `order` (and with
 `check_bounds=False`, asserting that the tile lies inside the array), masked `scatter` and
-`gather`, `cat`. Runs the kernels' own source on CPU tensors, one program at a time."""
+`gather`, `cat`, `truediv` and `exp2` with their options (exact in float64). Runs the
+kernels' own source on CPU tensors, one program at a time."""
+
+import types
 
 import torch
 
@@ -68,6 +71,10 @@ CT.scatter = _scatter
 CT.gather = _gather
 CT.static_iter = lambda it: it
 CT.cat = staticmethod(lambda tiles, axis: _tile(torch.cat(tuple(tiles), axis)))
+CT.truediv = staticmethod(lambda x, y, rounding_mode=None, flush_to_zero=False: x / y)
+CT.RoundingMode = types.SimpleNamespace(APPROX="approx", RN="nearest_even")
+_plain_exp2 = emulator.FakeCT.exp2
+CT.exp2 = staticmethod(lambda x, flush_to_zero=False: _plain_exp2(x))
 
 
 def run_calls(calls):

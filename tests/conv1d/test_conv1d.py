@@ -503,10 +503,14 @@ def _rows_cfg(name):
 @pytest.mark.parametrize("rows_cfg", sorted(ROWS_CFGS))
 @pytest.mark.parametrize("w,silu,opts", [(4, True, "all"), (2, False, "none"), (8, True, "all"),
                                          (3, True, "seq"), (5, False, "init")])
-def test_kernels_emulated_row_streaming(w, silu, opts, rows_cfg, monkeypatch):
+@pytest.mark.parametrize("silu_mode", [1, 2])
+def test_kernels_emulated_row_streaming(w, silu, opts, rows_cfg, silu_mode, monkeypatch):
     """Form 3 on channel-last x (37 tokens, 40 channels: partial channel blocks, partial
-    last steps), forward and backward against the float64 definition."""
+    last steps), forward and backward against the float64 definition; the SiLU in both of
+    its forms (1: IEEE, float32 inputs; 2: the exp2 / reciprocal form of 16-bit inputs, exact
+    in the emulation)."""
     monkeypatch.setattr(plan, "conv1d_config", lambda *a, **k: _rows_cfg(rows_cfg))
+    monkeypatch.setattr(plan, "_rows_silu", lambda s, xp: silu_mode if s else 0)
     _emulated_forward_backward("channel_last", w, silu, opts, "default", 3)
 
 

@@ -76,6 +76,9 @@ def update_calls(dtype=BF, w=4, k=1, opts=("bias", "silu", "circular", "idx"), i
         torch.empty(b, d, state_len, dtype=dtype, device=META), "silu" in opts)
 
 
+#: form 3 at the sweep's first candidates (kernels/causal_conv1d_*_rows.py)
+ROWS = dict(form=3, block_d=256, span=512, rows=8, bwd_block_d=256, bwd_span=512, bwd_rows=8)
+
 FAST = [
     ("fwd-bf16-cl-all", lambda: forward_call()),
     ("fwd-fp16-contig-all", lambda: forward_call(FP16, "contiguous")),
@@ -100,6 +103,13 @@ FAST = [
     ("fwd2-bf16-cl-all", lambda: forward_call(form=2)),
     ("fwd2-bf16-cl-bias-silu-32x64", lambda: forward_call(opts=("bias", "silu"), d=1536,
                                                           form=2, block_d=64)),
+    # form 3 (row streaming): the sweep's first candidates, unchecked (block_d divides dim),
+    # and all options at a partial channel block
+    ("fwd3-bf16-cl-bias-silu-256-r8", lambda: forward_call(opts=("bias", "silu"), d=1536,
+                                                           **ROWS)),
+    ("fwd3-bf16-cl-all", lambda: forward_call(**ROWS)),
+    ("bwd3-bf16-cl-bias-silu-256-r8", lambda: backward_call(opts=("bias", "silu"), d=1536,
+                                                            **ROWS)),
 ]
 SLOW = [
     ("fwd-bf16-contig-w3-seq", lambda: forward_call(layout="contiguous", w=3, opts=("seq",))),
@@ -123,6 +133,22 @@ SLOW = [
     ("fwd2-fp32-cl-none-w2-tiles4", lambda: forward_call(FP32, w=2, opts=(), form=2, tiles=4)),
     ("fwd2-bf16-cl-w8-int64", lambda: forward_call(w=8, opts=("bias", "silu"), int64=True,
                                                    form=2)),
+    ("fwd3-fp32-cl-none-w2", lambda: forward_call(FP32, w=2, opts=(), **ROWS)),
+    ("fwd3-fp16-cl-w8-int64", lambda: forward_call(FP16, w=8, opts=("bias", "silu"),
+                                                   int64=True, **ROWS)),
+    ("fwd3-bf16-cl-bias-silu-512-r16", lambda: forward_call(
+        opts=("bias", "silu"), d=1536, **dict(ROWS, block_d=512, rows=16))),
+    ("fwd3-bf16-cl-bias-silu-row-tile", lambda: forward_call(
+        opts=("bias", "silu"), d=1536, **dict(ROWS, row_tile=1))),
+    ("bwd3-bf16-cl-all", lambda: backward_call(**ROWS)),
+    ("bwd3-fp32-cl-w2-none", lambda: backward_call(FP32, w=2, opts=(), **ROWS)),
+    ("bwd3-fp16-cl-w8-silu-init", lambda: backward_call(FP16, w=8, opts=("silu", "init"),
+                                                        **ROWS)),
+    ("bwd3-bf16-cl-int64", lambda: backward_call(opts=("bias", "silu"), int64=True, **ROWS)),
+    ("bwd3-bf16-cl-bias-silu-row-tile", lambda: backward_call(
+        opts=("bias", "silu"), d=1536, **dict(ROWS, bwd_row_tile=1))),
+    ("bwd3-bf16-cl-bias-silu-128-r16", lambda: backward_call(
+        opts=("bias", "silu"), d=1536, **dict(ROWS, bwd_block_d=128, bwd_rows=16))),
 ]
 
 
@@ -158,6 +184,8 @@ def test_int64_variants_are_picked():
     assert backward_call(int64=True).kernel is not backward_call().kernel
     assert forward_call(int64=True, form=1).kernel is not forward_call(form=1).kernel
     assert backward_call(int64=True, form=1).kernel is not backward_call(form=1).kernel
+    assert forward_call(int64=True, **ROWS).kernel is not forward_call(**ROWS).kernel
+    assert backward_call(int64=True, **ROWS).kernel is not backward_call(**ROWS).kernel
 
 
 def test_forms_pick_their_kernels():
@@ -180,6 +208,23 @@ def test_forms_pick_their_kernels():
     assert forward_call(d=1544, form=1).args[-2] is False
     assert backward_call(d=1536, form=1, unchecked=0).args[-2] is False
     assert update_calls(int64=True)[0].kernel is not update_calls()[0].kernel
+    # form 3: the row kernels for channel-last x, form 1's for the contiguous layout; its
+    # UNCHECKED (the last argument) only where the channel tiles divide dim; SiLU mode 2
+    # (approximate sigmoid) for 16-bit inputs, 1 (IEEE) for float32
+    from mamba2_cutile.kernels import causal_conv1d_bwd_rows, causal_conv1d_fwd_rows
+    assert forward_call(**ROWS).kernel is causal_conv1d_fwd_rows.causal_conv1d_fwd_rows
+    assert backward_call(**ROWS).kernel is causal_conv1d_bwd_rows.causal_conv1d_bwd_rows
+    assert forward_call(layout="contiguous", **ROWS).kernel is \
+        causal_conv1d_fwd_stream.causal_conv1d_fwd_stream
+    assert backward_call(layout="contiguous", **ROWS).kernel is \
+        causal_conv1d_bwd_stream.causal_conv1d_bwd_stream
+    assert forward_call(d=1536, **ROWS).args[-1] is plan.unchecked_supported()
+    assert forward_call(d=1600, **ROWS).args[-1] is False
+    assert backward_call(d=1536, **dict(ROWS, unchecked=0)).args[-1] is False
+    silu_arg = -4       # SILU in the forward's argument list, counted from the end
+    assert forward_call(**ROWS).args[silu_arg] == 2
+    assert forward_call(FP32, **ROWS).args[silu_arg] == 1
+    assert forward_call(opts=("bias",), **ROWS).args[silu_arg] == 0
 
 
 def test_default_config_and_env(monkeypatch):

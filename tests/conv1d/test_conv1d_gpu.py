@@ -32,6 +32,11 @@ TOL_GRAD = {torch.bfloat16: 6e-3, torch.float16: 8e-4, torch.float32: 1.2e-6}
 #: (batch, dim, seqlen): dims and lengths that no tile divides, one long sequence, and one
 #: dim the channel tiles divide (form 1's interior blocks then skip their bounds checks)
 SHAPES = [(2, 1544, 1000), (1, 264, 333), (3, 72, 17), (1, 3352, 4097), (2, 1536, 1000)]
+#: form 3 (row streaming, channel-last; contiguous inputs take form 1) at spans short enough
+#: for several programs per row at the test shapes, and its row-tile variant
+ROWS_CFG = ("form=3,block_d=256,span=128,rows=8,bwd_block_d=128,bwd_span=64,bwd_rows=4")
+ROWS_TILE_CFG = ("form=3,block_d=128,span=64,rows=16,row_tile=1,bwd_block_d=256,bwd_span=128,"
+                 "bwd_rows=8,bwd_row_tile=1")
 #: kernel forms (`Conv1dConfig.form`, set through MAMBA2_CUTILE_CONV1D_CONFIG): the dispatcher's
 #: choice (form 1 for channel-last inputs, form 0 for contiguous ones), the first kernels
 #: (form 0) at the dispatcher's tiles, the streamed-tap kernels at 128-channel tiles and at
@@ -40,7 +45,8 @@ SHAPES = [(2, 1544, 1000), (1, 264, 333), (3, 72, 17), (1, 3352, 4097), (2, 1536
 FORMS = {"default": "", "form0": "form=0", "form1": "form=1,block_d=128",
          "form1-small": "form=1,block_l=16,block_d=64,"
          "bwd_block_l=16,bwd_block_d=32,bwd_tiles=2", "form2": "form=2",
-         "form2-tiles": "form=2,block_l=16,block_d=64,tiles=4"}
+         "form2-tiles": "form=2,block_l=16,block_d=64,tiles=4",
+         "form3": ROWS_CFG, "form3-tile": ROWS_TILE_CFG}
 
 
 @pytest.fixture(params=sorted(FORMS))
@@ -318,3 +324,55 @@ def test_sweep_runs_and_checks_candidates():
                    f"diff {r['max_rel_diff']:.2e}")
         assert r["kernel_ms"] > 0 and r["call_ms"] > 0 and r["max_rel_diff"] <= 8e-3
     assert len(best_of_sweep(rows)) == 2
+
+
+#: (name, dtype, shape, options, config): form 3's quick check, one compile each: a dim no
+#: channel tile divides and one they divide (unchecked full steps), float32 (the IEEE SiLU;
+#: 16-bit inputs take the approximate exp2 / reciprocal), and the row-tile variant
+ROWS_QUICK = [
+    ("bf16-partial-d", torch.bfloat16, SHAPES[0], "all", ROWS_CFG),
+    ("bf16-unchecked", torch.bfloat16, SHAPES[4], "all", ROWS_CFG),
+    ("fp32-short", torch.float32, SHAPES[1], "all", ROWS_CFG),
+    ("bf16-row-tile", torch.bfloat16, SHAPES[4], "bias_silu", ROWS_TILE_CFG),
+]
+
+
+@pytest.mark.parametrize("name,dtype,shape,opts,cfg", ROWS_QUICK, ids=[c[0] for c in ROWS_QUICK])
+def test_row_streaming_forward_backward(name, dtype, shape, opts, cfg, monkeypatch):
+    """Form 3 (channel-last, width 4, SiLU) against the float64 definition: out, final states
+    and the gradients of x, weight, bias, initial states (tolerances as for every form: the
+    approximate sigmoid of 16-bit inputs adds ~2^-21 relative, far below their rounding)."""
+    from mamba2_cutile.conv1d.plan import ENV_CONV1D
+    monkeypatch.setenv(ENV_CONV1D, cfg)
+    w = 4
+    x, weight, kw = _problem(shape, dtype, "channel_last", w, OPTS[opts], seed=3)
+    b, d, l = shape
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    dout = torch.randn(b, d, l, device="cuda", generator=gen).to(dtype)
+    dfinal = torch.randn(b, d, w - 1, device="cuda", generator=gen).to(dtype)
+    leaves = [t for t in (x, weight, kw["bias"], kw["initial_states"]) if t is not None]
+
+    def run(fn, cast):
+        ins = [cast(t).detach().requires_grad_() for t in leaves]
+        it = iter(ins)
+        a, w_ = next(it), next(it)
+        c = next(it) if kw["bias"] is not None else None
+        h = next(it) if kw["initial_states"] is not None else None
+        out, final = fn(a, w_, c, h)
+        loss = (out.to(F64) * dout.to(F64)).sum() + (final.to(F64) * dfinal.to(F64)).sum()
+        return (out, final) + torch.autograd.grad(loss, ins)
+
+    ours = run(lambda a, w_, c, h: causal_conv1d_fn(
+        a, w_, c, seq_idx=kw["seq_idx"], initial_states=h, return_final_states=True,
+        activation="silu"), lambda t: t)
+    ref = run(lambda a, w_, c, h: causal_conv1d_ref(a, w_, c, kw["seq_idx"], h, "silu"),
+              lambda t: t.to(F64))
+    names = ["out", "final", "dx", "dweight"] + ["dbias"] * (kw["bias"] is not None) + \
+        ["dinit"] * (kw["initial_states"] is not None)
+    errs = {n: rel_err(o, r) for n, o, r in zip(names, ours, ref)}
+    log_result(" ".join(f"{k} {v:.3e}" for k, v in errs.items()))
+    assert errs["final"] == 0.0
+    assert errs["out"] <= TOL_OUT[dtype]
+    for k, v in errs.items():
+        if k not in ("out", "final"):
+            assert v <= TOL_GRAD[dtype], (k, v)

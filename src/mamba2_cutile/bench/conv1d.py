@@ -19,13 +19,18 @@ candidate's results are checked against the dispatcher's default config (max rel
 difference printed); the fastest per shape and direction is listed at the end.
 
     python -m mamba2_cutile.bench.conv1d --sweep [--only fwd|bwd] [--shapes 1x16384x1792,...]
-        [--configs "fwd:form=1,block_l=16;bwd:form=1,bwd_tiles=4"] [--reps 30] [--json FILE]
+        [--candidates all|rows] [--configs "fwd:form=1,block_l=16;bwd:form=1,bwd_tiles=4"]
+        [--reps 30] [--json FILE]
+
+`--candidates rows` is form 3 (the row-streaming kernels) at its tiles, spans and step sizes
+beside the dispatcher's default; each row also prints the launch's grid size (programs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -171,6 +176,33 @@ BWD_CANDIDATES = [
 ]
 
 
+#: form 3 (row streaming) beside the current default (listed first by the sweep): tiles of
+#: 128-512 channels (2-8 bytes a thread per row load at 4 warps), spans of 256-1024 tokens
+#: (the halo re-read is (W-1)/span), 8-16 rows per unrolled step, the row-tile load variant,
+#: occupancy hints. Programs at (1, 16384, 5376): 21 x 32 = 672 at 256 x 512.
+ROWS_FWD_CANDIDATES = [
+    "form=3,block_d=256,span=512,rows=8", "form=3,block_d=256,span=256,rows=8",
+    "form=3,block_d=256,span=512,rows=16", "form=3,block_d=128,span=512,rows=8",
+    "form=3,block_d=128,span=256,rows=16", "form=3,block_d=512,span=512,rows=8",
+    "form=3,block_d=256,span=1024,rows=8", "form=3,block_d=256,span=512,rows=4,occupancy=8",
+    "form=3,block_d=256,span=512,rows=8,row_tile=1", "form=3,block_d=128,span=256,rows=8,warps=8",
+]
+ROWS_BWD_CANDIDATES = [
+    "form=3,bwd_block_d=256,bwd_span=512,bwd_rows=8",
+    "form=3,bwd_block_d=256,bwd_span=256,bwd_rows=4",
+    "form=3,bwd_block_d=128,bwd_span=512,bwd_rows=8",
+    "form=3,bwd_block_d=128,bwd_span=256,bwd_rows=16",
+    "form=3,bwd_block_d=256,bwd_span=1024,bwd_rows=8",
+    "form=3,bwd_block_d=512,bwd_span=512,bwd_rows=4",
+    "form=3,bwd_block_d=128,bwd_span=256,bwd_rows=8,bwd_occupancy=6",
+    "form=3,bwd_block_d=256,bwd_span=512,bwd_rows=8,bwd_row_tile=1",
+    "form=3,bwd_block_d=64,bwd_span=256,bwd_rows=16",
+]
+#: named candidate sets for --candidates
+CANDIDATE_SETS = {"all": (FWD_CANDIDATES, BWD_CANDIDATES),
+                  "rows": ([""] + ROWS_FWD_CANDIDATES, [""] + ROWS_BWD_CANDIDATES)}
+
+
 def _parse_fields(spec):
     from .. import config as _config
     from ..conv1d.plan import Conv1dConfig
@@ -180,6 +212,17 @@ def _parse_fields(spec):
 def _max_rel(a, ref):
     ref = ref.float()
     return ((a.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def _programs(calls) -> int:
+    """Programs (CTAs) of the launches' grids."""
+    total = 0
+    for c in calls:
+        n = 1
+        for g in c.grid:
+            n *= g
+        total += n
+    return total
 
 
 def _fwd_runner(x, w, b, cfg):
@@ -196,6 +239,7 @@ def _fwd_runner(x, w, b, cfg):
     def call():
         return plan.conv1d_forward_cuda(x, w, b, None, None, True, False, cfg)[0]
 
+    kernel.programs = _programs(calls)
     kernel()
     return kernel, call, out
 
@@ -220,6 +264,7 @@ def _bwd_runner(x, w, b, dout, cfg):
     def call():
         return plan.conv1d_backward_cuda(x, w, b, None, None, dout, None, True, cfg)[:3]
 
+    kernel.programs = _programs(calls)
     kernel()
     return kernel, call, (dx, dw_part.sum(0).t(), db_part.sum(0))
 
@@ -249,12 +294,15 @@ def sweep_conv1d(shapes=SWEEP_SHAPES, fwd_candidates=FWD_CANDIDATES,
                            config=spec or "default")
                 try:
                     cfg = replace(base, **_parse_fields(spec))
+                    started = time.perf_counter()
                     if mode == "fwd":
                         kernel, call, res = _fwd_runner(x, w, b, cfg)
                         res = (res,)
                     else:
                         kernel, call, res = _bwd_runner(x, w, b, dout, cfg)
                     torch.cuda.synchronize()
+                    row["first_s"] = time.perf_counter() - started    # compile + first run
+                    row["programs"] = kernel.programs
                     if ref is None:     # the first candidate that ran (the default's, when
                         ref = tuple(t.clone() for t in res)    # it is listed first and runs)
                         row["reference"] = True
@@ -280,7 +328,8 @@ def sweep_conv1d(shapes=SWEEP_SHAPES, fwd_candidates=FWD_CANDIDATES,
 
 
 SWEEP_HEADER = (f"{'batch':>5} {'seqlen':>6} {'dim':>5} {'mode':>4} {'kernel ms':>9} {'GB/s':>6} "
-                f"{'%peak':>6} {'call ms':>8} {'call%':>6} {'rel diff':>8}  config")
+                f"{'%peak':>6} {'call ms':>8} {'call%':>6} {'rel diff':>8} {'progs':>6} "
+                f"{'first s':>7}  config")
 
 
 def _format_sweep_row(r) -> str:
@@ -288,8 +337,8 @@ def _format_sweep_row(r) -> str:
     if "error" in r:
         return f"{head} {'failed':>9} {r['error']}  [{r['config']}]"
     return (f"{head} {r['kernel_ms']:9.4f} {r['gb_s']:6.0f} {r['peak_pct']:5.1f}% "
-            f"{r['call_ms']:8.4f} {r['call_peak_pct']:5.1f}% {r['max_rel_diff']:8.1e}  "
-            f"{r['config']}")
+            f"{r['call_ms']:8.4f} {r['call_peak_pct']:5.1f}% {r['max_rel_diff']:8.1e} "
+            f"{r.get('programs', 0):6d} {r.get('first_s', 0.0):7.2f}  {r['config']}")
 
 
 def best_of_sweep(rows) -> list:
@@ -333,12 +382,14 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="time candidate Conv1dConfigs")
     ap.add_argument("--only", choices=["fwd", "bwd"], default=None, help="sweep one direction")
     ap.add_argument("--shapes", default=None, help="sweep shapes, e.g. 1x16384x1792,...")
+    ap.add_argument("--candidates", default="all", choices=sorted(CANDIDATE_SETS),
+                    help="named candidate set (rows: form 3 beside the default)")
     ap.add_argument("--configs", default=None,
                     help='sweep candidates "fwd:form=1,block_l=16;bwd:form=1" (the default '
                          'config is always timed first)')
     args = ap.parse_args(argv)
     if args.sweep:
-        fwd, bwd = FWD_CANDIDATES, BWD_CANDIDATES
+        fwd, bwd = CANDIDATE_SETS[args.candidates]
         if args.configs:
             fwd, bwd = _parse_configs(args.configs)
             fwd, bwd = [""] + [c for c in fwd if c], [""] + [c for c in bwd if c]

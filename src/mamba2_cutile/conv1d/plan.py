@@ -284,6 +284,14 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
     return [KernelCall(kernel, grid, args)]
 
 
+def _rows_silu(silu, xp) -> int:
+    """Form 3's SILU: 0 none, 1 IEEE float32 (float32 inputs), 2 the approximate exp2 and
+    reciprocal (16-bit inputs, whose output rounding dwarfs their error)."""
+    if not silu:
+        return 0
+    return 2 if xp.dtype in (torch.float16, torch.bfloat16) else 1
+
+
 def _rows_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final, silu, cfg):
     """Form 3's forward launch (`kernels.causal_conv1d_fwd_rows`), channel-last x: no head
     copies (the first span's halo is read from initial_states itself)."""
@@ -298,7 +306,7 @@ def _rows_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final, s
             seq_idx if seq_idx is not None else stand_in, op,
             final if final is not None else stand_in,
             w, cfg.span, cfg.rows, cfg.block_d, bias is not None, initial_states is not None,
-            seq_idx is not None, bool(silu), final is not None, bool(cfg.row_tile),
+            seq_idx is not None, _rows_silu(silu, xp), final is not None, bool(cfg.row_tile),
             _unchecked(cfg, d, cfg.block_d))
     return KernelCall(kernel, grid, args)
 
@@ -398,8 +406,8 @@ def _rows_backward_call(xp, weight_t, bias, initial_states, seq_idx, dop, dfinal
             dfinal if dfinal is not None else stand_in, dxp, dw_part, db_part,
             dinit if dinit is not None else stand_in,
             w, cfg.bwd_span, cfg.bwd_rows, cfg.bwd_block_d, bias is not None,
-            initial_states is not None, seq_idx is not None, bool(silu), dfinal is not None,
-            bool(cfg.bwd_row_tile), _unchecked(cfg, d, cfg.bwd_block_d))
+            initial_states is not None, seq_idx is not None, _rows_silu(silu, xp),
+            dfinal is not None, bool(cfg.bwd_row_tile), _unchecked(cfg, d, cfg.bwd_block_d))
     return KernelCall(kernel, backward_grid(x, cfg), args)
 
 

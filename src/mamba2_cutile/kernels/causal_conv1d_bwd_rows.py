@@ -27,6 +27,8 @@ read once, as in the forward of this form.
   slices and stores dx as one (ROWS, BLOCK_D) tile (`ct.extract` / `ct.cat`); 0: one row
   load and store per token. Steps near the sequence end branch per token on t < seqlen and
   add the dfinal terms.
+- SILU: 0 no activation, 1 SiLU in IEEE float32, 2 through the approximate exp2 and
+  reciprocal (16-bit inputs; see `causal_conv1d_fwd_rows`).
 - Partial sums: dw (W, BLOCK_D) and dbias (BLOCK_D) of the program's tokens t in
   [s0, s0+SPAN) go to row `b * num_blocks(1) + bid(1)` of the partial buffers, summed
   afterwards in a fixed order (deterministic, no atomics); the programs of the first span
@@ -38,16 +40,17 @@ import cuda.tile as ct
 from ._common import int64_variant
 from .causal_conv1d_common import raw_slice_tile, weight_rows_plain
 from .causal_conv1d_fwd_rows import (cat_rows, conv_row, halo_rows, load_id, load_row,
-                                     load_state_row, shift, store_row)
+                                     load_state_row, shift, sigmoid, store_row,
+                                     store_state_row)
 
 
 def _grad_row(xs, ids, xt, idt, dot, wts, bias_row, WIDTH: ct.Constant[int],
-              HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool]):
+              HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[int]):
     """g(t) as (1, BLOCK_D) float32 (xt, dot: x(t), dout(t) in float32)."""
     g = dot
     if SILU:
         pre = conv_row(xs, ids, xt, idt, wts, bias_row, WIDTH, HAS_SEQ)
-        sig = 1.0 / (1.0 + ct.exp(-pre))
+        sig = sigmoid(pre, SILU)
         g = g * (sig * (1.0 + pre * (1.0 - sig)))
     if HAS_SEQ:
         g = ct.where(idt >= 0, g, 0.0)
@@ -107,7 +110,7 @@ def _token(x, dout, seq_idx, b, t, d_blk, seqlen, BLOCK_D: ct.Constant[int],
 def _full_step(x, seq_idx, dout, dx, wts, bias_row, xs, ids, gs, dws, db, b, t0, step_tile,
                d_blk, s_end, WIDTH: ct.Constant[int], ROWS: ct.Constant[int],
                BLOCK_D: ct.Constant[int], HAS_SEQ: ct.Constant[bool],
-               SILU: ct.Constant[bool], ROW_TILE: ct.Constant[bool],
+               SILU: ct.Constant[int], ROW_TILE: ct.Constant[bool],
                UNCHECKED: ct.Constant[bool]):
     """dx rows t0 .. t0+ROWS-1 (tokens t0+W-1 .. t0+ROWS+W-2 all inside the sequence)."""
     seqlen = x.shape[1]
@@ -157,7 +160,7 @@ def _full_step(x, seq_idx, dout, dx, wts, bias_row, xs, ids, gs, dws, db, b, t0,
 def _edge_step(x, seq_idx, dout, dfinal, dx, wts, bias_row, xs, ids, gs, dws, db, b, t0,
                d_blk, s_end, seqlen, WIDTH: ct.Constant[int], ROWS: ct.Constant[int],
                BLOCK_D: ct.Constant[int], HAS_SEQ: ct.Constant[bool],
-               SILU: ct.Constant[bool], HAS_DFINAL: ct.Constant[bool]):
+               SILU: ct.Constant[int], HAS_DFINAL: ct.Constant[bool]):
     """dx rows t0 .. min(t0+ROWS, seqlen)-1 near the sequence end: per-token bounds, the
     dfinal terms."""
     for i in ct.static_iter(range(ROWS)):
@@ -204,15 +207,14 @@ def _dinit(dinit, dfinal, seq_idx, gs, ids, wts, b, d_blk, seqlen, WIDTH: ct.Con
                     id_u = ids[0]
                 de = de + _dfinal_term(dfinal, seq_idx, b, j - (WIDTH - 1), d_blk, seqlen,
                                        id_u, WIDTH, BLOCK_D, HAS_SEQ)
-        ct.store(dinit, index=(b, d_blk, j),
-                 tile=de.astype(dinit.dtype).reshape((1, BLOCK_D, 1)), allow_tma=False)
+        store_state_row(dinit, b, j, d_blk, de, BLOCK_D)
 
 
 def _bwd_rows(x, weight_t, bias, init, seq_idx, dout, dfinal, dx, dw_part, db_part, dinit,
               WIDTH: ct.Constant[int], SPAN: ct.Constant[int], ROWS: ct.Constant[int],
               BLOCK_D: ct.Constant[int], HAS_BIAS: ct.Constant[bool],
               HAS_INIT: ct.Constant[bool], HAS_SEQ: ct.Constant[bool],
-              SILU: ct.Constant[bool], HAS_DFINAL: ct.Constant[bool],
+              SILU: ct.Constant[int], HAS_DFINAL: ct.Constant[bool],
               ROW_TILE: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
     d_blk = ct.bid(0)
     prog = ct.bid(1)

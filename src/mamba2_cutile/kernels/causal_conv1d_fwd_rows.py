@@ -29,6 +29,10 @@ W-1 rows before s0 are read again (the halo; W-1 rows per SPAN, under 1% at SPAN
 - The halo of the first span comes from initial_states (a strided (1, BLOCK_D) load per row)
   or is zero: no head copy is built. The final states are W-1 rows of x (or of the initial
   states, when seqlen < W-1), written by the program holding the last token.
+- SILU: 0 no activation, 1 SiLU in IEEE float32 (float32 outputs), 2 SiLU through the
+  approximate exp2 and reciprocal (16-bit outputs, whose rounding, 2^-9 or 2^-12, dwarfs
+  their ~2^-21): the math per element is then ~10 instructions, not ~25, which matters at
+  ~4 elements per SM clock.
 - Grid: (cdiv(dim, BLOCK_D), cdiv(seqlen, SPAN), batch); SPAN is a multiple of ROWS.
 """
 
@@ -65,10 +69,18 @@ def load_id(seq_idx, b, row):
 
 
 def load_state_row(states, b, j, d_blk, BLOCK_D: ct.Constant[int]):
-    """Column j of states (batch, dim, W-1) at the channel block as (1, BLOCK_D) float32."""
-    return ct.load(states, index=(b, d_blk, j), shape=(1, BLOCK_D, 1),
-                   padding_mode=ct.PaddingMode.ZERO, allow_tma=False).reshape(
-                       (1, BLOCK_D)).astype(ct.float32)
+    """Column j of states (batch, dim, W-1) at the channel block as (1, BLOCK_D) float32 (a
+    gather, whose result takes the layout of its (1, BLOCK_D) index: no layout conversion,
+    where a (1, BLOCK_D, 1) tile load reshaped goes through shared memory)."""
+    c = d_blk * BLOCK_D + ct.arange(BLOCK_D, dtype=ct.int32).reshape((1, BLOCK_D))
+    return ct.gather(states, (b, c, j)).astype(ct.float32)
+
+
+def store_state_row(states, b, j, d_blk, value, BLOCK_D: ct.Constant[int]):
+    """value (1, BLOCK_D) into column j of states (batch, dim, W-1) (a scatter; channels past
+    dim are dropped)."""
+    c = d_blk * BLOCK_D + ct.arange(BLOCK_D, dtype=ct.int32).reshape((1, BLOCK_D))
+    ct.scatter(states, (b, c, j), value.astype(states.dtype))
 
 
 def halo_rows(x, init, seq_idx, b, s0, d_blk, WIDTH: ct.Constant[int],
@@ -120,8 +132,22 @@ def shift(carried, new, WIDTH: ct.Constant[int]):
     return moved + (new,)
 
 
-def _activate(acc, idt, HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool]):
-    if SILU:
+def sigmoid(p, SILU: ct.Constant[int]):
+    """1 / (1 + exp(-p)): IEEE float32 at SILU = 1; at SILU = 2 through the approximate
+    exp2 and reciprocal (two MUFU operations, relative error ~2^-21, where the IEEE division
+    and expf cost ~15 instructions more per element)."""
+    if SILU == 2:
+        e = ct.exp2(p * -1.4426950408889634, flush_to_zero=True)
+        s = ct.truediv(1.0, 1.0 + e, rounding_mode=ct.RoundingMode.APPROX, flush_to_zero=True)
+    else:
+        s = 1.0 / (1.0 + ct.exp(-p))
+    return s
+
+
+def _activate(acc, idt, HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[int]):
+    if SILU == 2:
+        acc = acc * sigmoid(acc, SILU)
+    elif SILU == 1:
         acc = acc / (1.0 + ct.exp(-acc))
     if HAS_SEQ:
         acc = ct.where(idt >= 0, acc, 0.0)
@@ -129,22 +155,21 @@ def _activate(acc, idt, HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool]):
 
 
 def cat_rows(rows, ROWS: ct.Constant[int]):
-    """The ROWS (1, BLOCK_D) tiles of `rows` stacked into (ROWS, BLOCK_D) (a balanced tree of
-    `ct.cat`, which joins equal shapes only)."""
+    """The ROWS (1, BLOCK_D) tiles of `rows` stacked into (ROWS, BLOCK_D): a balanced tree of
+    `ct.cat` (which joins equal shapes only), level by level (ROWS <= 64)."""
     level = rows
-    n = ROWS
-    while n > 1:
-        joined = ()
-        for i in ct.static_iter(range(n // 2)):
-            joined += (ct.cat((level[2 * i], level[2 * i + 1]), 0),)
-        level = joined
-        n = n // 2
+    for lvl in ct.static_iter(range(6)):
+        if (ROWS >> lvl) > 1:
+            joined = ()
+            for i in ct.static_iter(range(ROWS >> (lvl + 1))):
+                joined += (ct.cat((level[2 * i], level[2 * i + 1]), 0),)
+            level = joined
     return level[0]
 
 
 def _full_step(x, seq_idx, out, wts, bias_row, xs, ids, b, t0, step_tile, d_blk,
                WIDTH: ct.Constant[int], ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
-               HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool],
+               HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[int],
                ROW_TILE: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
     """Tokens t0 .. t0+ROWS-1, all inside the sequence: outputs stored; (xs, ids) carried on."""
     rows = ()
@@ -180,7 +205,7 @@ def _full_step(x, seq_idx, out, wts, bias_row, xs, ids, b, t0, step_tile, d_blk,
 
 def _tail_step(x, seq_idx, out, wts, bias_row, xs, ids, b, t0, d_blk, seqlen,
                WIDTH: ct.Constant[int], ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
-               HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool]):
+               HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[int]):
     """The sequence's last, partial step: tokens t0 .. seqlen-1 (< t0+ROWS)."""
     for i in ct.static_iter(range(ROWS)):
         t = t0 + i
@@ -219,14 +244,13 @@ def _final_states(x, init, seq_idx, final, b, d_blk, seqlen, WIDTH: ct.Constant[
                 val = load_state_row(init, b, u + (WIDTH - 1), d_blk, BLOCK_D)
             if HAS_SEQ:
                 val = ct.where(load_id(seq_idx, b, 0) == last, val, 0.0)
-        ct.store(final, index=(b, d_blk, j),
-                 tile=val.astype(final.dtype).reshape((1, BLOCK_D, 1)), allow_tma=False)
+        store_state_row(final, b, j, d_blk, val, BLOCK_D)
 
 
 def _fwd_rows(x, weight_t, bias, init, seq_idx, out, final, WIDTH: ct.Constant[int],
               SPAN: ct.Constant[int], ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
               HAS_BIAS: ct.Constant[bool], HAS_INIT: ct.Constant[bool],
-              HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[bool],
+              HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[int],
               HAS_FINAL: ct.Constant[bool], ROW_TILE: ct.Constant[bool],
               UNCHECKED: ct.Constant[bool]):
     d_blk = ct.bid(0)
