@@ -268,6 +268,30 @@ def test_config_validates_itself(monkeypatch):
             NormConfig(block_g=64, block_m=1, bwd_block_m=1, chunk=bad)
     monkeypatch.setenv("MAMBA2_CUTILE_NORM_CONFIG", "chunk=0")
     assert norm_config(1536).chunk == 0                   # the padded kernels on request
+    monkeypatch.setenv("MAMBA2_CUTILE_NORM_CONFIG", "fwd_ctas_per_sm=4")
+    assert norm_config(1536).fwd_ctas_per_sm == 4
+    with pytest.raises(ValueError, match="fwd_ctas_per_sm"):  # padded: one program per block
+        norm_config(4096)
+    with pytest.raises(ValueError, match="fwd_ctas_per_sm"):
+        NormConfig(block_g=64, block_m=1, bwd_block_m=1, chunk=64, fwd_ctas_per_sm=33)
+
+
+def test_persistent_forward_grid():
+    """fwd_ctas_per_sm: about that many forward programs per SM over all groups, at most one
+    per row block; 0: one per row block."""
+    from dataclasses import replace
+
+    from mamba2_cutile.norm.plan import fwd_programs, norm_shape_config, problem_plans
+    cfg = norm_shape_config(1536)                                   # block_m 2
+    assert fwd_programs(16384, 1, cfg, 132) == 8192
+    per = replace(cfg, fwd_ctas_per_sm=4)
+    assert fwd_programs(16384, 1, per, 132) == 528
+    assert fwd_programs(16384, 8, per, 132) == 66
+    assert fwd_programs(5, 1, per, 132) == 3
+    fwd, _ = problem_plans(rows=16384, hidden=1536, config=per)
+    assert fwd[0].grid == (528, 1, 1) and fwd[0].args[-1] is True
+    fwd, _ = problem_plans(rows=16384, hidden=1536)
+    assert fwd[0].grid == (8192, 1, 1) and fwd[0].args[-1] is False
 
 
 def test_chunk_must_divide_the_group():

@@ -2,8 +2,8 @@
 plans the GPU path launches (on `meta` tensors): every dtype, each gate order and no gate,
 bias or not, 64-bit indexing, mixed z / parameter dtypes, the channel-tile buckets of the
 shape rule from a group of 1 to the largest group (16384), the chunked kernels at the group
-widths m * 2^k the rule gives them (320 to 10240), and the config's tma=0 and chunk=0
-options. A launch whose machine code an earlier one already decides
+widths m * 2^k the rule gives them (320 to 10240), and the config's tma=0, chunk=0 and
+fwd_ctas_per_sm (persistent forward) options. A launch whose machine code an earlier one already decides
 (`support.variants.signature_key`) is compiled once.
 
 Each compile also reads the cubin's registers and spills (`bench.resources`, when pyelftools
@@ -65,6 +65,12 @@ PROBLEMS = [
     # the padded kernels at a chunkable width (config chunk=0, a sweep candidate)
     ("bf16-h1536-padded", dict(hidden=1536, dtype=BF, config=replace(
         norm_shape_config(1536), chunk=0))),
+    # the persistent chunked forward (fwd_ctas_per_sm), also at a power-of-two group
+    ("bf16-h1536-persistent-fwd", dict(hidden=1536, dtype=BF, config=replace(
+        norm_shape_config(1536), fwd_ctas_per_sm=4))),
+    ("bf16-h8192-g8-persistent-fwd", dict(hidden=8192, group_size=1024, dtype=BF,
+                                          config=replace(norm_shape_config(1024), chunk=1024,
+                                                         fwd_ctas_per_sm=4))),
 ]
 
 

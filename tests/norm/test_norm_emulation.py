@@ -35,14 +35,14 @@ def _problem(m, hidden, has_z, has_bias, seed=0):
     return x, w, b, z
 
 
-def _emulated_forward(x, w, b, z, eps, gs, nbg, cfg):
+def _emulated_forward(x, w, b, z, eps, gs, nbg, cfg, sms=132):
     m, hidden = x.shape
     g = hidden // gs
     out = torch.full((m, hidden), float("nan"), dtype=F64)
     rstd = torch.full((g, m), float("nan"), dtype=F64)
     calls = forward_plan(rows_view(x, gs), None if z is None else rows_view(z, gs),
                          w.view(g, gs), None if b is None else b.view(g, gs),
-                         rows_view(out, gs), rstd, eps, nbg, cfg)
+                         rows_view(out, gs), rstd, eps, nbg, cfg, sms)
     emulator.emulate_launch(calls)
     return out, rstd
 
@@ -66,7 +66,8 @@ def _emulated_backward(dout, x, w, b, z, rstd, gs, nbg, cfg, sms):
 
 #: (rows, hidden, group_size, config overrides): rows not a multiple of block_m, groups not
 #: powers of two, a group of 1, a tile row count of 1; the chunked kernels (chunk > 0) at
-#: 3 and 5 chunks per group, one and two groups, and a power-of-two group in 4 chunks
+#: 3 and 5 chunks per group, one and two groups, a power-of-two group in 4 chunks, and the
+#: persistent chunked forward
 CASES = [(13, 24, 8, dict(block_m=4, bwd_block_m=2)),
          (10, 30, 10, dict(block_m=8, bwd_block_m=4)),
          (7, 37, 37, dict(block_m=2, bwd_block_m=1)),
@@ -75,7 +76,8 @@ CASES = [(13, 24, 8, dict(block_m=4, bwd_block_m=2)),
          (13, 192, 192, dict(chunk=64, block_m=4, bwd_block_m=2)),
          (10, 640, 320, dict(chunk=64, block_m=8, bwd_block_m=4)),
          (7, 384, 384, dict(chunk=128, block_m=2, bwd_block_m=1)),
-         (6, 256, 256, dict(chunk=64, block_m=4, bwd_block_m=4))]
+         (6, 256, 256, dict(chunk=64, block_m=4, bwd_block_m=4)),
+         (11, 640, 320, dict(chunk=64, block_m=2, bwd_block_m=2, fwd_ctas_per_sm=2))]
 
 
 @pytest.mark.parametrize("m, hidden, gs, over", CASES)
@@ -85,7 +87,11 @@ def test_kernels_match_definition(m, hidden, gs, over, has_z, nbg, has_bias):
     x, w, b, z = _problem(m, hidden, has_z, has_bias)
     cfg = replace(norm_shape_config(gs), **{"chunk": 0, **over})
     eps = 1e-5
-    out, rstd = _emulated_forward(x, w, b, z, eps, gs, nbg, cfg)
+    # sms=1: a persistent forward (fwd_ctas_per_sm) has fewer programs than row blocks
+    out, rstd = _emulated_forward(x, w, b, z, eps, gs, nbg, cfg, sms=1)
+    if cfg.fwd_ctas_per_sm:
+        again, _ = _emulated_forward(x, w, b, z, eps, gs, nbg, cfg, sms=132)
+        torch.testing.assert_close(again, out, rtol=0, atol=0)
 
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b, z)]
     ref = rmsnorm_gated_ref(*leaves[:3], leaves[3], eps=eps, group_size=gs,

@@ -39,9 +39,9 @@ TARGET_SHAPES = [(16384, 1536, 1), (65536, 1536, 1), (16384, 2048, 1), (16384, 2
                  (16384, 3072, 1), (16384, 4096, 1), (16384, 5120, 1), (16384, 8192, 8),
                  (16384, 7680, 1), (16384, 10240, 1)]
 #: the candidate sweep's shapes: one group of 1536 = 3 * 512, 2560 = 5 * 512, 3072 = 3 * 1024,
-#: 5120 = 5 * 1024, and eight groups of 1024 (8192 channels)
+#: 5120 = 5 * 1024, eight groups of 1024 (8192 channels), one of 2048
 CANDIDATE_SHAPES = [(16384, 1536, 1), (16384, 2560, 1), (16384, 3072, 1), (16384, 5120, 1),
-                    (16384, 8192, 8)]
+                    (16384, 8192, 8), (16384, 2048, 1)]
 #: the full sweep's shapes (the padded kernels' timing of today's rule)
 FULL_SWEEP_SHAPES = [(16384, 4096, 1), (16384, 4096, 8)]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -154,7 +154,7 @@ def sweep_space(rule):
     return fwd, bwd
 
 
-_FWD_FIELDS = ("block_m", "occupancy", "warps", "tma", "chunk")
+_FWD_FIELDS = ("block_m", "occupancy", "warps", "tma", "chunk", "fwd_ctas_per_sm")
 _BWD_FIELDS = ("bwd_block_m", "bwd_ctas_per_sm", "bwd_occupancy", "bwd_warps", "bwd_tma",
                "chunk")
 
@@ -164,7 +164,8 @@ def candidate_space(group_size):
     kernels under their rule (`padded_shape_config`, as before the chunked kernels; "padded"
     below), the dispatcher's rule ({}), and one step away from it per field: rows per tile
     halved and doubled, the other occupancy and warp count, no TMA, chunks half as wide,
-    (forward) twice the rows at half the occupancy;
+    (forward) twice the rows at half the occupancy, and the persistent chunked forward
+    (fwd_ctas_per_sm) at the occupancy and twice it;
     at a power-of-two group the chunked kernels with two chunks. Each override
     names the pass's fields it changes; the chunk field reaches both passes."""
     from ..norm.plan import (MAX_CHUNK, MAX_CHUNKS, MIN_CHUNK, norm_shape_config,
@@ -196,8 +197,15 @@ def candidate_space(group_size):
             step(_BWD_FIELDS, bwd_occupancy=1 if rule.bwd_occupancy == 2 else 2),
             step(_BWD_FIELDS, bwd_warps=4 if rule.bwd_warps == 8 else 8),
             step(_BWD_FIELDS, bwd_tma=1 - rule.bwd_tma)]
+    # the persistent chunked forward at as many and twice as many programs per SM as the
+    # occupancy lets reside (a power-of-two group as one chunk)
+    pow2 = group_size & (group_size - 1) == 0
+    whole = rule.chunk or (group_size if pow2 and MIN_CHUNK <= group_size <= MAX_CHUNK else 0)
+    if whole:
+        occ = rule.occupancy or 2
+        fwd += [step(_FWD_FIELDS, chunk=whole, fwd_ctas_per_sm=n) for n in (occ, 2 * occ)]
     # chunks half as wide (twice as many); a power-of-two group in two chunks
-    half_chunk = (rule.chunk or (group_size if group_size & (group_size - 1) == 0 else 0)) // 2
+    half_chunk = (rule.chunk or (group_size if pow2 else 0)) // 2
     if half_chunk >= MIN_CHUNK and half_chunk <= MAX_CHUNK \
             and group_size // half_chunk <= MAX_CHUNKS:
         fwd.append(step(_FWD_FIELDS, chunk=half_chunk))

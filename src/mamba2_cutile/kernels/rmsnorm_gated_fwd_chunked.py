@@ -16,7 +16,9 @@ registers on zeros (a third at S = 1536 = 3 * 512, three eighths at 2560 = 5 * 5
 Layout: x, z and out are (M, G, S) views of (M, hidden) rows (any row stride, unit channel
 stride), weight and bias (G, S), rstd (G, M). Rows past M load as zeros and are not stored.
 TMA=False makes the row tiles plain loads and stores.
-Grid: (cdiv(M, BLOCK_M), G).
+Grid: (cdiv(M, BLOCK_M), G), one row block per program; PERSISTENT: (P, G) with P at most
+cdiv(M, BLOCK_M), program p walking the row blocks p, p + P, p + 2P, ... (fewer, longer-lived
+programs whose loop the compiler can pipeline).
 """
 
 import cuda.tile as ct
@@ -24,23 +26,12 @@ import cuda.tile as ct
 from ._common import int64_variant
 
 
-def rmsnorm_gated_fwd_chunked_fn(
-    x,           # (M, G, S) fp16/bf16/fp32, S = NCHUNK * CHUNK
-    z,           # (M, G, S) any float dtype (ignored unless HAS_Z)
-    weight,      # (G, S)
-    bias,        # (G, S) (ignored unless HAS_BIAS)
-    out,         # (M, G, S) out, x's dtype
-    rstd,        # (G, M) float32 out
-    eps: float,
-    BLOCK_M: ct.Constant[int],
-    CHUNK: ct.Constant[int],
-    NCHUNK: ct.Constant[int],
-    HAS_Z: ct.Constant[bool],
-    HAS_BIAS: ct.Constant[bool],
-    NORM_BEFORE_GATE: ct.Constant[bool],
-    TMA: ct.Constant[bool],
-):
-    row_blk, group = ct.bid(0), ct.bid(1)
+def _normalize_rows(x, z, weight, bias, out, rstd, eps, row_blk, group,
+                    BLOCK_M: ct.Constant[int], CHUNK: ct.Constant[int],
+                    NCHUNK: ct.Constant[int], HAS_Z: ct.Constant[bool],
+                    HAS_BIAS: ct.Constant[bool], NORM_BEFORE_GATE: ct.Constant[bool],
+                    TMA: ct.Constant[bool]):
+    """Row block `row_blk` of channel group `group`: out and rstd."""
     zero = ct.PaddingMode.ZERO
     tile3, tile2 = (BLOCK_M, 1, CHUNK), (BLOCK_M, CHUNK)
     us = ()
@@ -70,6 +61,33 @@ def rmsnorm_gated_fwd_chunked_fn(
         ct.store(out, index=(row_blk, group, c), tile=y.reshape(tile3).astype(out.dtype),
                  allow_tma=TMA)
     ct.store(rstd, index=(group, row_blk), tile=r.reshape((1, BLOCK_M)))
+
+
+def rmsnorm_gated_fwd_chunked_fn(
+    x,           # (M, G, S) fp16/bf16/fp32, S = NCHUNK * CHUNK
+    z,           # (M, G, S) any float dtype (ignored unless HAS_Z)
+    weight,      # (G, S)
+    bias,        # (G, S) (ignored unless HAS_BIAS)
+    out,         # (M, G, S) out, x's dtype
+    rstd,        # (G, M) float32 out
+    eps: float,
+    BLOCK_M: ct.Constant[int],
+    CHUNK: ct.Constant[int],
+    NCHUNK: ct.Constant[int],
+    HAS_Z: ct.Constant[bool],
+    HAS_BIAS: ct.Constant[bool],
+    NORM_BEFORE_GATE: ct.Constant[bool],
+    TMA: ct.Constant[bool],
+    PERSISTENT: ct.Constant[bool],
+):
+    prog, group = ct.bid(0), ct.bid(1)
+    if PERSISTENT:
+        for row_blk in range(prog, ct.cdiv(x.shape[0], BLOCK_M), ct.num_blocks(0)):
+            _normalize_rows(x, z, weight, bias, out, rstd, eps, row_blk, group, BLOCK_M,
+                            CHUNK, NCHUNK, HAS_Z, HAS_BIAS, NORM_BEFORE_GATE, TMA)
+    else:
+        _normalize_rows(x, z, weight, bias, out, rstd, eps, prog, group, BLOCK_M, CHUNK,
+                        NCHUNK, HAS_Z, HAS_BIAS, NORM_BEFORE_GATE, TMA)
 
 
 rmsnorm_gated_fwd_chunked = ct.kernel(rmsnorm_gated_fwd_chunked_fn)

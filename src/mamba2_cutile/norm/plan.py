@@ -4,6 +4,7 @@ launch, and the launchers.
 | pass | kernel | grid |
 | --- | --- | --- |
 | forward | `rmsnorm_gated_fwd` | (cdiv(M, block_m), G): one tile of block_m rows x one group |
+| forward, persistent | `rmsnorm_gated_fwd_chunked` | (P, G): P programs walk the row blocks |
 | backward | `rmsnorm_gated_bwd` | (P, G): P programs per group walk the row blocks, partial dw/db |
 
 A group width S that is not a power of two but S = m * 2^k with 2^k >= MIN_CHUNK (1536 =
@@ -66,6 +67,9 @@ class NormConfig:
     chunk: 0 runs the padded kernels (one (rows, block_g) tile per group); a power of two
     dividing the group size runs the chunked kernels, which read the group as
     group_size / chunk column chunks (at most MAX_CHUNKS) and pad nothing.
+    fwd_ctas_per_sm: 0 gives the forward one program per row block; n > 0 (chunked kernels
+    only) a persistent grid of about n programs per SM over all groups, each walking its share
+    of the row blocks.
     """
     block_g: int
     block_m: int
@@ -78,6 +82,7 @@ class NormConfig:
     tma: int = 1
     bwd_tma: int = 1
     chunk: int = 0
+    fwd_ctas_per_sm: int = 0
 
     FIXED = ("block_g",)
 
@@ -100,6 +105,11 @@ class NormConfig:
                 or v > MAX_CHUNK:
             raise ValueError(f"NormConfig: chunk={v!r} is not 0 or a power of two in "
                              f"{MIN_CHUNK}..{MAX_CHUNK}")
+        c.check_range(self, "fwd_ctas_per_sm", 0, 32)
+        if self.fwd_ctas_per_sm and not self.chunk:
+            raise ValueError(f"NormConfig: fwd_ctas_per_sm={self.fwd_ctas_per_sm} needs the "
+                             f"chunked kernels (chunk > 0; chunk=0 is the padded forward, one "
+                             f"program per row block)")
 
 
 def norm_shape_config(group_size: int) -> NormConfig:
@@ -181,6 +191,15 @@ def norm_config(group_size: int) -> NormConfig:
     return _config.with_env(norm_shape_config(group_size), ENV_NORM)
 
 
+def fwd_programs(rows: int, ngroups: int, cfg: NormConfig, sms: int = DEFAULT_SMS) -> int:
+    """The forward grid's first size: one program per row block, or with fwd_ctas_per_sm
+    about that many programs per SM over all groups, never more than there are row blocks."""
+    row_blocks = -(-rows // cfg.block_m)
+    if not cfg.fwd_ctas_per_sm:
+        return row_blocks
+    return max(1, min(row_blocks, -(-cfg.fwd_ctas_per_sm * sms // ngroups)))
+
+
 def bwd_programs(rows: int, ngroups: int, cfg: NormConfig, sms: int = DEFAULT_SMS) -> int:
     """P, the backward's programs per group: about cfg.bwd_ctas_per_sm per SM over all groups,
     never more than there are row blocks (at least 1)."""
@@ -210,20 +229,22 @@ def _tiling(cfg: NormConfig, group_size: int):
     return (cfg.chunk, group_size // cfg.chunk) if cfg.chunk else (cfg.block_g,)
 
 
-def forward_plan(x3, z3, w2, b2, out3, rstd, eps, norm_before_gate, cfg: NormConfig):
+def forward_plan(x3, z3, w2, b2, out3, rstd, eps, norm_before_gate, cfg: NormConfig,
+                 sms: int = DEFAULT_SMS):
     """The forward launch. x3, z3, out3 (M, G, S); w2, b2 (G, S); rstd (G, M) float32; absent
-    z3 / b2 are None."""
+    z3 / b2 are None; `sms` sizes a persistent grid (fwd_ctas_per_sm)."""
     m, g, s = x3.shape
     int64 = needs_int64(x3, z3, out3, rstd)
     if cfg.chunk:
         kernel = rmsnorm_gated_fwd_chunked_i64 if int64 else rmsnorm_gated_fwd_chunked
     else:
         kernel = rmsnorm_gated_fwd_i64 if int64 else rmsnorm_gated_fwd
+    persistent = (bool(cfg.fwd_ctas_per_sm),) if cfg.chunk else ()
     return [KernelCall(
-        with_hints(kernel, cfg.occupancy, cfg.warps), (-(-m // cfg.block_m), g, 1),
+        with_hints(kernel, cfg.occupancy, cfg.warps), (fwd_programs(m, g, cfg, sms), g, 1),
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, out3, rstd,
          float(eps), cfg.block_m, *_tiling(cfg, s), z3 is not None, b2 is not None,
-         bool(norm_before_gate), bool(cfg.tma)))]
+         bool(norm_before_gate), bool(cfg.tma), *persistent))]
 
 
 def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_before_gate,
@@ -265,7 +286,8 @@ def rmsnorm_forward_cuda(x, weight, bias, z, eps, group_size, norm_before_gate, 
     w2, b2 = _params(weight, bias, g, group_size)
     calls = forward_plan(rows_view(x, group_size),
                          None if z is None else rows_view(z, group_size), w2, b2,
-                         rows_view(out, group_size), rstd, eps, norm_before_gate, cfg)
+                         rows_view(out, group_size), rstd, eps, norm_before_gate, cfg,
+                         num_sms(x))
     launch_calls(calls, x.device)
     return out, rstd
 
