@@ -3,8 +3,8 @@ plans the GPU path launches (on `meta` tensors): every dtype, each gate order an
 bias or not, 64-bit indexing, mixed z / parameter dtypes, the channel-tile buckets of the
 shape rule from a group of 1 to the largest group (16384), the chunked kernels at the group
 widths m * 2^k the rule gives them (320 to 10240), and the config's tma=0, chunk=0 and
-fwd_ctas_per_sm (persistent forward) options. A launch whose machine code an earlier one already decides
-(`support.variants.signature_key`) is compiled once.
+fwd_ctas_per_sm (persistent forward) options. A launch whose machine code an earlier one
+already decides (`support.variants.signature_key`) is compiled once.
 
 Each compile also reads the cubin's registers and spills (`bench.resources`, when pyelftools
 is there); the shape rule's configs must not spill up to 2048-channel groups, nor the
