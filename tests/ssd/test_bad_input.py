@@ -2,13 +2,11 @@
 output before t, on the CPU path, on the forward kernels' source (float64 emulation, CPU) and
 on the kernels themselves (GPU).
 
-The CUDA kernels do not meet this yet: the causal forms of chunk_scan, decay_cumsum and
-chunk_state_pass (selects instead of masked products, X sanitised before the MMA; commit
-33d7ae6) passed these tests on an H200 but made the forward 20% slower at chunk 128 and 35-51%
-slower at chunk 256 (2026-12-01: seed 0.248 -> 0.299 ms, 2.7B-like 0.548 -> 0.795 ms,
-7B-class 0.769 -> 1.165 ms), far above the 2% the library allows on clean inputs, so they were
-taken back out. The kernel tests (emulated and GPU) are kept as expected failures
-(`KERNELS_NOT_CAUSAL`) until a form that costs nothing lands; the CPU path is causal.
+On the GPU, chunk_scan's plain tile is not causal by itself (masked entries are zeros
+multiplied in, 0 * NaN = NaN); the forward's second chunk_scan launch recomputes, in a
+sanitizing form, exactly the tiles whose outputs hold a non-finite value (kernels/chunk_scan.py),
+and decay_cumsum and chunk_state_pass keep the decay finite and other sequences' garbage out by
+selects. The kernel tests below check that on the kernels' source (emulated) and on the GPU.
 
 The contract checked for every bad input (one entry of x, B, C, z or dt, raw or through
 dt_bias + softplus, at the middle, first or last token of a chunk, with and without seq_idx,
@@ -20,8 +18,8 @@ chunk 64/128/256):
   output matches it within the path's tolerance; the final state too where the recurrence's
   is finite (after a seq_idx reset that follows the bad token);
 - where the recurrence is non-finite: the CPU path is non-finite too; the kernels are
-  non-finite at token t itself and from the next chunk on (inside t's chunk a bad x is seen
-  as 0 by the later rows: kernels/chunk_scan.py).
+  non-finite at token t itself and from the next chunk on (checked; inside t's chunk the
+  flagged tile sets NaN where a kept key's x is bad, and a bad B or dt stays in its kept rows).
 
 A = -inf for a head (decay exactly 0) and A = 0 (decay 1) must simply match the recurrence.
 
@@ -44,10 +42,6 @@ from mamba2_cutile.reference import ssd_recurrence
 
 INF, NAN = math.inf, math.nan
 
-#: the forward kernels are not causal under NaN/Inf input yet (see the module docstring)
-KERNELS_NOT_CAUSAL = pytest.mark.xfail(
-    reason="forward kernels not causal under NaN/Inf yet: the causal forms cost 20-51% "
-           "(H200, 2026-12-01)", strict=False)
 F64 = torch.float64
 
 #: (input, bad value); "dt_raw" is dt without dt_bias / softplus, "dt" goes through them
@@ -269,7 +263,6 @@ EMULATED = [  # (input, value, where, seq, Q, block_q): every input, place and c
 ]
 
 
-@KERNELS_NOT_CAUSAL
 @pytest.mark.parametrize("name, value, where, seq, Q, block_q", EMULATED,
                          ids=[f"{e[0]}={e[1]}-{e[2]}-{'seq' if e[3] else 'noseq'}-Q{e[4]}"
                               f"-bq{e[5]}" for e in EMULATED])
@@ -283,14 +276,12 @@ def test_emulated_kernels_causal(name, value, where, seq, Q, block_q):
                    strict_nonfinite=False)
 
 
-@KERNELS_NOT_CAUSAL
 @pytest.mark.parametrize("seq, Q, block_q", [(False, 64, 64), (True, 64, 32)])
 def test_emulated_kernels_decay_limits(seq, Q, block_q):
     args, kw = make_problem(Q, Q, seq, softplus=True, dtype=F64)
     check_decay_limits(emulated_run(Q, block_q), args, kw, EMU_TOL)
 
 
-@KERNELS_NOT_CAUSAL
 def test_emulated_kernels_dt_zero_with_A_minus_inf():
     check_decay_limits(emulated_run(64, 32), *dt_zero_problem(dtype=F64), EMU_TOL)
 
@@ -320,7 +311,6 @@ GPU_CASES = ([pytest.param(torch.bfloat16, Q, w, id=f"bf16-Q{Q}-{w}")
              + [pytest.param(torch.float32, 128, "mid", id="fp32-Q128-mid")])
 
 
-@KERNELS_NOT_CAUSAL
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, Q, where", GPU_CASES)
 @pytest.mark.parametrize("seq", [False, True], ids=["no_seq", "seq_idx"])
@@ -338,7 +328,6 @@ def test_gpu_kernels_causal(name, value, seq, dtype, Q, where):
                f"tol {forward_tol(dtype):.0e}")
 
 
-@KERNELS_NOT_CAUSAL
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("Q", [64, 128, 256])
@@ -353,7 +342,6 @@ def test_gpu_kernels_decay_limits(seq, Q, dtype):
                f"tol {forward_tol(dtype):.0e}")
 
 
-@KERNELS_NOT_CAUSAL
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_kernels_dt_zero_with_A_minus_inf(dtype):
@@ -368,7 +356,6 @@ def test_gpu_kernels_dt_zero_with_A_minus_inf(dtype):
                f"tol {forward_tol(dtype):.0e}")
 
 
-@KERNELS_NOT_CAUSAL
 @pytest.mark.gpu
 def test_gpu_garbage_padding_seed_problem():
     """The seed problem (B=4 T=16K H=8 P=64 N=128, chunk 128, bf16) with the last 1000 tokens

@@ -12,6 +12,23 @@ query's sequence run in the chunk, from decay_cumsum's seq_start); the masked C 
 (BLOCK_Q x BLOCK_Q) never leaves the chip. Only the diagonal block needs the causal mask,
 exponents are masked *before* exp2 so no inf is ever formed.
 
+Non-finite inputs. The plain tile above is not causal under NaN/Inf: the masked entries are
+zeros multiplied in, and 0 * NaN is NaN, so a bad x, B or dt at token t reaches the rows
+before t of its query block. Keeping a sanitizing form on every tile costs 20-51% (it takes X
+through registers before the MMA), so CHECK splits the work over two launches of this kernel:
+
+- CHECK=1: the plain tile, plus one number per tile in `flags`: how many of its outputs are
+  non-finite (every contamination shows there as a NaN). Clean input pays a compare and a sum.
+- CHECK=2 (the second launch, same grid): a tile whose flag is 0 returns at once; a flagged
+  one is computed again, SANITIZE: the weights masked by a select after they are formed,
+  where(M, 2^{G_i - G_k} (C_i B_k^T) dt_k, 0) (a bad B or dt column stays in the kept rows
+  i >= t); in partially masked key blocks (the diagonal one; with seq_idx every block) a
+  non-finite x entry enters the MMA as 0 and sets NaN in the outputs the recurrence makes
+  non-finite, (i, p) with M_ij and x_jp bad for some j ((M @ bad) > 0, a second small MMA);
+  with seq_idx the carried state is selected away on rows whose run began in the chunk. Rows
+  before t then equal those of a run with a finite value at t (same products, same order).
+CHECK=0: the plain tile alone.
+
 Tiles: C, B (BLOCK_Q, BLOCK_N), walking NP = the padded dstate in BLOCK_N steps; X (BLOCK_Q,
 BLOCK_P); h_c (BLOCK_P, BLOCK_N). Grid: (cdiv(L, BLOCK_Q) * B * H, cdiv(P, BLOCK_P)), query blocks fastest
 (HEAD_MAJOR: heads fastest); with PERSISTENT a fixed (programs,) grid looping over the tiles.
@@ -22,12 +39,32 @@ import cuda.tile as ct
 from ._common import int64_variant, mma_operand
 
 
+def _mma_x(acc, cb, xk, LOWP: ct.Constant[bool], in_dtype):
+    """acc + cb @ xk: the weights rounded to the input dtype (LOWP) or tf32."""
+    if LOWP:
+        return ct.mma(mma_operand(cb, in_dtype), mma_operand(xk, in_dtype), acc)
+    return ct.mma(cb.astype(ct.tfloat32), xk.astype(ct.tfloat32), acc)
+
+
+def _mma_x_sanitized(acc, cb, xk, keep, LOWP: ct.Constant[bool], in_dtype):
+    """`_mma_x` for a partially masked key block of a flagged tile: a non-finite x entry
+    enters the MMA as 0 and poisons (NaN) the kept outputs of its channel instead."""
+    finite = ct.abs(xk.astype(ct.float32)) < float("inf")        # False for NaN too
+    acc = _mma_x(acc, cb, ct.where(finite, xk, 0.0).astype(in_dtype), LOWP, in_dtype)
+    # (M @ bad)_ip > 0: some kept key j of row i has a bad x_jp (0/1 operands: exact)
+    hits = ct.mma(mma_operand(ct.where(keep, 1.0, 0.0), in_dtype),
+                  mma_operand(ct.where(finite, 0.0, 1.0), in_dtype),
+                  ct.full(acc.shape, 0.0, dtype=ct.float32))
+    return ct.where(hits > 0.0, float("nan"), acc)
+
+
 def _add_key_block(
-    acc, cb, kblk, g_q, row, start_q, x, dt, cum, batch, head, p_tile,
+    acc, cb, kblk, qblk, g_q, row, start_q, x, dt, cum, batch, head, p_tile,
     BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int], HAS_SEQ: ct.Constant[bool],
-    LOWP: ct.Constant[bool], LAT,
+    LOWP: ct.Constant[bool], LAT, SANITIZE: ct.Constant[bool],
 ):
-    """acc += (2^{G_q - G_k} * (C_q B_k^T) * M * dt_k) @ X_k for the raw C B^T block `cb`."""
+    """acc += (2^{G_q - G_k} * (C_q B_k^T) * M * dt_k) @ X_k for the raw C B^T block `cb`
+    (SANITIZE: the flagged tile's causal form, module docstring)."""
     g_k = ct.load(cum, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
     dt_k = ct.load(dt, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
     col = kblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
@@ -36,16 +73,39 @@ def _add_key_block(
         # a per-query bound, not a per-(query, key) comparison of sequence ids: no key-column
         # vector to hold (with ids, 128-token blocks spilled 256 B per thread)
         keep = keep & (col[None, :] >= start_q[:, None])
-    expo = ct.where(keep, g_q[:, None] - g_k[None, :], -float("inf"))
     # dt is folded into the decayed C B^T in fp32, so X enters the MMA unrounded: one
     # rounding (of the weights) instead of two. LOWP rounds the weights to the input
     # dtype (half the MMA cost of tf32, mamba_ssm's choice); otherwise tf32.
-    cb = cb * ct.exp2(expo) * dt_k[None, :]
+    if SANITIZE:
+        # kept entries: the same products as below; masked ones selected, never 0 * NaN
+        cb = ct.where(keep, cb * ct.exp2(g_q[:, None] - g_k[None, :]) * dt_k[None, :], 0.0)
+    else:
+        expo = ct.where(keep, g_q[:, None] - g_k[None, :], -float("inf"))
+        cb = cb * ct.exp2(expo) * dt_k[None, :]
     xk = ct.load(x, index=(batch, kblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
                  padding_mode=ct.PaddingMode.ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_P))
-    if LOWP:
-        return ct.mma(mma_operand(cb, x.dtype), mma_operand(xk, x.dtype), acc)
-    return ct.mma(cb.astype(ct.tfloat32), xk.astype(ct.tfloat32), acc)
+    if SANITIZE:
+        if HAS_SEQ:
+            acc = _mma_x_sanitized(acc, cb, xk, keep, LOWP, x.dtype)
+        elif kblk == qblk:
+            acc = _mma_x_sanitized(acc, cb, xk, keep, LOWP, x.dtype)
+        else:
+            # every key of an earlier block precedes every query: nothing masked
+            acc = _mma_x(acc, cb, xk, LOWP, x.dtype)
+    else:
+        acc = _mma_x(acc, cb, xk, LOWP, x.dtype)
+    return acc
+
+
+def _carried(acc, state_scale, start_q, HAS_SEQ: ct.Constant[bool], SANITIZE: ct.Constant[bool]):
+    """The carried-state term C h^T times 2^{G_q}. With seq_idx the state belongs to the
+    sequence of the token before the chunk: only rows whose run began before the chunk (start
+    -1) take it (SANITIZE: by a select, as their h may be another sequence's NaN)."""
+    if HAS_SEQ:
+        if SANITIZE:
+            return ct.where((start_q < 0)[:, None], acc * state_scale[:, None], 0.0)
+        return acc * ct.where(start_q < 0, state_scale, 0.0)[:, None]
+    return acc * state_scale[:, None]
 
 
 def _diag_tile_mma(
@@ -73,9 +133,11 @@ def _scan_tile(
     Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
     NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int], D_MODE: ct.Constant[int],
     HAS_Z: ct.Constant[bool], HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
-    LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int],
+    LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], flags, CHECK: ct.Constant[int],
+    SANITIZE: ct.Constant[bool],
 ):
-    """One output tile: BLOCK_Q tokens (query block `qblk`) x BLOCK_P channels of one head."""
+    """One output tile: BLOCK_Q tokens (query block `qblk`) x BLOCK_P channels of one head
+    (CHECK=1: and its count of non-finite outputs into `flags`)."""
     nheads = x.shape[2]
     batch = bh // nheads
     head = bh % nheads
@@ -93,9 +155,6 @@ def _scan_tile(
     if HAS_SEQ:
         start_q = ct.load(seq_start, index=(batch, qblk),
                           shape=(1, BLOCK_Q)).reshape((BLOCK_Q,))
-        # the carried state belongs to the sequence of the token before the chunk: only rows
-        # whose run began before the chunk (start -1) take it
-        state_scale = ct.where(start_q < 0, state_scale, 0.0)
 
     # dstate is walked in BLOCK_N tiles: with several tiles the loop lets the compiler
     # prefetch the next C/B/h tiles while the current MMAs run. cdiv(N, BLOCK_N), not
@@ -114,9 +173,9 @@ def _scan_tile(
             for nt in range(n_tiles):
                 cb, acc = _diag_tile_mma(b, c, states, cb, acc, nt, batch, qblk, group, head,
                                          chunk, p_tile, BLOCK_Q, BLOCK_P, BLOCK_N, LAT, x.dtype)
-        acc = acc * state_scale[:, None]
-        acc = _add_key_block(acc, cb, qblk, g_q, row, start_q, x, dt, cum, batch, head,
-                             p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT)
+        acc = _carried(acc, state_scale, start_q, HAS_SEQ, SANITIZE)
+        acc = _add_key_block(acc, cb, qblk, qblk, g_q, row, start_q, x, dt, cum, batch, head,
+                             p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT, SANITIZE)
     elif ONE_TILE:
         c_q = mma_operand(ct.load(c, index=(batch, qblk, group, 0),
                                   shape=(1, BLOCK_Q, 1, BLOCK_N), padding_mode=ZERO,
@@ -124,14 +183,15 @@ def _scan_tile(
         h = ct.load(states, index=(batch, head, chunk, p_tile, 0),
                     shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
                     latency=LAT).reshape((BLOCK_P, BLOCK_N))
-        acc = ct.mma(c_q, mma_operand(h.transpose(), x.dtype), acc) * state_scale[:, None]
+        acc = _carried(ct.mma(c_q, mma_operand(h.transpose(), x.dtype), acc), state_scale,
+                       start_q, HAS_SEQ, SANITIZE)
         for kblk in range(first_blk, qblk + 1):
             bt = ct.load(b, index=(batch, kblk, group, 0), shape=(1, BLOCK_Q, 1, BLOCK_N),
                          padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
             cb = ct.mma(c_q, mma_operand(bt.transpose(), x.dtype),
                         ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
-            acc = _add_key_block(acc, cb, kblk, g_q, row, start_q, x, dt, cum, batch,
-                                 head, p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT)
+            acc = _add_key_block(acc, cb, kblk, qblk, g_q, row, start_q, x, dt, cum, batch,
+                                 head, p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT, SANITIZE)
     else:
         for nt in range(n_tiles):
             c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
@@ -140,7 +200,7 @@ def _scan_tile(
                         shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
                         latency=LAT).reshape((BLOCK_P, BLOCK_N))
             acc = ct.mma(mma_operand(c_t, x.dtype), mma_operand(h.transpose(), x.dtype), acc)
-        acc = acc * state_scale[:, None]
+        acc = _carried(acc, state_scale, start_q, HAS_SEQ, SANITIZE)
         for kblk in range(first_blk, qblk + 1):
             cb = ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32)
             for nt in range(n_tiles):
@@ -151,8 +211,8 @@ def _scan_tile(
                              padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
                 cb = ct.mma(mma_operand(c_t, x.dtype), mma_operand(bt.transpose(), x.dtype),
                             cb)
-            acc = _add_key_block(acc, cb, kblk, g_q, row, start_q, x, dt, cum, batch,
-                                 head, p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT)
+            acc = _add_key_block(acc, cb, kblk, qblk, g_q, row, start_q, x, dt, cum, batch,
+                                 head, p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT, SANITIZE)
 
     xq = ct.load(x, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
                  padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P)).astype(ct.float32)
@@ -168,6 +228,29 @@ def _scan_tile(
         acc = acc * (zq / (1.0 + ct.exp(-zq)))
     ct.store(out, index=(batch, qblk, head, p_tile),
              tile=acc.reshape((1, BLOCK_Q, 1, BLOCK_P)).astype(out.dtype))
+    if CHECK == 1:
+        bad = ct.sum(ct.where(ct.abs(acc) < float("inf"), 0.0, 1.0))
+        ct.store(flags, index=(bh, qblk, p_tile), tile=bad.reshape((1, 1, 1)))
+
+
+def _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh,
+                 Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
+                 NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
+                 D_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool],
+                 HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
+                 LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], flags,
+                 CHECK: ct.Constant[int]):
+    """CHECK 0/1: the plain tile; CHECK 2: the flagged tile again, sanitized."""
+    if CHECK == 2:
+        bad = ct.load(flags, index=(bh, qblk, p_tile), shape=(1, 1, 1)).reshape(())
+        if bad > 0.0:
+            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh, Q,
+                       BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
+                       LOAD_LATENCY, LOWP, BLOCK_N, flags, 0, True)
+    else:
+        _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh, Q,
+                   BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
+                   LOAD_LATENCY, LOWP, BLOCK_N, flags, CHECK, False)
 
 
 def chunk_scan_fn(
@@ -195,6 +278,8 @@ def chunk_scan_fn(
     LOWP: ct.Constant[bool],      # the (C B^T) X MMA in the input dtype instead of tf32
     HEAD_MAJOR: ct.Constant[bool],
     BLOCK_N: ct.Constant[int],    # dstate tile (divides NP)
+    flags,       # (B * H, cdiv(L, BLOCK_Q), cdiv(P, BLOCK_P)) float32 (read/written per CHECK)
+    CHECK: ct.Constant[int],      # 0 plain, 1 plain + flags, 2 flagged tiles again, sanitized
 ):
     # Query blocks run to cdiv(L, BLOCK_Q) only: a block past the last token would load
     # tiles lying entirely outside x, which is undefined.
@@ -213,9 +298,9 @@ def chunk_scan_fn(
                 qblk = t % n_q
                 rest = t // n_q
                 p_tile, bh = rest % n_p, rest // n_p
-            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh, Q,
-                       BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
-                       LOAD_LATENCY, LOWP, BLOCK_N)
+            _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh, Q,
+                         BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
+                         LOAD_LATENCY, LOWP, BLOCK_N, flags, CHECK)
     else:
         # grid (n_q * B * H, p tiles): batch*heads on axis 0 has no 65535 limit
         t = ct.bid(0)
@@ -224,10 +309,10 @@ def chunk_scan_fn(
             qblk, bh = t // n_bh, t % n_bh
         else:
             qblk, bh = t % n_q, t // n_q
-        _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, ct.bid(1), bh, Q,
-                   BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
-                   LOAD_LATENCY, LOWP, BLOCK_N)
+        _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, ct.bid(1), bh, Q,
+                     BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
+                     LOAD_LATENCY, LOWP, BLOCK_N, flags, CHECK)
 
 chunk_scan = ct.kernel(chunk_scan_fn)
 chunk_scan_i64 = ct.kernel(int64_variant(
-    chunk_scan_fn, ["x", "b", "c", "z", "D", "dt", "cum", "seq_start", "states", "out"]))
+    chunk_scan_fn, ["x", "b", "c", "z", "D", "dt", "cum", "seq_start", "states", "out", "flags"]))

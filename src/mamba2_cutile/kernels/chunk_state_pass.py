@@ -9,7 +9,11 @@ Writes h_c (the state *entering* chunk c) for every chunk, and the final state a
 
 seq_idx: a token only contributes if it belongs to the sequence of the chunk's last token, and
 the carried state is dropped when that sequence differs from the one the carry belongs to.
-(Non-decreasing seq_idx makes this the exact reset of the recurrence.)
+(Non-decreasing seq_idx makes this the exact reset of the recurrence.) Both are selects, not
+multiplications by 0: a sequence that holds a NaN or Inf must not reach the next one's state
+(0 * NaN is NaN), so the dropped tokens' x and B rows and the dropped carry are replaced by 0.
+Without seq_idx nothing is dropped, and a bad token reaches every later state, as in the
+recurrence.
 
 Grid: (B * H, cdiv(P, BLOCK_P), cdiv(N, BLOCK_N)). The chunk loop is sequential inside a
 program; independent (batch, head, p-tile, n-tile) slices run in parallel.
@@ -18,6 +22,23 @@ program; independent (batch, head, p-tile, n-tile) slices run in parallel.
 import cuda.tile as ct
 
 from ._common import int64_variant, mma_operand
+
+
+def _update(hid, carry, xt, bt, w, in_dtype, BLOCK_P: ct.Constant[int],
+            BLOCK_N: ct.Constant[int], SCALE_X: ct.Constant[bool], FRESH_ACC: ct.Constant[bool]):
+    """h <- carry * h + X^T (w B), one MMA."""
+    # the weights go on the smaller operand: (w X)^T B == X^T (w B), one rounding either way
+    if SCALE_X:
+        lhs = mma_operand(xt.astype(ct.float32) * w[:, None], in_dtype).transpose()
+        rhs = mma_operand(bt, in_dtype)
+    else:
+        lhs = mma_operand(xt.transpose(), in_dtype)
+        rhs = mma_operand(bt.astype(ct.float32) * w[:, None], in_dtype)
+    if FRESH_ACC:
+        # the MMA does not wait for the carried state: only a multiply-add is sequential
+        upd = ct.mma(lhs, rhs, ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32))
+        return hid * carry[:, None] + upd
+    return ct.mma(lhs, rhs, hid * carry[:, None])
 
 
 def chunk_state_pass_fn(
@@ -77,22 +98,26 @@ def chunk_state_pass_fn(
             s = ct.load(seq_idx, index=(batch, c), shape=(1, Q),
                         padding_mode=ct.PaddingMode.ZERO).reshape((Q,))
             s_last = ct.max(ct.where(token < seqlen, s, -2147483647), axis=0, keepdims=True)
-            w = ct.where(s == s_last, w, 0.0)
-            carry = ct.where(seq_prev == s_last, carry, 0.0)
+            in_last = s == s_last
+            w = ct.where(in_last, w, 0.0)
+            hid = ct.where(seq_prev == s_last, hid, 0.0)
             seq_prev = s_last
-        # the weights go on the smaller operand: (w X)^T B == X^T (w B), one rounding either way
-        if SCALE_X:
-            lhs = mma_operand(xt.astype(ct.float32) * w[:, None], x.dtype).transpose()
-            rhs = mma_operand(bt, x.dtype)
+            if (ct.extract(s, index=(0,), shape=(1,)) != s_last).reshape(()):
+                # a sequence ends inside this chunk (rare): its x and B rows are selected
+                # away, which costs a pass of both tiles through registers
+                xs = ct.load(x, index=(batch, c, head, p_tile), shape=(1, Q, 1, BLOCK_P),
+                             padding_mode=ct.PaddingMode.ZERO).reshape((Q, BLOCK_P))
+                bs = ct.load(b, index=(batch, c, group, n_tile), shape=(1, Q, 1, BLOCK_N),
+                             padding_mode=ct.PaddingMode.ZERO).reshape((Q, BLOCK_N))
+                xs = ct.where(in_last[:, None], xs, 0.0).astype(x.dtype)
+                bs = ct.where(in_last[:, None], bs, 0.0).astype(b.dtype)
+                hid = _update(hid, carry, xs, bs, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X,
+                              FRESH_ACC)
+            else:
+                hid = _update(hid, carry, xt, bt, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X,
+                              FRESH_ACC)
         else:
-            lhs = mma_operand(xt.transpose(), x.dtype)
-            rhs = mma_operand(bt.astype(ct.float32) * w[:, None], x.dtype)
-        if FRESH_ACC:
-            # the MMA does not wait for the carried state: only a multiply-add is sequential
-            upd = ct.mma(lhs, rhs, ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32))
-            hid = hid * carry[:, None] + upd
-        else:
-            hid = ct.mma(lhs, rhs, hid * carry[:, None])
+            hid = _update(hid, carry, xt, bt, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X, FRESH_ACC)
 
     ct.store(final, index=(batch, head, p_tile, n_tile),
              tile=hid.reshape((1, 1, BLOCK_P, BLOCK_N)))

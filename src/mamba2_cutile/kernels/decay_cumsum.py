@@ -1,7 +1,8 @@
 """Kernel 1 of the forward pass: per-chunk cumulative decay, in log2 space.
 
     dt'_t  = clamp(softplus?(dt_t + dt_bias), lo, hi)      (0 for padding tokens t >= L)
-    G_t    = log2(e) * sum_{s <= t, s in chunk} A * dt'_s
+    G_t    = sum_{s <= t, s in chunk} a_s,   a_s = clamp(log2(e) * A * dt'_s, -MAX_LOG2_STEP, MAX_LOG2_STEP)
+                                                 (a_s = 0 where dt'_s = 0)
 
 Both are written in a [batch, head, token] layout padded to a whole number of chunks, so the
 later kernels read them with contiguous (TMA) loads and the last entry of every chunk is the
@@ -17,12 +18,28 @@ carried state is the token's own). chunk_scan's same-sequence mask is then one c
 key column, `key >= start_query`, instead of comparing every (query, key) pair's sequence ids;
 for non-decreasing seq_idx (the API's requirement) the two agree.
 
+Non-finite inputs (the scan stays causal: a bad token never changes an earlier output):
+
+- A dt' with dt' = 0 is 0 even for A = -inf (a decay of exactly 1, as the recurrence
+  defines it; padding tokens rely on it, else one A = -inf head would make G NaN).
+- A step's log2 decay is clamped to +-MAX_LOG2_STEP (= 256, beyond which exp2 is 0 or inf in
+  float32 anyway): A = -inf or dt' = +inf give a decay of exactly 0 without making G infinite,
+  so differences G_i - G_j stay exact (A = -inf: multiples of 256) instead of -inf - -inf =
+  NaN. A NaN step (dt' NaN, or A = 0 with dt' = inf) becomes -MAX_LOG2_STEP: its NaN reaches
+  the outputs through dt' itself, which is kept, while G stays finite for a sequence that
+  starts later in the chunk. A NaN A stays NaN.
+- The clamp and softplus propagate NaN (cuTile's min/max ignore NaN by default, which would
+  turn a NaN dt into lo or 20).
+
 Tiles: dt (1, Q, BLOCK_H) read from [batch, token, head]; grid (B * num_chunks, cdiv(H, BLOCK_H)).
 """
 
 import cuda.tile as ct
 
 from ._common import LOG2E, int64_variant
+
+#: bound on one token's |log2 decay|: 2^-256 is 0 in float32, and 256 tokens of it stay exact
+MAX_LOG2_STEP = 256.0
 
 
 def decay_cumsum_fn(
@@ -54,16 +71,18 @@ def decay_cumsum_fn(
     if SOFTPLUS:
         # softplus(v) = log1p(e^v), and v itself above 20 (torch's threshold). log1p(u) is
         # log(w) * u / (w - 1) with w = 1 + u: exact to rounding even when u is tiny.
-        u = ct.exp(ct.minimum(d, 20.0))
+        u = ct.exp(ct.minimum(d, 20.0, propagate_nan=True))
         w = 1.0 + u
         log1p_u = ct.where(w == 1.0, u, ct.log(w) * (u / (w - 1.0)))
         d = ct.where(d > 20.0, d, log1p_u)
-    d = ct.minimum(ct.maximum(d, dt_lo), dt_hi)
+    d = ct.minimum(ct.maximum(d, dt_lo, propagate_nan=True), dt_hi, propagate_nan=True)
     token = chunk * Q + ct.arange(Q, dtype=ct.int32)
     d = ct.where((token < seqlen)[:, None], d, 0.0)
     a = ct.load(A, index=(head_tile,), shape=(BLOCK_H,),
                 padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
-    g = ct.cumsum(d * (a * LOG2E)[None, :], axis=0)
+    step = ct.minimum(ct.maximum(d * (a * LOG2E)[None, :], -MAX_LOG2_STEP), MAX_LOG2_STEP)
+    step = ct.where(ct.isnan(a)[None, :], a[None, :], step)
+    g = ct.cumsum(ct.where(d == 0.0, 0.0, step), axis=0)
     ct.store(dt_out, index=(batch, head_tile, chunk),
              tile=d.transpose().reshape((1, BLOCK_H, Q)))
     ct.store(cum_out, index=(batch, head_tile, chunk),

@@ -1,11 +1,12 @@
-"""The forward pass of the chunked SSD on CUDA tensors: its config, its plan of three launches,
-and the launcher.
+"""The forward pass of the chunked SSD on CUDA tensors: its config, its plan of launches (three
+kernels, chunk_scan launched twice), and the launcher.
 
 | launch | kernel | what |
 | --- | --- | --- |
 | 1 | `decay_cumsum` | dt' = clamp(softplus(dt + bias)) and the per-chunk cumsum of A dt' in log2 space |
 | 2 | `chunk_state_pass` | the chunk entry states, one sequential pass over chunks |
-| 3 | `chunk_scan` | the output: carried-state term, masked decayed C B^T times X, D x, z gate |
+| 3 | `chunk_scan` | the output: carried-state term, masked decayed C B^T times X, D x, z gate; and per tile the count of non-finite outputs |
+| 4 | `chunk_scan` | (`scan_causal`) the tiles counted non-zero, again in the causal form: a NaN/Inf input never changes an earlier output |
 
 A plan is built from tensors (real CUDA tensors at run time, or `meta` tensors when compiling on
 a CPU), so the CPU compile check exercises exactly the argument lists the GPU path launches.
@@ -52,6 +53,10 @@ class ForwardConfig:
     state_scale_x: int = -1         # 1: chunk_state_pass weights X, 0: B, -1: the smaller
     scan_block_n: int = 0           # dstate tile of chunk_scan's K loop (0: all of dstate_pad)
     state_fresh_acc: int = 0        # 1: chunk_state_pass MMA into a fresh accumulator, then add
+    scan_causal: int = 1            # 1: a NaN/Inf never reaches an earlier output: chunk_scan
+                                    # counts each tile's non-finite outputs and a second launch
+                                    # recomputes the flagged tiles in a sanitizing form
+                                    # (kernels/chunk_scan.py); 0: the first launch alone
 
     FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
 
@@ -67,7 +72,7 @@ class ForwardConfig:
             c.check_range(self, name, 0, 32)
         c.check_range(self, "scan_persistent", 0, 16)
         c.check_range(self, "state_scale_x", -1, 1)
-        for name in ("state_fresh_acc", "scan_lowp", "scan_head_major"):
+        for name in ("state_fresh_acc", "scan_lowp", "scan_head_major", "scan_causal"):
             c.check_choice(self, name, (0, 1))
         c.check_choice(self, "scan_warps", (0, 4, 8))
         if self.scan_block_q > self.chunk_size:
@@ -146,7 +151,8 @@ def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=DEFAUL
 
 def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
                  dt_buf, cum_buf, states, final, out, cfg: ForwardConfig):
-    """The three launches of the forward pass. Unused optional inputs must be None."""
+    """The launches of the forward pass (module docstring). Unused optional inputs must be
+    None."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
@@ -160,6 +166,9 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     int64 = needs_int64(x, dt, B, C, z, seq_idx, seq_start, init, dt_buf, cum_buf, states, out)
     n_q = -(-seqlen // cfg.scan_block_q)       # query blocks holding at least one token
     p_tiles = -(-headdim // cfg.scan_block_p)
+    # chunk_scan's count of non-finite outputs per tile (scan_causal; a stand-in otherwise)
+    flags = torch.empty((batch * nheads, n_q, p_tiles) if cfg.scan_causal else (1, 1, 1),
+                        dtype=torch.float32, device=x.device)
     if cfg.scan_persistent:
         n_tiles = n_q * p_tiles * batch * nheads
         scan_grid = (min(n_tiles, cfg.scan_persistent * num_sms(x)), 1, 1)
@@ -190,9 +199,14 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              cfg.scan_load_latency, cfg.scan_persistent > 0,
              bool(cfg.scan_lowp) and x.dtype != torch.float32,
              bool(cfg.scan_head_major),
-             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad)),
+             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad), flags,
+             1 if cfg.scan_causal else 0),
         ),
     ]
+    if cfg.scan_causal:
+        # the same grid again: tiles with non-finite outputs are recomputed causally
+        scan = calls[-1]
+        calls.append(KernelCall(scan.kernel, scan.grid, scan.args[:-1] + (2,)))
     return calls
 
 
