@@ -1,17 +1,17 @@
 """Gated RMSNorm on CUDA tensors: its config, the plans of its forward launch and its backward
 launch, and the launchers.
 
-| pass | kernel | grid |
+| pass | kernel (padded / chunked) | grid |
 | --- | --- | --- |
-| forward | `rmsnorm_gated_fwd` | (cdiv(M, block_m), G): one tile of block_m rows x one group |
-| forward, persistent | `rmsnorm_gated_fwd_chunked` | (P, G): P programs walk the row blocks |
-| backward | `rmsnorm_gated_bwd` | (P, G): P programs per group walk the row blocks, partial dw/db |
+| forward | `rmsnorm_gated_fwd` / `_fwd_chunked` | (cdiv(M, block_m), G): block_m rows x 1 group |
+| forward (fwd_ctas_per_sm) | `rmsnorm_gated_fwd_chunked` | (P, G): P programs walk the rows |
+| backward | `rmsnorm_gated_bwd` / `_bwd_chunked` | (P, G): the same walk, partial dw / db |
 
 A group width S that is not a power of two but S = m * 2^k with 2^k >= MIN_CHUNK (1536 =
-3 * 512, 2560 = 5 * 512, 5120 = 5 * 1024, 7680 = 15 * 512) takes the chunked kernels instead
-(`rmsnorm_gated_fwd_chunked`, `rmsnorm_gated_bwd_chunked`, same grids): the group is read as
-S / chunk column chunks of `NormConfig.chunk` channels, so no lane is padding. Other widths
-(1000 = 125 * 8, 37) keep the padded one-tile kernels.
+3 * 512, 2560 = 5 * 512, 5120 = 5 * 1024, 7680 = 15 * 512), up to MAX_CHUNKED_GROUP, takes
+the chunked kernels: the group is read as S / chunk column chunks of `NormConfig.chunk`
+channels, so no lane is padding. Other widths (powers of two, 1000 = 125 * 8, 37) keep the
+padded kernels, whose tile is the power of two >= S.
 
 The backward's (P, G, S) partial sums of dweight and dbias are then summed over P by
 `torch.sum` (a fixed order: the result does not depend on scheduling).
@@ -136,8 +136,11 @@ def norm_shape_config(group_size: int) -> NormConfig:
     Group widths S = m * 2^k that are not powers of two (`group_chunk`) take the chunked
     kernels with chunks of 2^k channels (at most 1024) and the same channels per tile, untimed:
     rows per tile the power of two <= 4096 / S (at least 1), the backward's likewise below
-    2048 channels; the forward at occupancy 4 up to 4096 channels, 2 above; the backward
-    at occupancy 2 up to 4096 channels, above with 8 warps at occupancy 1.
+    2048 channels; the forward at occupancy 4 up to 4096 channels, 2 above (8 warps from
+    8192); the backward at occupancy 2 up to 4096 channels, above with 8 warps at occupancy 1.
+    sm_90 compiles: no spills up to 4096 channels (forward 64 registers, backward 128); twice
+    the forward rows at occupancy 4 spill (40 bytes at 2560, 128 at 1536 gate first with a
+    bias); 16 bytes in the forward at 5120, 24 in the backward at 7680.
     """
     bg = next_pow2(group_size)
     chunk = group_chunk(group_size)
