@@ -23,8 +23,10 @@ def test_plan_grids_respect_cuda_limits():
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(da_mode=2), dict(bc_fused=0, da_mode=0),
-                                       dict(dx_cb=1), dict(bc_head_split=2, da_mode=2)],
-                         ids=["default", "da_mode2", "unfused", "dx_cb", "head_split"])
+                                       dict(dx_cb=1), dict(bc_head_split=2, da_mode=2),
+                                       dict(dx_head_block=4)],
+                         ids=["default", "da_mode2", "unfused", "dx_cb", "head_split",
+                              "dx_head_block"])
 def test_int64_variant_whenever_an_argument_needs_it(overrides):
     """Every launch with an array argument of 2^31 elements or more gets its 64-bit variant
     (here the decay-gradient scratch is the largest array: narrow p- and n-tiles)."""
@@ -216,3 +218,88 @@ def test_head_splits_divide_the_heads(hpg, split, want):
     cfg = replace(backward.backward_config(1, hpg, 1, 64, 128, 128, torch.bfloat16),
                   bc_head_split=split)
     assert backward.head_splits(cfg, 2 * hpg, 2) == want
+
+
+def _dx_call(calls):
+    (call,) = [c for c in calls if _kernel_names([c])[0].startswith("bwd_chunk_dx")]
+    fn = call.kernel._annotated_function.pyfunc
+    return call, dict(zip(fn.__code__.co_varnames[:fn.__code__.co_argcount], call.args))
+
+
+@pytest.mark.parametrize("h, g, block, want", [(8, 2, 2, 2), (8, 1, 8, 8), (80, 1, 16, 16),
+                                               (12, 2, 4, 2), (8, 8, 8, 1)])
+def test_dx_head_block_plan(h, g, block, want):
+    """dx_head_block: the dx launch is bwd_chunk_dx_heads with HEAD_BLOCK = want heads per
+    program (gcd with the heads per group) on a grid of (n_q * B * H / want, n_pt), writing the
+    same buffers (same bytes: no scratch) with the same arguments as bwd_chunk_dx; want = 1 is
+    bwd_chunk_dx itself. Still 6 launches."""
+    b, l, p, n, Q = 2, 1000, 64, 128, 128
+    x, dt, A, B, C = _meta_problem(b, l, h, g, p, n)
+    base = backward.backward_config(b, h, g, p, n, Q, torch.bfloat16)
+    plans_, bufs_ = {}, {}
+    for blk in (1, block):
+        calls = []
+        backward.run_backward(x, dt, A, B, C, Q, x, launch_fn=calls.extend,
+                              config=replace(base, dx_head_block=blk),
+                              on_buffers=lambda bf, k=blk: bufs_.__setitem__(k, bf))
+        plans_[blk] = calls
+    assert backward.dx_head_blocks(replace(base, dx_head_block=block), h, g) == want
+    names = _kernel_names(plans_[block])
+    assert len(names) == 6
+    assert names == _kernel_names(plans_[1])[:3] + names[3:4] + _kernel_names(plans_[1])[4:]
+    call, args = _dx_call(plans_[block])
+    call1, args1 = _dx_call(plans_[1])
+    n_q, n_pt = -(-l // base.dx_block_q), -(-p // base.dx_block_p)
+    assert _kernel_names([call1]) == ["bwd_chunk_dx"] and tuple(call1.grid) == (n_q * b * h, n_pt, 1)
+    if want == 1:
+        assert _kernel_names([call]) == ["bwd_chunk_dx"]
+        return
+    assert _kernel_names([call]) == ["bwd_chunk_dx_heads"]
+    assert tuple(call.grid) == (n_q * b * h // want, n_pt, 1)
+    assert args["HEAD_BLOCK"] == want and args["HEADS_PER_GROUP"] == h // g
+    for k, v in args.items():
+        if k in args1 and k != "HEAD_BLOCK" and isinstance(v, torch.Tensor):
+            assert v.shape == args1[k].shape and v.dtype == args1[k].dtype, k
+    assert bufs_[block].nbytes() == bufs_[1].nbytes()
+
+
+@pytest.mark.parametrize("over", [dict(da_mode=2), dict(dx_cb=1)], ids=["da_mode2", "dx_cb"])
+def test_dx_head_block_falls_back(over):
+    """Options the multi-head kernel does not take keep the one-head bwd_chunk_dx launch."""
+    b, l, h, g, p, n, Q = 1, 500, 8, 1, 64, 128, 128
+    x, dt, A, B, C = _meta_problem(b, l, h, g, p, n)
+    cfg = replace(backward.backward_config(b, h, g, p, n, Q, torch.bfloat16), dx_head_block=8,
+                  **over)
+    assert backward.dx_head_blocks(cfg, h, g) == 1
+    calls = []
+    backward.run_backward(x, dt, A, B, C, Q, x, launch_fn=calls.extend, config=cfg)
+    call, args = _dx_call(calls)
+    assert _kernel_names([call]) == ["bwd_chunk_dx"]
+    assert tuple(call.grid) == (-(-l // cfg.dx_block_q) * b * h, 2, 1)
+
+
+@pytest.mark.parametrize("value", [0, 3, 12, 128, -2])
+def test_dx_head_block_validation(value):
+    cfg = backward.backward_config(1, 4, 1, 64, 128, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match="dx_head_block"):
+        replace(cfg, dx_head_block=value)
+
+
+def test_dx_head_block_from_environment(monkeypatch):
+    """MAMBA2_CUTILE_BWD_CONFIG selects it; the default is 1 (bwd_chunk_dx)."""
+    args = (2, 80, 1, 64, 128, 256, torch.bfloat16)
+    assert backward.backward_config(*args).dx_head_block == 1
+    monkeypatch.setenv("MAMBA2_CUTILE_BWD_CONFIG", "dx_head_block=8")
+    cfg = backward.backward_config(*args)
+    assert cfg.dx_head_block == 8 and backward.dx_head_blocks(cfg, 80, 1) == 8
+    monkeypatch.setenv("MAMBA2_CUTILE_BWD_CONFIG", "dx_head_block=6")
+    with pytest.raises(ValueError, match="dx_head_block"):
+        backward.backward_config(*args)
+
+
+@pytest.mark.parametrize("hpg, block, want", [(80, 2, 2), (80, 8, 8), (80, 32, 16), (6, 4, 2),
+                                              (3, 4, 1), (1, 8, 1), (16, 64, 16)])
+def test_dx_head_blocks_divide_the_heads(hpg, block, want):
+    cfg = replace(backward.backward_config(1, hpg, 1, 64, 128, 128, torch.bfloat16),
+                  dx_head_block=block)
+    assert backward.dx_head_blocks(cfg, 2 * hpg, 2) == want

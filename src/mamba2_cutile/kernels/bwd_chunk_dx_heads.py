@@ -108,26 +108,22 @@ def bwd_chunk_dx_heads_fn(
     slot = p_tile * NBPC + (t - first)
     mm = x.dtype
 
-    # what every head of the program shares: token positions, seq ids, S_row and S_colT
+    # what every head of the program shares: token positions and seq ids
     tok_t = t * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
     tok_c = chunk * Q + ct.arange(Q, dtype=ct.int32)
     s_t = block_seq(seq_idx, batch, t, BLOCK_Q, HAS_SEQ)
     s_c = block_seq(seq_idx, batch, chunk, Q, HAS_SEQ)
     before, last = seq_bounds(seq_idx, batch, chunk, seqlen, Q, HAS_SEQ)
     last_tok = ct.minimum(chunk * Q + Q - 1, seqlen - 1)
-    s_row = ct.mma(mma_operand(load_rows(c, batch, t, group, 0, BLOCK_Q, NP), mm),
-                   mma_operand(load_rows(b, batch, chunk, group, 0, Q, NP, LAT), mm).transpose(),
-                   ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32))
-    s_colT = ct.mma(mma_operand(load_rows(b, batch, t, group, 0, BLOCK_Q, NP), mm),
-                    mma_operand(load_rows(c, batch, chunk, group, 0, Q, NP, LAT), mm).transpose(),
-                    ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32))
-    if LOWP:
-        # their uses are MMA operands rounded to the input dtype anyway: half the registers
-        s_row = s_row.astype(mm)
-        s_colT = s_colT.astype(mm)
     # the row block t's positions in the chunk's (Q,) da row
     in_t = (ct.arange(NBPC, dtype=ct.int32) == t - first)[:, None]
 
+    # key side, S_row = C_t B_c^T for every head: y (dz), dD, the da terms
+    s_row = ct.mma(mma_operand(load_rows(c, batch, t, group, 0, BLOCK_Q, NP), mm),
+                   mma_operand(load_rows(b, batch, chunk, group, 0, Q, NP, LAT), mm).transpose(),
+                   ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32))
+    if LOWP:
+        s_row = s_row.astype(mm)    # only an MMA operand's factor, rounded to mm anyway
     for hi in range(HEAD_BLOCK):
         head = head0 + hi
         g_t = block_decay(cum, batch, head, t, BLOCK_Q)
@@ -161,23 +157,17 @@ def bwd_chunk_dx_heads_fn(
         dgs = state_w * ct.sum(dy * ch, axis=1)             # (BQ,) state term of dG
         v = exit_w * dt_t * ct.sum(xt * bds, axis=1)        # (BQ,) exit term V
 
-        # (BQ, Q) masks, re-formed per head from the token vectors: cheaper than keeping them
-        key_le = tok_t[:, None] >= tok_c[None, :]       # key token at or before the row's
-        qry_ge = tok_c[None, :] >= tok_t[:, None]       # query token at or after the row's
+        # cb = S o L o dt' over the whole chunk row (zero on key tokens after the row's)
+        key_le = tok_t[:, None] >= tok_c[None, :]
         if HAS_SEQ:
-            same = s_t[:, None] == s_c[None, :]
-            key_le = key_le & same
-            qry_ge = qry_ge & same
-
-        # key side: cb = S o L o dt' over the whole chunk row, y's intra part, W, da terms
+            key_le = key_le & (s_t[:, None] == s_c[None, :])
+        cb = s_row.astype(ct.float32) * ct.exp2(
+            ct.where(key_le, g_t[:, None] - g_c[None, :], -float("inf"))) * dt_c[None, :]
         xc = load_rows(x, batch, chunk, head, p_tile, Q, BLOCK_P, LAT)
-        lrow = ct.exp2(ct.where(key_le, g_t[:, None] - g_c[None, :], -float("inf")))
-        cb = s_row.astype(ct.float32) * lrow * dt_c[None, :]
-        y = ch * state_w[:, None]
-        if HAS_Z:
-            y = ct.mma(wop(cb, mm, LOWP), wop(xc, mm, LOWP), y)
         dyx = ct.mma(dy_op(dy, mm, LOWP, HAS_Z), dy_op(xc.transpose(), mm, LOWP, HAS_Z),
                      ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32))
+        if HAS_Z:
+            y = ct.mma(wop(cb, mm, LOWP), wop(xc, mm, LOWP), ch * state_w[:, None])
         w = cb * dyx
         if DA_MODE == 1:
             k_part = ct.sum(v, axis=0, keepdims=True) + carry
@@ -196,6 +186,9 @@ def bwd_chunk_dx_heads_fn(
             dh_ = ct.load(D, index=(head,), shape=(1,)).reshape((1, 1))
         if D_MODE == 2:
             dh_ = ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P), padding_mode=ZERO)
+        if D_MODE != 0:
+            ct.store(dD_part, index=(t, batch, head, p_tile),
+                     tile=ct.sum(dy * xt, axis=0).reshape((1, 1, 1, BLOCK_P)))
         if HAS_Z:
             if D_MODE != 0:
                 y = y + dh_ * xt
@@ -203,17 +196,42 @@ def bwd_chunk_dx_heads_fn(
             ct.store(dz, index=(batch, t, head, p_tile),
                      tile=dzt.reshape((1, BLOCK_Q, 1, BLOCK_P)).astype(dz.dtype))
 
-        # query side: dXs = exit_w Bds + (S o L)^T dY over the chunk's query tokens
-        dyc = load_dy(dout, z, batch, chunk, head, p_tile, Q, BLOCK_P, HAS_Z, LAT)
+    # query side, S_colT = B_t C_c^T (formed after S_row is dead: one (BQ, Q) tile lives at a
+    # time): dXs = exit_w Bds + (S o L)^T dY over the chunk's query tokens -> dx, ddt_direct
+    s_colT = ct.mma(mma_operand(load_rows(b, batch, t, group, 0, BLOCK_Q, NP), mm),
+                    mma_operand(load_rows(c, batch, chunk, group, 0, Q, NP, LAT), mm).transpose(),
+                    ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32))
+    if LOWP:
+        s_colT = s_colT.astype(mm)
+    for hi in range(HEAD_BLOCK):
+        head = head0 + hi
+        g_t = block_decay(cum, batch, head, t, BLOCK_Q)
+        dt_t = block_decay(dt, batch, head, t, BLOCK_Q)
+        g_c = block_decay(cum, batch, head, chunk, Q, LAT)
+        g_last = chunk_last_decay(cum, batch, head, chunk, Q)
+        exit_w = exit_weight(g_t, g_last, s_t, last, HAS_SEQ)
+        xt = load_rows(x, batch, t, head, p_tile, BLOCK_Q, BLOCK_P).astype(ct.float32)
+        # Bds again (one BQ x NP x BP MMA): cheaper than keeping HB of them
+        ds = load_state(dstates, batch, head, chunk, p_tile, 0, BLOCK_P, NP)
+        bds = ct.mma(mma_operand(load_rows(b, batch, t, group, 0, BLOCK_Q, NP), mm),
+                     mma_operand(ds.transpose(), mm),
+                     ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32))
+        qry_ge = tok_c[None, :] >= tok_t[:, None]       # (BQ, Q) query token at or after
+        if HAS_SEQ:
+            qry_ge = qry_ge & (s_t[:, None] == s_c[None, :])
         lcol = ct.exp2(ct.where(qry_ge, g_c[None, :] - g_t[:, None], -float("inf")))
+        dyc = load_dy(dout, z, batch, chunk, head, p_tile, Q, BLOCK_P, HAS_Z, LAT)
         acc = ct.mma(wop(s_colT.astype(ct.float32) * lcol, mm, LOWP), wop(dyc, mm, LOWP),
                      bds * exit_w[:, None])
 
         dxt = acc * dt_t[:, None]
         if D_MODE != 0:
+            dy = load_dy(dout, z, batch, t, head, p_tile, BLOCK_Q, BLOCK_P, HAS_Z)
+            if D_MODE == 1:
+                dh_ = ct.load(D, index=(head,), shape=(1,)).reshape((1, 1))
+            if D_MODE == 2:
+                dh_ = ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P), padding_mode=ZERO)
             dxt = dxt + dh_ * dy
-            ct.store(dD_part, index=(t, batch, head, p_tile),
-                     tile=ct.sum(dy * xt, axis=0).reshape((1, 1, 1, BLOCK_P)))
         ct.store(dx, index=(batch, t, head, p_tile),
                  tile=dxt.reshape((1, BLOCK_Q, 1, BLOCK_P)).astype(dx.dtype))
         ct.store(ddt_part, index=(p_tile, batch, head, t),
