@@ -77,7 +77,8 @@ CASES = [(13, 24, 8, dict(block_m=4, bwd_block_m=2)),
          (10, 640, 320, dict(chunk=64, block_m=8, bwd_block_m=4)),
          (7, 384, 384, dict(chunk=128, block_m=2, bwd_block_m=1)),
          (6, 256, 256, dict(chunk=64, block_m=4, bwd_block_m=4)),
-         (11, 640, 320, dict(chunk=64, block_m=2, bwd_block_m=2, fwd_ctas_per_sm=2))]
+         (11, 640, 320, dict(chunk=64, block_m=2, bwd_block_m=2, fwd_ctas_per_sm=2)),
+         (5, 1536, 1536, {})]                   # the shape rule's chunks at 1536 (3 x 512)
 
 
 @pytest.mark.parametrize("m, hidden, gs, over", CASES)
@@ -85,7 +86,8 @@ CASES = [(13, 24, 8, dict(block_m=4, bwd_block_m=2)),
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_kernels_match_definition(m, hidden, gs, over, has_z, nbg, has_bias):
     x, w, b, z = _problem(m, hidden, has_z, has_bias)
-    cfg = replace(norm_shape_config(gs), **{"chunk": 0, **over})
+    rule = norm_shape_config(gs)
+    cfg = replace(rule, **over) if rule.chunk else replace(rule, **{"chunk": 0, **over})
     eps = 1e-5
     # sms=1: a persistent forward (fwd_ctas_per_sm) has fewer programs than row blocks
     out, rstd = _emulated_forward(x, w, b, z, eps, gs, nbg, cfg, sms=1)
@@ -111,4 +113,6 @@ def test_kernels_match_definition(m, hidden, gs, over, has_z, nbg, has_bias):
                 assert got is None
             else:
                 torch.testing.assert_close(got, leaf.grad, rtol=5e-14, atol=5e-14)  # measured 1.1e-14
-    assert p == min(-(-m // cfg.bwd_block_m), -(-cfg.bwd_ctas_per_sm * 132 // (hidden // gs)))
+    assert p == min(-(-m // cfg.bwd_block_m),
+                    -(-cfg.bwd_ctas_per_sm * 132 // (hidden // gs)))
+    assert cfg.chunk == over.get("chunk", rule.chunk)
