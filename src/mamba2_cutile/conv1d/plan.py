@@ -67,7 +67,8 @@ class Conv1dConfig:
     read once, the last W-1 rows carried in registers). span, rows, row_tile (form 3): tokens
     per forward program, rows per unrolled step, 1 = one (rows, block_d) tile load per step
     with the rows extracted on chip (0: one (1, block_d) load per row); bwd_span, bwd_rows,
-    bwd_row_tile: the same for the backward. unchecked
+    bwd_row_tile: the same for the backward; prefetch, bwd_prefetch: 1 issues the next
+    step's loads before the current step's math (software pipelining in registers). unchecked
     (forms 1, 3): 1 lets interior blocks skip the bounds checks of their loads and stores when
     block_d divides dim (and tileiras is 13.4+; otherwise it has no effect). warps: the
     num_worker_warps hint (0: the compiler's choice; 4 or 8). store_tma (form 1): 1 lets the
@@ -93,6 +94,8 @@ class Conv1dConfig:
     bwd_span: int = 512
     bwd_rows: int = 8
     bwd_row_tile: int = 0
+    prefetch: int = 0
+    bwd_prefetch: int = 0
 
     FIXED = ()
 
@@ -111,6 +114,8 @@ class Conv1dConfig:
                                  f"{rows}={getattr(self, rows)}")
         c.check_choice(self, "row_tile", (0, 1))
         c.check_choice(self, "bwd_row_tile", (0, 1))
+        c.check_choice(self, "prefetch", (0, 1))
+        c.check_choice(self, "bwd_prefetch", (0, 1))
         for name in ("block_l", "bwd_block_l"):
             if getattr(self, name) < 8:
                 raise ValueError(f"Conv1dConfig: {name}={getattr(self, name)} must be at "
@@ -307,7 +312,7 @@ def _rows_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final, s
             final if final is not None else stand_in,
             w, cfg.span, cfg.rows, cfg.block_d, bias is not None, initial_states is not None,
             seq_idx is not None, _rows_silu(silu, xp), final is not None, bool(cfg.row_tile),
-            _unchecked(cfg, d, cfg.block_d))
+            _unchecked(cfg, d, cfg.block_d), bool(cfg.prefetch))
     return KernelCall(kernel, grid, args)
 
 
@@ -407,7 +412,8 @@ def _rows_backward_call(xp, weight_t, bias, initial_states, seq_idx, dop, dfinal
             dinit if dinit is not None else stand_in,
             w, cfg.bwd_span, cfg.bwd_rows, cfg.bwd_block_d, bias is not None,
             initial_states is not None, seq_idx is not None, _rows_silu(silu, xp),
-            dfinal is not None, bool(cfg.bwd_row_tile), _unchecked(cfg, d, cfg.bwd_block_d))
+            dfinal is not None, bool(cfg.bwd_row_tile), _unchecked(cfg, d, cfg.bwd_block_d),
+            bool(cfg.bwd_prefetch))
     return KernelCall(kernel, backward_grid(x, cfg), args)
 
 

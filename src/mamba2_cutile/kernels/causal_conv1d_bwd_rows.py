@@ -25,7 +25,8 @@ read once, as in the forward of this form.
   straight-line code; with UNCHECKED (BLOCK_D divides dim, tileiras 13.4+) their loads and
   stores skip the bounds checks. ROW_TILE = 1 loads a step's x and dout as (ROWS, BLOCK_D)
   slices and stores dx as one (ROWS, BLOCK_D) tile (`ct.extract` / `ct.cat`); 0: one row
-  load and store per token. Steps near the sequence end branch per token on t < seqlen and
+  load and store per token. PREFETCH: the next full step's x and dout loads are issued
+  before the current step's math (as in the forward). Steps near the sequence end branch per token on t < seqlen and
   add the dfinal terms.
 - SILU: 0 no activation, 1 SiLU in IEEE float32, 2 through the approximate exp2 and
   reciprocal (16-bit inputs; see `causal_conv1d_fwd_rows`).
@@ -38,10 +39,11 @@ read once, as in the forward of this form.
 import cuda.tile as ct
 
 from ._common import int64_variant
-from .causal_conv1d_common import raw_slice_tile, weight_rows_plain
+from .causal_conv1d_common import weight_rows_plain
 from .causal_conv1d_fwd_rows import (cat_rows, conv_row, halo_rows, load_id, load_row,
-                                     load_state_row, shift, sigmoid, store_row,
-                                     store_state_row)
+                                     load_state_row, next_step_loads, no_step, shift, sigmoid,
+                                     step_loads,
+                                     step_rows, store_row, store_state_row)
 
 
 def _grad_row(xs, ids, xt, idt, dot, wts, bias_row, WIDTH: ct.Constant[int],
@@ -107,27 +109,15 @@ def _token(x, dout, seq_idx, b, t, d_blk, seqlen, BLOCK_D: ct.Constant[int],
     return xt, dot, idt
 
 
-def _full_step(x, seq_idx, dout, dx, wts, bias_row, xs, ids, gs, dws, db, b, t0, step_tile,
-               d_blk, s_end, WIDTH: ct.Constant[int], ROWS: ct.Constant[int],
+def _full_step(xraw, draw, seq_idx, dx, wts, bias_row, xs, ids, gs, dws, db, b, t0,
+               step_tile, d_blk, s_end, WIDTH: ct.Constant[int], ROWS: ct.Constant[int],
                BLOCK_D: ct.Constant[int], HAS_SEQ: ct.Constant[bool],
                SILU: ct.Constant[int], ROW_TILE: ct.Constant[bool],
                UNCHECKED: ct.Constant[bool]):
-    """dx rows t0 .. t0+ROWS-1 (tokens t0+W-1 .. t0+ROWS+W-2 all inside the sequence)."""
-    seqlen = x.shape[1]
-    xr = ()
-    dr = ()
-    if ROW_TILE:
-        xtile = raw_slice_tile(x, b, t0 + (WIDTH - 1), seqlen, d_blk, ROWS, BLOCK_D, True,
-                               False, UNCHECKED)
-        dtile = raw_slice_tile(dout, b, t0 + (WIDTH - 1), seqlen, d_blk, ROWS, BLOCK_D, True,
-                               False, UNCHECKED)
-        for i in ct.static_iter(range(ROWS)):
-            xr += (ct.extract(xtile, (i, 0), shape=(1, BLOCK_D)),)
-            dr += (ct.extract(dtile, (i, 0), shape=(1, BLOCK_D)),)
-    else:
-        for i in ct.static_iter(range(ROWS)):
-            xr += (load_row(x, b, t0 + (WIDTH - 1) + i, d_blk, BLOCK_D, UNCHECKED),)
-            dr += (load_row(dout, b, t0 + (WIDTH - 1) + i, d_blk, BLOCK_D, UNCHECKED),)
+    """dx rows t0 .. t0+ROWS-1 (tokens t0+W-1 .. t0+ROWS+W-2 all inside the sequence, loaded
+    as xraw / draw, see `causal_conv1d_fwd_rows.step_loads`)."""
+    xr = step_rows(xraw, ROWS, BLOCK_D, ROW_TILE)
+    dr = step_rows(draw, ROWS, BLOCK_D, ROW_TILE)
     outs = ()
     for i in ct.static_iter(range(ROWS)):
         t = t0 + (WIDTH - 1) + i
@@ -215,7 +205,8 @@ def _bwd_rows(x, weight_t, bias, init, seq_idx, dout, dfinal, dx, dw_part, db_pa
               BLOCK_D: ct.Constant[int], HAS_BIAS: ct.Constant[bool],
               HAS_INIT: ct.Constant[bool], HAS_SEQ: ct.Constant[bool],
               SILU: ct.Constant[int], HAS_DFINAL: ct.Constant[bool],
-              ROW_TILE: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
+              ROW_TILE: ct.Constant[bool], UNCHECKED: ct.Constant[bool],
+              PREFETCH: ct.Constant[bool]):
     d_blk = ct.bid(0)
     prog = ct.bid(1)
     b = ct.bid(2)
@@ -246,13 +237,33 @@ def _bwd_rows(x, weight_t, bias, init, seq_idx, dout, dfinal, dx, dw_part, db_pa
             _dinit(dinit, dfinal, seq_idx, gs, ids, wts, b, d_blk, seqlen, WIDTH, BLOCK_D,
                    HAS_SEQ, HAS_DFINAL)
     n_steps = ct.cdiv(ct.minimum(seqlen - s0, SPAN), ROWS)
+    tile0 = prog * (SPAN // ROWS)
+    ahead = s0 + (WIDTH - 1)        # the tokens of dx row u are read at u + W-1
+    if PREFETCH:
+        xnxt = no_step(x, ROWS, BLOCK_D, ROW_TILE)
+        dnxt = no_step(dout, ROWS, BLOCK_D, ROW_TILE)
+        if ahead + ROWS <= seqlen:
+            xnxt = step_loads(x, b, ahead, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
+            dnxt = step_loads(dout, b, ahead, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
     for step in range(n_steps):
         t0 = s0 + step * ROWS
         if t0 + (ROWS + WIDTH - 1) <= seqlen:
+            if PREFETCH:
+                # the next full step's loads go out before this step's math
+                xraw = xnxt
+                draw = dnxt
+                nt = t0 + ROWS + (WIDTH - 1)
+                xnxt = next_step_loads(x, b, nt, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
+                dnxt = next_step_loads(dout, b, nt, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
+            else:
+                xraw = step_loads(x, b, t0 + (WIDTH - 1), d_blk, ROWS, BLOCK_D, ROW_TILE,
+                                  UNCHECKED)
+                draw = step_loads(dout, b, t0 + (WIDTH - 1), d_blk, ROWS, BLOCK_D, ROW_TILE,
+                                  UNCHECKED)
             xs, ids, gs, dws, db = _full_step(
-                x, seq_idx, dout, dx, wts, bias_row, xs, ids, gs, dws, db, b, t0,
-                prog * (SPAN // ROWS) + step, d_blk, s_end, WIDTH, ROWS, BLOCK_D, HAS_SEQ,
-                SILU, ROW_TILE, UNCHECKED)
+                xraw, draw, seq_idx, dx, wts, bias_row, xs, ids, gs, dws, db, b, t0,
+                tile0 + step, d_blk, s_end, WIDTH, ROWS, BLOCK_D, HAS_SEQ, SILU, ROW_TILE,
+                UNCHECKED)
         else:
             xs, ids, gs, dws, db = _edge_step(
                 x, seq_idx, dout, dfinal, dx, wts, bias_row, xs, ids, gs, dws, db, b, t0,

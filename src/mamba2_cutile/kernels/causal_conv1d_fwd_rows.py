@@ -29,6 +29,9 @@ W-1 rows before s0 are read again (the halo; W-1 rows per SPAN, under 1% at SPAN
 - The halo of the first span comes from initial_states (a strided (1, BLOCK_D) load per row)
   or is zero: no head copy is built. The final states are W-1 rows of x (or of the initial
   states, when seqlen < W-1), written by the program holding the last token.
+- PREFETCH: the loads of the next full step are issued before the current step's math and
+  carried into the next iteration (software pipelining by hand: 2 x ROWS rows in flight per
+  thread while it computes, where without it the loads wait for the previous step's stores).
 - SILU: 0 no activation, 1 SiLU in IEEE float32 (float32 outputs), 2 SiLU through the
   approximate exp2 and reciprocal (16-bit outputs, whose rounding, 2^-9 or 2^-12, dwarfs
   their ~2^-21): the math per element is then ~10 instructions, not ~25, which matters at
@@ -39,7 +42,7 @@ W-1 rows before s0 are read again (the halo; W-1 rows per SPAN, under 1% at SPAN
 import cuda.tile as ct
 
 from ._common import int64_variant
-from .causal_conv1d_common import weight_rows_plain
+from .causal_conv1d_common import raw_slice_tile, weight_rows_plain
 
 
 def load_row(t, b, row, d_blk, BLOCK_D: ct.Constant[int], UNCHECKED: ct.Constant[bool]):
@@ -167,20 +170,70 @@ def cat_rows(rows, ROWS: ct.Constant[int]):
     return level[0]
 
 
-def _full_step(x, seq_idx, out, wts, bias_row, xs, ids, b, t0, step_tile, d_blk,
+def step_loads(x, b, start, d_blk, ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
+               ROW_TILE: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
+    """The ROWS tokens from `start` (all inside the sequence) in x's dtype: one (ROWS,
+    BLOCK_D) tile (ROW_TILE: a slice load, so `start` needs no alignment), else a tuple of
+    ROWS (1, BLOCK_D) rows."""
+    if ROW_TILE:
+        raw = raw_slice_tile(x, b, start, x.shape[1], d_blk, ROWS, BLOCK_D, True, False,
+                             UNCHECKED)
+    else:
+        raw = ()
+        for i in ct.static_iter(range(ROWS)):
+            raw += (load_row(x, b, start + i, d_blk, BLOCK_D, UNCHECKED),)
+    return raw
+
+
+def next_step_loads(x, b, start, d_blk, ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
+                    ROW_TILE: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
+    """`step_loads` of a step that may lie (partly) past the end (a prefetch): the tokens are
+    clamped to the last one, so every load is in bounds and no branch guards them (a branch
+    let the compiler sink the loads below the math they were meant to overlap). The clamped
+    rows are never used: a step is consumed only when it is full. Needs seqlen >= ROWS."""
+    seqlen = x.shape[1]
+    if ROW_TILE:
+        raw = raw_slice_tile(x, b, ct.minimum(start, seqlen - ROWS), seqlen, d_blk, ROWS,
+                             BLOCK_D, True, False, UNCHECKED)
+    else:
+        raw = ()
+        for i in ct.static_iter(range(ROWS)):
+            raw += (load_row(x, b, ct.minimum(start + i, seqlen - 1), d_blk, BLOCK_D,
+                             UNCHECKED),)
+    return raw
+
+
+def no_step(x, ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
+            ROW_TILE: ct.Constant[bool]):
+    """`step_loads`' structure filled with zeros (a prefetch slot before its first load)."""
+    if ROW_TILE:
+        raw = ct.full((ROWS, BLOCK_D), 0, dtype=x.dtype)
+    else:
+        raw = ()
+        for i in ct.static_iter(range(ROWS)):
+            raw += (ct.full((1, BLOCK_D), 0, dtype=x.dtype),)
+    return raw
+
+
+def step_rows(raw, ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
+              ROW_TILE: ct.Constant[bool]):
+    """The ROWS (1, BLOCK_D) rows of a `step_loads` result."""
+    if ROW_TILE:
+        rows = ()
+        for i in ct.static_iter(range(ROWS)):
+            rows += (ct.extract(raw, (i, 0), shape=(1, BLOCK_D)),)
+    else:
+        rows = raw
+    return rows
+
+
+def _full_step(raw, seq_idx, out, wts, bias_row, xs, ids, b, t0, step_tile, d_blk,
                WIDTH: ct.Constant[int], ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
                HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[int],
                ROW_TILE: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
-    """Tokens t0 .. t0+ROWS-1, all inside the sequence: outputs stored; (xs, ids) carried on."""
-    rows = ()
-    if ROW_TILE:
-        tile = ct.load(x, index=(b, step_tile, d_blk), shape=(1, ROWS, BLOCK_D),
-                       allow_tma=False, check_bounds=not UNCHECKED).reshape((ROWS, BLOCK_D))
-        for i in ct.static_iter(range(ROWS)):
-            rows += (ct.extract(tile, (i, 0), shape=(1, BLOCK_D)),)
-    else:
-        for i in ct.static_iter(range(ROWS)):
-            rows += (load_row(x, b, t0 + i, d_blk, BLOCK_D, UNCHECKED),)
+    """Tokens t0 .. t0+ROWS-1, all inside the sequence, loaded as `raw` (`step_loads`):
+    outputs stored; (xs, ids) carried on."""
+    rows = step_rows(raw, ROWS, BLOCK_D, ROW_TILE)
     outs = ()
     for i in ct.static_iter(range(ROWS)):
         xt = rows[i].astype(ct.float32)
@@ -252,7 +305,7 @@ def _fwd_rows(x, weight_t, bias, init, seq_idx, out, final, WIDTH: ct.Constant[i
               HAS_BIAS: ct.Constant[bool], HAS_INIT: ct.Constant[bool],
               HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[int],
               HAS_FINAL: ct.Constant[bool], ROW_TILE: ct.Constant[bool],
-              UNCHECKED: ct.Constant[bool]):
+              UNCHECKED: ct.Constant[bool], PREFETCH: ct.Constant[bool]):
     d_blk = ct.bid(0)
     prog = ct.bid(1)
     b = ct.bid(2)
@@ -261,12 +314,24 @@ def _fwd_rows(x, weight_t, bias, init, seq_idx, out, final, WIDTH: ct.Constant[i
     s0 = prog * SPAN
     xs, ids = halo_rows(x, init, seq_idx, b, s0, d_blk, WIDTH, BLOCK_D, HAS_INIT, HAS_SEQ)
     n_steps = ct.cdiv(ct.minimum(seqlen - s0, SPAN), ROWS)
+    tile0 = prog * (SPAN // ROWS)
+    if PREFETCH:
+        nxt = no_step(x, ROWS, BLOCK_D, ROW_TILE)
+        if s0 + ROWS <= seqlen:
+            nxt = step_loads(x, b, s0, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
     for step in range(n_steps):
         t0 = s0 + step * ROWS
         if t0 + ROWS <= seqlen:
-            xs, ids = _full_step(x, seq_idx, out, wts, bias_row, xs, ids, b, t0,
-                                 prog * (SPAN // ROWS) + step, d_blk, WIDTH, ROWS, BLOCK_D,
-                                 HAS_SEQ, SILU, ROW_TILE, UNCHECKED)
+            if PREFETCH:
+                # the next full step's loads go out before this step's math
+                raw = nxt
+                nxt = next_step_loads(x, b, t0 + ROWS, d_blk, ROWS, BLOCK_D, ROW_TILE,
+                                      UNCHECKED)
+            else:
+                raw = step_loads(x, b, t0, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
+            xs, ids = _full_step(raw, seq_idx, out, wts, bias_row, xs, ids, b, t0,
+                                 tile0 + step, d_blk, WIDTH, ROWS, BLOCK_D, HAS_SEQ, SILU,
+                                 ROW_TILE, UNCHECKED)
         else:
             xs, ids = _tail_step(x, seq_idx, out, wts, bias_row, xs, ids, b, t0, d_blk,
                                  seqlen, WIDTH, ROWS, BLOCK_D, HAS_SEQ, SILU)
