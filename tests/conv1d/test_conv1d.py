@@ -560,3 +560,15 @@ def test_row_streaming_plan():
                        (dict(block_d=2048), "block_d")):
         with pytest.raises(ValueError, match=match):
             plan.Conv1dConfig(**bad)
+
+
+def test_sweep_candidates_are_valid_configs():
+    """Every sweep candidate (both sets) parses into a valid Conv1dConfig over the default
+    (a typo would cost a GPU run a failed row)."""
+    from mamba2_cutile.bench import conv1d as bench
+    base = plan.conv1d_config(1, 5376, 16384, True)
+    for fwd, bwd in bench.CANDIDATE_SETS.values():
+        for spec in fwd + bwd:
+            dataclasses.replace(base, **bench._parse_fields(spec))
+    fwd, bwd = bench.CANDIDATE_SETS["rows"]
+    assert fwd[0] == bwd[0] == "" and all("form=3" in c for c in fwd[1:] + bwd[1:])

@@ -77,7 +77,8 @@ def update_calls(dtype=BF, w=4, k=1, opts=("bias", "silu", "circular", "idx"), i
 
 
 #: form 3 at the sweep's first candidates (kernels/causal_conv1d_*_rows.py)
-ROWS = dict(form=3, block_d=256, span=512, rows=8, bwd_block_d=256, bwd_span=512, bwd_rows=8)
+ROWS = dict(form=3, block_d=256, span=512, rows=8, prefetch=1, bwd_block_d=256, bwd_span=512,
+            bwd_rows=8)
 
 FAST = [
     ("fwd-bf16-cl-all", lambda: forward_call()),

@@ -34,7 +34,8 @@ TOL_GRAD = {torch.bfloat16: 6e-3, torch.float16: 8e-4, torch.float32: 1.2e-6}
 SHAPES = [(2, 1544, 1000), (1, 264, 333), (3, 72, 17), (1, 3352, 4097), (2, 1536, 1000)]
 #: form 3 (row streaming, channel-last; contiguous inputs take form 1) at spans short enough
 #: for several programs per row at the test shapes, and its row-tile variant
-ROWS_CFG = ("form=3,block_d=256,span=128,rows=8,bwd_block_d=128,bwd_span=64,bwd_rows=4")
+ROWS_CFG = ("form=3,block_d=256,span=128,rows=8,prefetch=1,bwd_block_d=128,bwd_span=64,"
+            "bwd_rows=4,bwd_prefetch=1")
 ROWS_TILE_CFG = ("form=3,block_d=128,span=64,rows=16,row_tile=1,bwd_block_d=256,bwd_span=128,"
                  "bwd_rows=8,bwd_row_tile=1")
 #: kernel forms (`Conv1dConfig.form`, set through MAMBA2_CUTILE_CONV1D_CONFIG): the dispatcher's
@@ -326,13 +327,14 @@ def test_sweep_runs_and_checks_candidates():
     assert len(best_of_sweep(rows)) == 2
 
 
-#: (name, dtype, shape, options, config): form 3's quick check, one compile each: a dim no
-#: channel tile divides and one they divide (unchecked full steps), float32 (the IEEE SiLU;
-#: 16-bit inputs take the approximate exp2 / reciprocal), and the row-tile variant
+#: (name, dtype, shape, options, config): form 3's quick check, one compile each: every option
+#: at a dim no channel tile divides, a dim they divide (unchecked full steps), float32 (the
+#: IEEE SiLU; 16-bit inputs take the approximate exp2 / reciprocal), the row-tile variant
+#: (the first three are the quick set: -k "row_streaming and not row-tile")
 ROWS_QUICK = [
-    ("bf16-partial-d", torch.bfloat16, SHAPES[0], "all", ROWS_CFG),
-    ("bf16-unchecked", torch.bfloat16, SHAPES[4], "all", ROWS_CFG),
-    ("fp32-short", torch.float32, SHAPES[1], "all", ROWS_CFG),
+    ("bf16-all-partial-d", torch.bfloat16, SHAPES[0], "all", ROWS_CFG),
+    ("bf16-unchecked", torch.bfloat16, SHAPES[4], "bias_silu", ROWS_CFG),
+    ("fp32-short", torch.float32, SHAPES[1], "bias_silu", ROWS_CFG),
     ("bf16-row-tile", torch.bfloat16, SHAPES[4], "bias_silu", ROWS_TILE_CFG),
 ]
 
@@ -376,3 +378,33 @@ def test_row_streaming_forward_backward(name, dtype, shape, opts, cfg, monkeypat
     for k, v in errs.items():
         if k not in ("out", "final"):
             assert v <= TOL_GRAD[dtype], (k, v)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_row_streaming_int64(direction, monkeypatch):
+    """Form 3's 64-bit variants: channel-last x of 2^31+ elements (4.3 GB in bf16); the last
+    100 tokens of out (and of dx) against the definition on the tail's window (dx(u) needs
+    g(u .. u+W-1), and pre(t) the W-1 inputs before t: all inside the window for the last
+    100 tokens)."""
+    from mamba2_cutile.conv1d.plan import ENV_CONV1D
+    monkeypatch.setenv(ENV_CONV1D, ROWS_CFG)
+    b, d, l, w, n = 1, 1024, 2**21 + 5, 4, 100
+    x = torch.randn(b, l, d, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    weight = torch.randn(d, w, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(d, device="cuda").to(torch.bfloat16)
+    if direction == "fwd":
+        out = causal_conv1d_fn(x, weight, bias, activation="silu")
+        ref, _ = causal_conv1d_ref(x[..., -(n + w - 1):], weight, bias, activation="silu")
+        err = rel_err(out[..., -n:], ref[..., w - 1:])
+    else:
+        dout = torch.randn(b, l, d, device="cuda").to(torch.bfloat16).transpose(1, 2)
+        xs = x.detach().requires_grad_()
+        dx, = torch.autograd.grad(causal_conv1d_fn(xs, weight, bias, activation="silu"), xs,
+                                  dout)
+        win = x[..., -(n + 2 * (w - 1)):].to(F64).requires_grad_()
+        ref, _ = causal_conv1d_ref(win, weight.to(F64), bias.to(F64), activation="silu")
+        dref, = torch.autograd.grad(ref, win, dout[..., -(n + 2 * (w - 1)):].to(F64))
+        # the window's last n tokens: their g terms all lie inside it
+        err = rel_err(dx[..., -n:], dref[..., -n:])
+    log_result(f"{direction} tail {err:.3e}")
+    assert err <= (TOL_OUT if direction == "fwd" else TOL_GRAD)[torch.bfloat16]

@@ -147,7 +147,10 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
     0.258 ms at (1, 16384, 5376) and 0.507 to 0.317 ms at (1, 65536, 1792) (20-22% -> 32-35%
     of 4.3 TB/s), the backward from 4.93 to 1.03 ms and 6.58 to 1.37 ms (2.5% -> 12%); the
     tap-view forward (form 2) was slower than form 1 (14-18%). The contiguous layout keeps
-    form 0 (not timed). `MAMBA2_CUTILE_CONV1D_CONFIG="field=value,..."` overrides any field.
+    form 0 (not timed). Form 3 (row streaming: each x and dout row read once, ~2 passes of
+    L2 -> SM traffic where form 1 makes W+1) is selectable (`form=3` with block_d / span /
+    rows / prefetch and the bwd_ ones) and not yet timed, so not the default.
+    `MAMBA2_CUTILE_CONV1D_CONFIG="field=value,..."` overrides any field.
     """
     if channel_last:
         cfg = dict(block_l=32, block_d=64, bwd_block_l=16, bwd_block_d=64, form=1)
