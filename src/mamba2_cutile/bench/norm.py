@@ -161,13 +161,17 @@ _BWD_FIELDS = ("bwd_block_m", "bwd_ctas_per_sm", "bwd_occupancy", "bwd_warps", "
 
 def candidate_space(group_size):
     """(forward, backward) overrides of the candidate sweep at one group size: the padded
-    kernels under their rule (`padded_shape_config`, as before the chunked kernels; "padded"
-    below), the dispatcher's rule ({}), and one step away from it per field: rows per tile
-    halved and doubled, the other occupancy and warp count, no TMA, chunks half as wide,
-    (forward) twice the rows at half the occupancy, and the persistent chunked forward
-    (fwd_ctas_per_sm) at the occupancy and twice it;
-    at a power-of-two group the chunked kernels with two chunks. Each override
-    names the pass's fields it changes; the chunk field reaches both passes."""
+    kernels under their rule (`padded_shape_config`, as before the chunked kernels), the
+    dispatcher's rule ({}), and steps away from it: rows per tile halved and doubled; a
+    higher occupancy (the 2026-12-01 sweep found lower ones slower at every tile: forward
+    occupancy 2 against 4, backward 1 against 2), the backward's also at twice the rule's on
+    half the rows (sm_90 compiles: the chunked backward at occupancy 3 is spill-free at 1536
+    channels and spills 32-328 bytes from 2560 with the gate first or a bias); the other warp
+    count (not TMA off: 1.6-1.9x slower at 4096 channels on 2026-12-01); chunks half as wide
+    (a power-of-two group in two chunks); the forward with twice the rows at half the
+    occupancy, and persistent (fwd_ctas_per_sm = the occupancy: one wave of programs; a
+    power-of-two group as one chunk). Each override names
+    the pass's fields it changes; the chunk field reaches both passes."""
     from ..norm.plan import (MAX_CHUNK, MAX_CHUNKS, MIN_CHUNK, norm_shape_config,
                              padded_shape_config)
 
@@ -184,9 +188,8 @@ def candidate_space(group_size):
     bwd = [diff(padded, _BWD_FIELDS), {}]
     fwd += [step(_FWD_FIELDS, block_m=max(1, rule.block_m // 2)),
             step(_FWD_FIELDS, block_m=min(256, rule.block_m * 2)),
-            step(_FWD_FIELDS, occupancy=2 if rule.occupancy == 4 else 4),
+            step(_FWD_FIELDS, occupancy=rule.occupancy + 2),
             step(_FWD_FIELDS, warps=4 if rule.warps == 8 else 8),
-            step(_FWD_FIELDS, tma=1 - rule.tma),
             # twice the rows with the registers of half the CTAs (at occupancy 4 the
             # doubled tiles spill: 40-128 bytes per thread at 1536 and 2560 channels)
             step(_FWD_FIELDS, block_m=min(256, rule.block_m * 2),
@@ -194,16 +197,17 @@ def candidate_space(group_size):
     bwd += [step(_BWD_FIELDS, bwd_block_m=max(1, rule.bwd_block_m // 2)),
             step(_BWD_FIELDS, bwd_block_m=min(256, rule.bwd_block_m * 2)),
             step(_BWD_FIELDS, bwd_ctas_per_sm=4 if rule.bwd_ctas_per_sm == 2 else 2),
-            step(_BWD_FIELDS, bwd_occupancy=1 if rule.bwd_occupancy == 2 else 2),
-            step(_BWD_FIELDS, bwd_warps=4 if rule.bwd_warps == 8 else 8),
-            step(_BWD_FIELDS, bwd_tma=1 - rule.bwd_tma)]
-    # the persistent chunked forward at as many and twice as many programs per SM as the
-    # occupancy lets reside (a power-of-two group as one chunk)
+            step(_BWD_FIELDS, bwd_occupancy=rule.bwd_occupancy + 1),
+            # twice the programs per SM on half the rows (spill-free at 1536 channels)
+            step(_BWD_FIELDS, bwd_block_m=max(1, rule.bwd_block_m // 2),
+                 bwd_occupancy=2 * rule.bwd_occupancy),
+            step(_BWD_FIELDS, bwd_warps=4 if rule.bwd_warps == 8 else 8)]
+    # the persistent chunked forward, as many programs per SM as the occupancy lets reside
     pow2 = group_size & (group_size - 1) == 0
     whole = rule.chunk or (group_size if pow2 and MIN_CHUNK <= group_size <= MAX_CHUNK else 0)
     if whole:
         occ = rule.occupancy or 2
-        fwd += [step(_FWD_FIELDS, chunk=whole, fwd_ctas_per_sm=n) for n in (occ, 2 * occ)]
+        fwd.append(step(_FWD_FIELDS, chunk=whole, fwd_ctas_per_sm=occ))
     # chunks half as wide (twice as many); a power-of-two group in two chunks
     half_chunk = (rule.chunk or (group_size if pow2 else 0)) // 2
     if half_chunk >= MIN_CHUNK and half_chunk <= MAX_CHUNK \

@@ -20,9 +20,10 @@ gate' = sigmoid(z) (1 + z (1 - sigmoid(z))), in float32:
 
 Per row block the chunks are two unrolled (compile-time) passes: the first loads every chunk,
 writes dz where it needs no c (norm before gate), adds to the chunk's dw / db accumulators and
-to the row dot product c, keeping xhat and w dy of each chunk in registers; the second writes
-dx (and dz, gate first). The accumulators are NCHUNK (1, CHUNK) tiles carried by the row-block
-loop. Weight and bias chunks are re-read per row block (L1/L2 hits) rather than held.
+to the row dot product c, keeping xhat and w dy of each chunk in registers (gate first also
+gate and x gate'); the second writes dx (and dz, gate first). The accumulators are NCHUNK
+(1, CHUNK) tiles carried by the row-block loop. Weight and bias chunks are re-read per row
+block (L1/L2 hits) rather than held.
 
 Layout as `rmsnorm_gated_bwd`'s: x, z, dout, dx, dz (M, G, S); weight, bias (G, S); rstd (G, M);
 dw_part, db_part (P, G, S) float32. Rows past M load as zeros (x, dout and rstd alike), so they
@@ -70,9 +71,8 @@ def rmsnorm_gated_bwd_chunked_fn(
                     padding_mode=zero).reshape((BLOCK_M, 1))
         xhats = ()
         wdys = ()
-        xts = ()
         gates = ()
-        dgates = ()
+        x_dgates = ()
         new_dw = ()
         new_db = ()
         dot = ct.full((BLOCK_M, 1), 0.0, dtype=ct.float32)
@@ -93,9 +93,8 @@ def rmsnorm_gated_bwd_chunked_fn(
                 dgate = sg * (1.0 + zt * (1.0 - sg))
                 if not NORM_BEFORE_GATE:
                     u = xt * gate
-                    xts += (xt,)
                     gates += (gate,)
-                    dgates += (dgate,)
+                    x_dgates += (xt * dgate,)
             xhat = u * r
             if HAS_Z:
                 if NORM_BEFORE_GATE:
@@ -122,7 +121,7 @@ def rmsnorm_gated_bwd_chunked_fn(
             if HAS_Z:
                 if not NORM_BEFORE_GATE:
                     ct.store(dz, index=(row_blk, group, c),
-                             tile=(du * xts[c] * dgates[c]).reshape(tile3).astype(dz.dtype),
+                             tile=(du * x_dgates[c]).reshape(tile3).astype(dz.dtype),
                              allow_tma=TMA)
                     du = du * gates[c]
             ct.store(dx, index=(row_blk, group, c), tile=du.reshape(tile3).astype(dx.dtype),
