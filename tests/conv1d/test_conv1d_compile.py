@@ -219,10 +219,13 @@ def test_forms_pick_their_kernels():
         causal_conv1d_fwd_stream.causal_conv1d_fwd_stream
     assert backward_call(layout="contiguous", **ROWS).kernel is \
         causal_conv1d_bwd_stream.causal_conv1d_bwd_stream
-    assert forward_call(d=1536, **ROWS).args[-1] is plan.unchecked_supported()
-    assert forward_call(d=1600, **ROWS).args[-1] is False
-    assert backward_call(d=1536, **dict(ROWS, unchecked=0)).args[-1] is False
-    silu_arg = -4       # SILU in the forward's argument list, counted from the end
+    # (the arguments end with SILU, HAS_FINAL, ROW_TILE, UNCHECKED, PREFETCH)
+    assert forward_call(d=1536, **ROWS).args[-2] is plan.unchecked_supported()
+    assert forward_call(d=1600, **ROWS).args[-2] is False
+    assert backward_call(d=1536, **dict(ROWS, unchecked=0)).args[-2] is False
+    assert forward_call(**ROWS).args[-1] is True and \
+        backward_call(**ROWS).args[-1] is False           # prefetch, bwd_prefetch
+    silu_arg = -5
     assert forward_call(**ROWS).args[silu_arg] == 2
     assert forward_call(FP32, **ROWS).args[silu_arg] == 1
     assert forward_call(opts=("bias",), **ROWS).args[silu_arg] == 0
