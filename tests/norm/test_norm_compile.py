@@ -62,6 +62,9 @@ PROBLEMS = [
     ("bf16-h1536-z-gate-first-bias", dict(hidden=1536, dtype=BF, norm_before_gate=False,
                                           has_bias=True)),
     ("bf16-h1000-z-nbg", dict(hidden=1000, dtype=BF)),
+    # fp32 chunks of a large group: the staging buffers fill the shared memory (228 KB)
+    ("fp32-h7680-z-gate-first-bias", dict(hidden=7680, dtype=F32, norm_before_gate=False,
+                                          has_bias=True)),
     # the padded kernels at a chunkable width (config chunk=0, a sweep candidate)
     ("bf16-h1536-padded", dict(hidden=1536, dtype=BF, config=replace(
         norm_shape_config(1536), chunk=0))),
