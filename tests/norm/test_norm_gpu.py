@@ -262,6 +262,19 @@ def test_chunked_widths_against_float64(rows, hidden, gs, has_z, nbg, has_bias):
     _check_grads(tag, grads, rgrads, (BF, w.dtype, None if b is None else b.dtype, BF))
 
 
+@pytest.mark.parametrize("rows, hidden, nbg", [(257, 7680, False), (129, 10240, True)])
+def test_chunked_fp32_large_groups(rows, hidden, nbg):
+    """float32 chunks of large groups (their staging fills the shared memory), with a bias."""
+    x, w, b, z = make(rows, hidden, F32, True, True)
+    dout = torch.randn(rows, hidden, device="cuda")
+    out, grads = ours(x, w, b, z, 1e-5, None, nbg, dout)
+    ref, rgrads = reference(x, w, b, z, 1e-5, None, nbg, dout)
+    e = rel_err(out, ref)
+    log_result(f"out err {e:.3e} tol {TOL[F32]:.1e}")
+    assert e <= TOL[F32]
+    _check_grads("fp32", grads, rgrads, (F32, F32, F32, F32))
+
+
 def _sweep_candidates():
     from mamba2_cutile.bench.norm import candidate_space
     out = []
