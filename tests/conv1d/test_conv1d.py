@@ -555,6 +555,14 @@ def test_row_streaming_plan():
                              torch.empty_like(c), None, True, cfg)[0]
     assert call.kernel is causal_conv1d_fwd_stream.causal_conv1d_fwd_stream
     assert plan.backward_grid(c, cfg) == plan.backward_grid(c, dataclasses.replace(cfg, form=1))
+    # span 0: the longest power of two <= 512 keeping ~6 programs per SM, at least 64
+    assert plan.rows_span(0, 8, 1, 5376, 16384, 256, 132) == 256     # 21 x 64 = 1344
+    assert plan.rows_span(0, 8, 4, 5376, 16384, 256, 132) == 512
+    assert plan.rows_span(0, 8, 1, 1536, 2048, 256, 132) == 64       # floor
+    assert plan.rows_span(0, 64, 1, 64, 100, 256, 132) == 64
+    assert plan.rows_span(128, 8, 1, 64, 100, 256, 132) == 128
+    auto = plan.Conv1dConfig(form=3, block_d=64, bwd_block_d=32)
+    assert plan.backward_grid(x, auto) == (4, 16, 2)      # 8 x 2 blocks: the 64-token floor
     for bad, match in ((dict(span=4), "span"), (dict(rows=16, span=8), "span"),
                        (dict(bwd_rows=3), "bwd_rows"), (dict(row_tile=2), "row_tile"),
                        (dict(block_d=2048), "block_d")):

@@ -65,7 +65,7 @@ class Conv1dConfig:
     inputs take form 1's forward), 3 = the row-streaming kernels (`causal_conv1d_fwd_rows` /
     `causal_conv1d_bwd_rows`, channel-last x only, other layouts take form 1: every input row
     read once, the last W-1 rows carried in registers). span, rows, row_tile (form 3): tokens
-    per forward program, rows per unrolled step, 1 = one (rows, block_d) tile load per step
+    per forward program (0: `rows_span` picks it from the shape), rows per unrolled step, 1 = one (rows, block_d) tile load per step
     with the rows extracted on chip (0: one (1, block_d) load per row); bwd_span, bwd_rows,
     bwd_row_tile: the same for the backward; prefetch, bwd_prefetch: 1 issues the next
     step's loads before the current step's math (software pipelining in registers). unchecked
@@ -88,10 +88,10 @@ class Conv1dConfig:
     store_tma: int = 0
     bwd_occupancy: int = 0
     bwd_warps: int = 0
-    span: int = 512
+    span: int = 0
     rows: int = 8
     row_tile: int = 0
-    bwd_span: int = 512
+    bwd_span: int = 0
     bwd_rows: int = 8
     bwd_row_tile: int = 0
     prefetch: int = 0
@@ -105,10 +105,12 @@ class Conv1dConfig:
         for name, hi in (("block_d", MAX_BLOCK_D), ("bwd_block_d", MAX_BLOCK_D), ("rows", 64),
                          ("bwd_rows", 64), ("span", 65536), ("bwd_span", 65536)):
             v = getattr(self, name)
+            if name.endswith("span") and v == 0:
+                continue            # auto (`rows_span`)
             if not isinstance(v, int) or v < 1 or v & (v - 1) or v > hi:
                 raise ValueError(f"Conv1dConfig: {name}={v!r} is not a power of two in 1..{hi}")
         for span, rows in (("span", "rows"), ("bwd_span", "bwd_rows")):
-            if getattr(self, span) < max(8, getattr(self, rows)):
+            if getattr(self, span) and getattr(self, span) < max(8, getattr(self, rows)):
                 raise ValueError(f"Conv1dConfig: {span}={getattr(self, span)} must be at least "
                                  f"8 (the width-1 halo lies in the previous span) and at least "
                                  f"{rows}={getattr(self, rows)}")
@@ -292,6 +294,24 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
     return [KernelCall(kernel, grid, args)]
 
 
+#: form 3's longest automatic span, its shortest, and the programs per SM it keeps at least
+ROWS_SPAN_MAX, ROWS_SPAN_MIN, ROWS_PROGRAMS_PER_SM = 512, 64, 6
+
+
+def rows_span(span, rows, batch, dim, seqlen, block_d, sms) -> int:
+    """Form 3's tokens per program: `span` when set, else (0) the longest power of two up to
+    512 that still gives ~6 programs per SM (one wave at 6 CTAs per SM), but not below 64
+    tokens (the halo re-read is (W-1)/span) nor below rows."""
+    if span:
+        return span
+    span = ROWS_SPAN_MAX
+    blocks = -(-dim // block_d) * batch
+    while span > max(ROWS_SPAN_MIN, rows) and blocks * -(-seqlen // span) < \
+            ROWS_PROGRAMS_PER_SM * sms:
+        span //= 2
+    return span
+
+
 def _rows_silu(silu, xp) -> int:
     """Form 3's SILU: 0 none, 1 IEEE float32 (float32 inputs), 2 the approximate exp2 and
     reciprocal (16-bit inputs, whose output rounding dwarfs their error)."""
@@ -308,12 +328,13 @@ def _rows_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final, s
     kernel = FORMS[3][0][1 if needs_int64(xp, op) else 0]
     kernel = with_hints(kernel, cfg.occupancy, cfg.warps)
     stand_in = weight_t
-    grid = (-(-d // cfg.block_d), -(-l // cfg.span), b)
+    span = rows_span(cfg.span, cfg.rows, b, d, l, cfg.block_d, num_sms(xp))
+    grid = (-(-d // cfg.block_d), -(-l // span), b)
     args = (xp, weight_t, bias if bias is not None else stand_in,
             initial_states if initial_states is not None else stand_in,
             seq_idx if seq_idx is not None else stand_in, op,
             final if final is not None else stand_in,
-            w, cfg.span, cfg.rows, cfg.block_d, bias is not None, initial_states is not None,
+            w, span, cfg.rows, cfg.block_d, bias is not None, initial_states is not None,
             seq_idx is not None, _rows_silu(silu, xp), final is not None, bool(cfg.row_tile),
             _unchecked(cfg, d, cfg.block_d), bool(cfg.prefetch))
     return KernelCall(kernel, grid, args)
@@ -357,7 +378,8 @@ def backward_grid(x, cfg):
     """The backward's grid; its axis 1 times batch is the number of dw/dbias partial rows."""
     b, d, l = x.shape
     if cfg.form == 3 and is_channel_last(x):
-        return (-(-d // cfg.bwd_block_d), -(-l // cfg.bwd_span), b)
+        span = rows_span(cfg.bwd_span, cfg.bwd_rows, b, d, l, cfg.bwd_block_d, num_sms(x))
+        return (-(-d // cfg.bwd_block_d), -(-l // span), b)
     return (-(-d // cfg.bwd_block_d), -(-(-(-l // cfg.bwd_block_l)) // cfg.bwd_tiles), b)
 
 
@@ -413,7 +435,9 @@ def _rows_backward_call(xp, weight_t, bias, initial_states, seq_idx, dop, dfinal
             seq_idx if seq_idx is not None else stand_in, dop,
             dfinal if dfinal is not None else stand_in, dxp, dw_part, db_part,
             dinit if dinit is not None else stand_in,
-            w, cfg.bwd_span, cfg.bwd_rows, cfg.bwd_block_d, bias is not None,
+            w, rows_span(cfg.bwd_span, cfg.bwd_rows, xp.shape[0], d, xp.shape[1],
+                         cfg.bwd_block_d, num_sms(xp)), cfg.bwd_rows, cfg.bwd_block_d,
+            bias is not None,
             initial_states is not None, seq_idx is not None, _rows_silu(silu, xp),
             dfinal is not None, bool(cfg.bwd_row_tile), _unchecked(cfg, d, cfg.bwd_block_d),
             bool(cfg.bwd_prefetch))
