@@ -8,9 +8,10 @@ The math is `rmsnorm_gated_fwd`'s: per row and group, in float32,
     rstd   = 1 / sqrt(sum_j u_j^2 / S + eps)     (the sum over the NCHUNK chunks)
     out    = u * rstd * w (+ b)  (* silu(z) if HAS_Z and NORM_BEFORE_GATE)
 
-The chunks are an unrolled (compile-time) loop: the first pass loads every chunk of x (and z)
-and accumulates the sum of squares, keeping the chunks in registers; the second writes each
-normalised chunk. A padded (BLOCK_M, 1, next_pow2(S)) tile would spend up to half its lanes and
+The chunks are an unrolled (compile-time) loop: the first pass loads every chunk of x (and z
+when the gate comes first) and accumulates the sum of squares, keeping the chunks in
+registers (x in its own dtype; u in float32 with the gate first); the second reads z (norm
+before gate) and writes each normalised chunk. A padded (BLOCK_M, 1, next_pow2(S)) tile would spend up to half its lanes and
 registers on zeros (a third at S = 1536 = 3 * 512, three eighths at 2560 = 5 * 512).
 
 Layout: x, z and out are (M, G, S) views of (M, hidden) rows (any row stride, unit channel
@@ -34,30 +35,33 @@ def _normalize_rows(x, z, weight, bias, out, rstd, eps, row_blk, group,
     """Row block `row_blk` of channel group `group`: out and rstd."""
     zero = ct.PaddingMode.ZERO
     tile3, tile2 = (BLOCK_M, 1, CHUNK), (BLOCK_M, CHUNK)
-    us = ()
-    gates = ()
+    # what pass 2 needs of each chunk: x as loaded (in its own dtype, half the registers of
+    # float32 for bf16 / fp16) unless the gate comes first, then u = x silu(z) in float32;
+    # with the norm before the gate, z is first read in pass 2
+    held = ()
     sum_sq = ct.full((BLOCK_M, 1), 0.0, dtype=ct.float32)
     for c in ct.static_iter(range(NCHUNK)):
-        u = ct.load(x, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
-                    allow_tma=TMA).reshape(tile2).astype(ct.float32)
-        if HAS_Z:
+        xt = ct.load(x, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
+                     allow_tma=TMA).reshape(tile2)
+        u = xt.astype(ct.float32)
+        if HAS_Z and not NORM_BEFORE_GATE:
             zt = ct.load(z, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
                          allow_tma=TMA).reshape(tile2).astype(ct.float32)
-            gate = zt / (1.0 + ct.exp(-zt))
-            if not NORM_BEFORE_GATE:
-                u = u * gate
-            gates += (gate,)
+            u = u * (zt / (1.0 + ct.exp(-zt)))
+            held += (u,)
+        else:
+            held += (xt,)
         sum_sq = sum_sq + ct.sum(u * u, axis=1, keepdims=True)
-        us += (u,)
     r = 1.0 / ct.sqrt(sum_sq / (NCHUNK * CHUNK) + eps)                   # (BLOCK_M, 1)
     for c in ct.static_iter(range(NCHUNK)):
         w = ct.load(weight, index=(group, c), shape=(1, CHUNK)).astype(ct.float32)
-        y = us[c] * r * w
+        y = held[c].astype(ct.float32) * r * w
         if HAS_BIAS:
             y = y + ct.load(bias, index=(group, c), shape=(1, CHUNK)).astype(ct.float32)
-        if HAS_Z:
-            if NORM_BEFORE_GATE:
-                y = y * gates[c]
+        if HAS_Z and NORM_BEFORE_GATE:
+            zt = ct.load(z, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
+                         allow_tma=TMA).reshape(tile2).astype(ct.float32)
+            y = y * (zt / (1.0 + ct.exp(-zt)))
         ct.store(out, index=(row_blk, group, c), tile=y.reshape(tile3).astype(out.dtype),
                  allow_tma=TMA)
     ct.store(rstd, index=(group, row_blk), tile=r.reshape((1, BLOCK_M)))
