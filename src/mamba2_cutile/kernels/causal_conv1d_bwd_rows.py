@@ -132,10 +132,12 @@ def _full_step(xraw, draw, seq_idx, dx, wts, bias_row, xs, ids, gs, dws, db, b, 
             outs += (de.astype(dx.dtype),)
         else:
             store_row(dx, b, t0 + i, d_blk, de, BLOCK_D, UNCHECKED)
-        if i < ROWS - (WIDTH - 1):
-            dws, db = _accumulate(dws, db, xs, ids, xt, idt, g, WIDTH, HAS_SEQ)
-        elif t < s_end:       # lookahead past the span: the next program's terms
-            dws, db = _accumulate(dws, db, xs, ids, xt, idt, g, WIDTH, HAS_SEQ)
+        gw = g
+        if i >= ROWS - (WIDTH - 1):
+            # lookahead past the span holds the next program's terms: a select, not a branch
+            # (straight-line code keeps the step's loads and math free to interleave)
+            gw = ct.where(ct.full((1, 1), t, dtype=ct.int32) < s_end, g, 0.0)
+        dws, db = _accumulate(dws, db, xs, ids, xt, idt, gw, WIDTH, HAS_SEQ)
         xs = shift(xs, xt, WIDTH)
         gs = shift(gs, g, WIDTH)
         if HAS_SEQ:
