@@ -528,9 +528,11 @@ def test_kernels_emulated_row_streaming_unchecked(w, silu, opts, rows_cfg, monke
     _emulated_forward_backward("channel_last", w, silu, opts, "default", 3, d=32, l=70)
 
 
-@pytest.mark.parametrize("rows_cfg", ["span8-rows4", "span16-rows8-tile-prefetch"])
-@pytest.mark.parametrize("w,l", [(4, 1), (4, 3), (4, 4), (8, 9), (8, 5), (2, 17), (4, 8),
-                                 (4, 11)])
+@pytest.mark.parametrize("w,l,rows_cfg", [
+    (4, 1, "span8-rows4"), (4, 3, "span16-rows8-tile-prefetch"), (4, 4, "span8-rows4"),
+    (8, 9, "span16-rows8-tile-prefetch"), (8, 5, "span8-rows4"), (2, 17, "span8-rows4"),
+    (4, 8, "span16-rows8-tile-prefetch"), (4, 11, "span16-rows4-prefetch"),
+    (8, 3, "span8-rows1-prefetch")])
 def test_kernels_emulated_row_streaming_short(w, l, rows_cfg, monkeypatch):
     """Sequences of about the width and of about one span: halo from the initial states,
     final states reaching into them, dfinal terms in the first span's dinit."""
