@@ -282,7 +282,7 @@ def test_persistent_forward_grid():
     from dataclasses import replace
 
     from mamba2_cutile.norm.plan import fwd_programs, norm_shape_config, problem_plans
-    cfg = norm_shape_config(1536)                                   # block_m 2
+    cfg = replace(norm_shape_config(1536), block_m=2)
     assert fwd_programs(16384, 1, cfg, 132) == 8192
     per = replace(cfg, fwd_ctas_per_sm=4)
     assert fwd_programs(16384, 1, per, 132) == 528
@@ -290,7 +290,7 @@ def test_persistent_forward_grid():
     assert fwd_programs(5, 1, per, 132) == 3
     fwd, _ = problem_plans(rows=16384, hidden=1536, config=per)
     assert fwd[0].grid == (528, 1, 1) and fwd[0].args[-1] is True
-    fwd, _ = problem_plans(rows=16384, hidden=1536)
+    fwd, _ = problem_plans(rows=16384, hidden=1536, config=cfg)
     assert fwd[0].grid == (8192, 1, 1) and fwd[0].args[-1] is False
 
 
@@ -441,8 +441,8 @@ def test_shape_rule_values():
 def test_chunked_rule_values():
     """Group widths m * 2^k (m odd) up to 10240 take the chunked kernels with 2^k-channel
     chunks (at most 1024); widths whose chunks would be under 64 channels or more than 32,
-    and widths above 10240, keep the padded kernels; rows per tile the power of two
-    <= 4096 / S."""
+    and widths above 10240, keep the padded kernels; forward rows per tile the power of two
+    <= 8192 / S, the backward's <= 4096 / S below 2048 channels."""
     from mamba2_cutile.norm.plan import group_chunk, norm_shape_config
     chunks = {s: group_chunk(s) for s in (1536, 2560, 3072, 5120, 7680, 10240, 15360, 320,
                                           1000, 1030, 37, 1, 4096, 64 * 33)}
@@ -451,7 +451,7 @@ def test_chunked_rule_values():
                       64 * 33: 0}
     got = {s: norm_shape_config(s) for s in (320, 1536, 2560, 5120, 7680, 10240)}
     assert [(c.chunk, c.block_m, c.occupancy, c.warps) for c in got.values()] == [
-        (64, 8, 4, 0), (512, 2, 4, 0), (512, 1, 4, 0), (1024, 1, 2, 0), (512, 1, 2, 0),
+        (64, 16, 4, 0), (512, 4, 4, 0), (512, 2, 4, 0), (1024, 1, 2, 0), (512, 1, 2, 0),
         (1024, 1, 2, 8)]
     assert [(c.bwd_block_m, c.bwd_occupancy, c.bwd_warps) for c in got.values()] == [
         (8, 2, 0), (2, 2, 0), (1, 2, 0), (1, 1, 8), (1, 1, 8), (1, 1, 8)]

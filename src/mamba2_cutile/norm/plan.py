@@ -134,19 +134,23 @@ def norm_shape_config(group_size: int) -> NormConfig:
     `MAMBA2_CUTILE_NORM_CONFIG` overrides any field.
 
     Group widths S = m * 2^k that are not powers of two (`group_chunk`) take the chunked
-    kernels with chunks of 2^k channels (at most 1024) and the same channels per tile, untimed:
-    rows per tile the power of two <= 4096 / S (at least 1), the backward's likewise below
-    2048 channels; the forward at occupancy 4 up to 4096 channels, 2 above (8 warps from
-    8192); the backward at occupancy 2 up to 4096 channels, above with 8 warps at occupancy 1.
-    sm_90 compiles: no spills up to 4096 channels (forward 64 registers, backward 128); twice
-    the forward rows at occupancy 4 spill (40 bytes at 2560, 128 at 1536 gate first with a
-    bias); 16 bytes in the forward at 5120, 24 in the backward at 7680.
+    kernels with chunks of 2^k channels (at most 1024), untimed: forward rows per tile the
+    power of two <= 8192 / S (at least 1; the padded kernels' 4096-channel group was fastest
+    at two rows, 512-channel groups at eight: about 8192 channels per tile), the backward's
+    the power of two <= 4096 / S below 2048 channels, else 1; the forward at occupancy 4 up to
+    4096 channels, 2 above (8 warps from 8192); the backward at occupancy 2 up to 4096
+    channels, above with 8 warps at occupancy 1. sm_90 compiles: with the norm before the
+    gate no spills up to 4096 channels (forward 64 registers, backward 128); with the gate
+    first the forward spills 24 bytes at 1536 (128 with a bias), 16 at 3072; 16 bytes in the
+    forward at 5120, 24 in the backward at 7680. Twice the forward's rows no longer fit its
+    staging buffers at occupancy 4 (1536 x 8 rows: 81 KB of shared memory, and the compiler
+    drops the occupancy hint: 255 registers, one program per SM).
     """
     bg = next_pow2(group_size)
     chunk = group_chunk(group_size)
     if chunk:
         rows = prev_pow2(max(1, 4096 // group_size))
-        return NormConfig(block_g=bg, block_m=rows,
+        return NormConfig(block_g=bg, block_m=prev_pow2(max(1, 8192 // group_size)),
                           bwd_block_m=min(32, rows) if group_size < 2048 else 1,
                           bwd_ctas_per_sm=2, occupancy=4 if group_size <= 4096 else 2,
                           warps=8 if group_size >= 8192 else 0,
