@@ -1,6 +1,7 @@
-"""Gated RMSNorm, forward, for a group width S = NCHUNK * CHUNK that is not a power of two:
-one program per (block of BLOCK_M rows, channel group), the group read as NCHUNK column chunks
-of CHUNK channels (CHUNK a power of two dividing S), so no lane holds padding.
+"""Gated RMSNorm, forward, for a group width S = NCHUNK * CHUNK (chosen for widths that are not
+powers of two): one program per (block of BLOCK_M rows, channel group), the group read as
+NCHUNK column chunks of CHUNK channels (CHUNK a power of two dividing S), so no lane holds
+padding.
 
 The math is `rmsnorm_gated_fwd`'s: per row and group, in float32,
 
@@ -11,8 +12,9 @@ The math is `rmsnorm_gated_fwd`'s: per row and group, in float32,
 The chunks are an unrolled (compile-time) loop: the first pass loads every chunk of x (and z
 when the gate comes first) and accumulates the sum of squares, keeping the chunks in
 registers (x in its own dtype; u in float32 with the gate first); the second reads z (norm
-before gate) and writes each normalised chunk. A padded (BLOCK_M, 1, next_pow2(S)) tile would spend up to half its lanes and
-registers on zeros (a third at S = 1536 = 3 * 512, three eighths at 2560 = 5 * 512).
+before gate) and writes each normalised chunk. A padded (BLOCK_M, 1, next_pow2(S)) tile
+would spend up to half its lanes and registers on zeros (a quarter at S = 1536 = 3 * 512,
+three eighths at 2560 = 5 * 512).
 
 Layout: x, z and out are (M, G, S) views of (M, hidden) rows (any row stride, unit channel
 stride), weight and bias (G, S), rstd (G, M). Rows past M load as zeros and are not stored.
