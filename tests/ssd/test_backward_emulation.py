@@ -280,3 +280,90 @@ def test_emulated_dispatcher_config_head_split(Q):
         cfg = replace(backward.backward_config(1, 4, 1, 24, 12, Q, torch.bfloat16),
                       bc_head_split=split)
         assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg), ref)
+
+
+#: dx_head_block (bwd_chunk_dx_heads: several heads of one group per dx program, S = C B^T and
+#: the chunk's B/C formed once for them): option set, chunk, length, (heads, groups), config
+#: overrides, the heads per program the plan must pick (dx_head_blocks: gcd(HB, heads per
+#: group)). Lengths end inside a token block (a partial last chunk); p=40 spans a full and a
+#: partial p-tile; 16-token blocks give several per chunk, 64 one. 6 heads per group at HB=4
+#: run 2 per program (HB need not divide them).
+DX_HEADS = {
+    "all-Q64-HB2-local": ("all", 64, (2, 100), (4, 2), dict(dx_head_block=2, da_mode=1), 2),
+    "all-Q64-HB4-stable": ("all", 64, (1, 150), (4, 1), dict(dx_head_block=4, da_mode=0), 4),
+    "D_head_z_seq-Q128-HB8-q32": ("D_head_z_seq", 128, (1, 200), (8, 1),
+                                  dict(dx_head_block=8, da_mode=1, dx_block_q=32), 8),
+    "all-Q64-HB4-6-heads-lowp": ("all", 64, (1, 100), (6, 1), dict(dx_head_block=4, da_mode=1,
+                                                                   lowp=1, dx_lowp=1), 2),
+    "seq_idx-Q64-HB2-one-block": ("seq_idx", 64, (2, 100), (4, 2), dict(dx_head_block=2,
+                                                                        dx_block_q=64), 2),
+    "init_no_dfinal-Q32-HB16-stable": ("init_no_dfinal", 32, (1, 70), (4, 1),
+                                       dict(dx_head_block=16, da_mode=0), 4),
+    "all-Q64-HB8-8-groups-one-head": ("all", 64, (1, 100), (8, 8), dict(dx_head_block=8), 1),
+    "all-Q64-HB4-split-da-fallback": ("all", 64, (1, 100), (4, 1), dict(dx_head_block=4,
+                                                                        da_mode=2), 1),
+    "D_head-Q64-HB4-dx-cb-fallback": ("D_head", 64, (1, 100), (4, 1), dict(dx_head_block=4,
+                                                                           dx_cb=1), 1),
+}
+#: state-pass tiles wide enough for few programs (the emulation's time is per program)
+FAST_STATE = dict(state_block_p=64, state_block_n=32, bstate_block_p=64, bstate_block_n=32,
+                  bc_fused=1, bc_block_n=32)
+
+
+def _dx_launch(calls):
+    (call,) = [c for c in calls if c.kernel._annotated_function.pyfunc.__name__.startswith(
+        "bwd_chunk_dx")]
+    return call
+
+
+@pytest.mark.parametrize("case", list(DX_HEADS))
+def test_emulated_dx_head_block(case):
+    """The dx launch is bwd_chunk_dx_heads with HB heads per program (grid axis 0 shrunk by HB)
+    or, where the plan must fall back, bwd_chunk_dx; every program writes only its own heads'
+    slots (the harness fails on an element two programs write), and the gradients match the
+    float64 stage formulas."""
+    opt, Q, (b, l), (h, g), over, hb = DX_HEADS[case]
+    args, kw, dout, dfinal = make_problem(OPTIONS[opt], b=b, l=l, Q=Q, h=h, g=g, p=40, n=20,
+                                          seed=9)
+    cfg = small_config(Q, 40, 20, **{**FAST_STATE, **over})
+    assert backward.dx_head_blocks(cfg, h, g) == hb
+    calls = []
+    got = backward.run_backward(**args, chunk_size=Q, dout=dout, dfinal_states=dfinal, **kw,
+                                config=cfg, launch_fn=_launch_recording(calls), buf_dtype=F64,
+                                on_buffers=poison)
+    call = _dx_launch(calls)
+    name = call.kernel._annotated_function.pyfunc.__name__
+    n_q = -(-l // cfg.dx_block_q)
+    assert name == ("bwd_chunk_dx_heads_fn" if hb > 1 else "bwd_chunk_dx_fn")
+    assert tuple(call.grid) == (n_q * b * h // hb, -(-40 // cfg.dx_block_p), 1)
+    assert_close(got, reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("l", [1, 65])
+def test_emulated_dx_head_block_lengths(l):
+    """One token (one partial block, the chunk's rows mostly past L) and one past a chunk."""
+    Q = 64
+    args, kw, dout, dfinal = make_problem(OPTIONS["all"], b=1, l=l, Q=Q, h=4, g=1, p=20, n=20,
+                                          seed=10)
+    cfg = small_config(Q, 20, 20, **FAST_STATE, dx_head_block=4, da_mode=1)
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+def test_emulated_dispatcher_config_dx_head_block(monkeypatch):
+    """MAMBA2_CUTILE_BWD_CONFIG="dx_head_block=4" on the dispatcher's own tiles (a chunk-256
+    call computed at chunk 128, 64-token blocks, lowp on, dx_lowp off, da_mode 1) selects the
+    multi-head launch."""
+    monkeypatch.setenv("MAMBA2_CUTILE_BWD_CONFIG", "dx_head_block=4")
+    Q = 256
+    args, kw, dout, dfinal = make_problem(OPTIONS["all"], b=1, l=300, h=4, g=1, p=24, n=12,
+                                          Q=Q, seed=4)
+    cfg = backward.backward_config(1, 4, 1, 24, 12, Q, torch.bfloat16)
+    assert cfg.dx_head_block == 4 and backward.dx_head_blocks(cfg, 4, 1) == 4
+    calls = []
+    got = backward.run_backward(**args, chunk_size=Q, dout=dout, dfinal_states=dfinal, **kw,
+                                config=cfg, launch_fn=_launch_recording(calls), buf_dtype=F64,
+                                on_buffers=poison)
+    assert _dx_launch(calls).kernel._annotated_function.pyfunc.__name__ == \
+        "bwd_chunk_dx_heads_fn"
+    assert_close(got, reference_grads(args, kw, Q, dout, dfinal))

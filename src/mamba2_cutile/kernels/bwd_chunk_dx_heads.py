@@ -11,11 +11,13 @@ divides HEADS_PER_GROUP). What depends on the group only is formed once per prog
   S_colT = B_t C_c^T      (BQ x Q):  S_colT[i, j] = S_{c_j, t_i}, the query blocks, transposed
 
 with B_c, C_c the chunk's whole (Q, NP) B and C tiles (zero past L): two N-deep MMAs per
-program instead of two per block pair, head and p-tile, and B/C read once per HB heads. They
-stay on chip (fp32; in the input dtype with LOWP, the dtype their MMAs take) while a runtime
-loop walks the HB heads. Per head, with the chunk-wide decays, L_row = L[t, c] (zero on
-key tokens after the row's, so the key blocks k > t drop out) and L_colT[i, j] = L[c_j, t_i]
-(zero on query tokens before t):
+program instead of two per block pair, head and p-tile, and B/C read once per HB heads. Each
+stays on chip (fp32; in the input dtype with LOWP, the dtype its MMAs take) while a runtime
+loop walks the HB heads: first S_row's loop (the key side: y and dz, the da terms), then
+S_colT's (the query side: dx, dD, ddt_direct), so one (BQ, Q) S tile is live at a time; the query
+loop forms Bds again (one BQ x NP x BP MMA) rather than keep HB of them. Per head, with the
+chunk-wide decays, L_row = L[t, c] (zero on key tokens after the row's, so the key blocks
+k > t drop out) and L_colT[i, j] = L[c_j, t_i] (zero on query tokens before t):
 
   cb   = S_row o L_row o dt'_c                               (BQ x Q)
   y    = state_w Ch + cb X_c + D X_t          (only with z)
@@ -35,6 +37,11 @@ not here: the plan launches bwd_chunk_dx for them.
 
 The price of whole-chunk rows: the masked halves (k > t in S_row, q < t in S_colT) are
 multiplied too, (Q / BQ - 1) / 2 blocks of each on average.
+
+Registers (sm_90 CPU compile, B=2 T=4096 H=80 G=1 P=64 N=128, BQ=64, BP=32; the head count
+does not change them, the head loops are run-time loops): at dx_occupancy=1, dx_warps=8 no
+spills, one program per SM; at the dispatcher's occupancy 2 they spill 0.3-0.4 KB per thread
+(with 32-token blocks 0.2 KB; at occupancy 1 and 8 warps 16 bytes).
 
 Tiles: x_t, dout_t, z_t (BQ, BP); x_c, dY_c (Q, BP); B_c, C_c (Q, NP); B_t, C_t (BQ, NP), loaded
 per head for Ch and Bds (cache hits); h_c, dS_c (BP, NP); S_row, S_colT, the decays and W
@@ -118,12 +125,23 @@ def bwd_chunk_dx_heads_fn(
     # the row block t's positions in the chunk's (Q,) da row
     in_t = (ct.arange(NBPC, dtype=ct.int32) == t - first)[:, None]
 
-    # key side, S_row = C_t B_c^T for every head: y (dz), dD, the da terms
+    # key side, S_row = C_t B_c^T for every head: y (dz), the da terms
     s_row = ct.mma(mma_operand(load_rows(c, batch, t, group, 0, BLOCK_Q, NP), mm),
                    mma_operand(load_rows(b, batch, chunk, group, 0, Q, NP, LAT), mm).transpose(),
                    ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32))
     if LOWP:
         s_row = s_row.astype(mm)    # only an MMA operand's factor, rounded to mm anyway
+    if HAS_Z:
+        # D of the program's heads, (HB, 1) or (HB, BP), for y: loaded once, each head's row
+        # selected in the loop (tileiras 13.4 for sm_90 crashed, SIGSEGV, on this loop with a
+        # per-head load of D added to y after the MMA, and with dD stored here)
+        head_rows = ct.arange(HEAD_BLOCK, dtype=ct.int32)[:, None]
+        if D_MODE == 1:
+            d_heads = ct.load(D, index=(head0 // HEAD_BLOCK,), shape=(HEAD_BLOCK,)).reshape(
+                (HEAD_BLOCK, 1))
+        if D_MODE == 2:
+            d_heads = ct.load(D, index=(head0 // HEAD_BLOCK, p_tile),
+                              shape=(HEAD_BLOCK, BLOCK_P), padding_mode=ZERO)
     for hi in range(HEAD_BLOCK):
         head = head0 + hi
         g_t = block_decay(cum, batch, head, t, BLOCK_Q)
@@ -167,7 +185,12 @@ def bwd_chunk_dx_heads_fn(
         dyx = ct.mma(dy_op(dy, mm, LOWP, HAS_Z), dy_op(xc.transpose(), mm, LOWP, HAS_Z),
                      ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32))
         if HAS_Z:
-            y = ct.mma(wop(cb, mm, LOWP), wop(xc, mm, LOWP), ch * state_w[:, None])
+            y0 = ch * state_w[:, None]
+            if D_MODE != 0:
+                # this head's row of the program's D tile
+                y0 = y0 + ct.sum(ct.where(head_rows == hi, d_heads, 0.0), axis=0,
+                                 keepdims=True) * xt
+            y = ct.mma(wop(cb, mm, LOWP), wop(xc, mm, LOWP), y0)
         w = cb * dyx
         if DA_MODE == 1:
             k_part = ct.sum(v, axis=0, keepdims=True) + carry
@@ -182,16 +205,7 @@ def bwd_chunk_dx_heads_fn(
             contrib = ct.sum(e, axis=0) + carry
         ct.store(da_part, index=(slot, batch, head, chunk), tile=contrib.reshape((1, 1, 1, Q)))
 
-        if D_MODE == 1:
-            dh_ = ct.load(D, index=(head,), shape=(1,)).reshape((1, 1))
-        if D_MODE == 2:
-            dh_ = ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P), padding_mode=ZERO)
-        if D_MODE != 0:
-            ct.store(dD_part, index=(t, batch, head, p_tile),
-                     tile=ct.sum(dy * xt, axis=0).reshape((1, 1, 1, BLOCK_P)))
         if HAS_Z:
-            if D_MODE != 0:
-                y = y + dh_ * xt
             dzt = do * y * sig * (1.0 + zt * (1.0 - sig))
             ct.store(dz, index=(batch, t, head, p_tile),
                      tile=dzt.reshape((1, BLOCK_Q, 1, BLOCK_P)).astype(dz.dtype))
@@ -232,6 +246,8 @@ def bwd_chunk_dx_heads_fn(
             if D_MODE == 2:
                 dh_ = ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P), padding_mode=ZERO)
             dxt = dxt + dh_ * dy
+            ct.store(dD_part, index=(t, batch, head, p_tile),
+                     tile=ct.sum(dy * xt, axis=0).reshape((1, 1, 1, BLOCK_P)))
         ct.store(dx, index=(batch, t, head, p_tile),
                  tile=dxt.reshape((1, BLOCK_Q, 1, BLOCK_P)).astype(dx.dtype))
         ct.store(ddt_part, index=(p_tile, batch, head, t),
