@@ -1,6 +1,6 @@
-"""Gated RMSNorm, backward, for a group width S = NCHUNK * CHUNK that is not a power of two:
-`rmsnorm_gated_bwd`'s math and grid with the group read as NCHUNK column chunks of CHUNK
-channels (CHUNK a power of two dividing S), so no lane holds padding.
+"""Gated RMSNorm, backward, for a group width S = NCHUNK * CHUNK (chosen for widths that are
+not powers of two): `rmsnorm_gated_bwd`'s math and grid with the group read as NCHUNK column
+chunks of CHUNK channels (CHUNK a power of two dividing S), so no lane holds padding.
 
 Program (p, g) walks the row blocks p, p + P, p + 2P, ... of group g (P = the grid's first size)
 and writes its partial sums of dweight and dbias to row p of a (P, G, S) buffer, summed over p
