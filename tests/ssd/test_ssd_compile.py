@@ -156,3 +156,59 @@ def test_head_split_launch_compiles(problem, over):
     except ImportError:        # pyelftools (the dev extra) is optional
         pytest.skip("compiled; registers and spills not read: pyelftools (the dev extra) missing")
     print(over, resources(cubin))
+
+
+#: dx_head_block > 1 (bwd_chunk_dx_heads, several heads of a group per dx program): (problem,
+#: config overrides, slow). The first ones are the sweep's candidates at the seed problem and at
+#: B=8 T=2048 H=128 G=8 (the head count does not change the machine code beyond HEADS_PER_GROUP
+#: and HEAD_BLOCK: the head loops are run-time loops); then every option, the stable da form,
+#: input-dtype operands, 64-bit, fp32, fp16, chunk 256 computed at 256.
+SEED8 = dict(batch=8, seqlen=2048, nheads=128, ngroups=8, headdim=64, dstate=128, chunk_size=256,
+             options=())
+DX_HEADS_VARIANTS = [
+    (SEED, dict(dx_head_block=4), False),
+    (SEED, dict(dx_head_block=8, dx_occupancy=1, dx_warps=8), False),
+    (SEED8, dict(dx_head_block=8, dx_block_q=32), False),
+    (dict(), dict(dx_head_block=4, da_mode=0), False),
+    (SEED, dict(dx_head_block=8, dx_block_p=64, dx_occupancy=1, dx_warps=8), True),
+    (SEED, dict(dx_head_block=8, dx_lowp=1), True),
+    (dict(), dict(dx_head_block=2, dx_block_q=32, dx_occupancy=1, dx_warps=8), True),
+    (dict(int64=True), dict(dx_head_block=4), True),
+    (dict(dtype=__import__("torch").float32), dict(dx_head_block=4), True),
+    (dict(dtype=__import__("torch").float16), dict(dx_head_block=4), True),
+    (dict(chunk_size=256), dict(dx_head_block=4, chunk_size=256), True),
+]
+
+
+def _dx_heads_call(problem, over):
+    calls = plans.backward_problem_plan(**problem, overrides=over)
+    (call,) = [c for c in calls if variants.kernel_name(c) == "bwd_chunk_dx_heads"]
+    return call
+
+
+@pytest.mark.parametrize("problem, over", [
+    pytest.param(p, o, id="-".join(f"{k}{v}" for k, v in {**p, **o}.items()
+                                   if k not in ("options",)) or "default",
+                 marks=(pytest.mark.slow,) if slow else ())
+    for p, o, slow in DX_HEADS_VARIANTS])
+def test_dx_head_block_launch_compiles(problem, over):
+    """The multi-head dx variants compile for sm_90; registers, spills, shared memory and CTAs
+    per SM are printed (pyelftools). At occupancy 1 with 8 warps the seed problem's has no
+    spills (measured: 168 registers, 0 bytes of stack, 1 CTA per SM)."""
+    call = _dx_heads_call(problem, over)
+    fn = call.kernel._annotated_function.pyfunc
+    args = dict(zip(fn.__code__.co_varnames[:fn.__code__.co_argcount], call.args))
+    b, l, h, _ = args["x"].shape
+    assert args["HEAD_BLOCK"] == over["dx_head_block"]
+    assert call.grid[0] * args["HEAD_BLOCK"] == -(-l // args["BLOCK_Q"]) * b * h
+    cubin = cpu_compile.compile_cubin(call, "sm_90")
+    assert len(cubin) > 0
+    try:
+        from mamba2_cutile.bench.resources import resources
+    except ImportError:        # pyelftools (the dev extra) is optional
+        pytest.skip("compiled; registers and spills not read: pyelftools (the dev extra) missing")
+    res = resources(cubin)
+    print(over, res)
+    if problem is SEED and over.get("dx_occupancy") == 1 and over.get("dx_warps") == 8 \
+            and "dx_block_p" not in over:
+        assert res["stack"] == 0, res
