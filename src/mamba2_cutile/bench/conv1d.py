@@ -193,11 +193,12 @@ ROWS_FWD_CANDIDATES = [
     "form=3,block_d=256,span=512,rows=8,row_tile=1,prefetch=1",  # [95, 5/SM, 17 KB smem]
 ]
 ROWS_BWD_CANDIDATES = [
-    "form=3,bwd_block_d=256,bwd_span=512,bwd_rows=8",                   # [125, 4/SM] 672
-    "form=3,bwd_block_d=256,bwd_span=512,bwd_rows=4,bwd_prefetch=1",    # [109, 4/SM]
-    "form=3,bwd_block_d=128,bwd_span=512,bwd_rows=8",                   # [78, 6/SM] 1344
-    "form=3,bwd_block_d=128,bwd_span=512,bwd_rows=8,bwd_prefetch=1",    # [96, 5/SM]
-    "form=3,bwd_block_d=256,bwd_span=512,bwd_rows=8,bwd_warps=8",      # [78 x 256, 3/SM]
+    # (programs at (1, 16384, 5376) / CTA slots of 132 SMs: waves)
+    "form=3,bwd_block_d=256,bwd_span=256,bwd_rows=8",                   # [125, 4/SM] 1344: 2.5
+    "form=3,bwd_block_d=256,bwd_span=256,bwd_rows=4,bwd_prefetch=1",    # [109, 4/SM] 1344: 2.5
+    "form=3,bwd_block_d=128,bwd_span=512,bwd_rows=8",                   # [78, 6/SM] 1344: 1.7
+    "form=3,bwd_block_d=128,bwd_span=1024,bwd_rows=8",                  # [78, 6/SM] 672: 0.85
+    "form=3,bwd_block_d=128,bwd_span=512,bwd_rows=8,bwd_prefetch=1",    # [96, 5/SM] 1344: 2.0
     "form=3,bwd_block_d=256,bwd_span=256,bwd_rows=4,bwd_prefetch=1,bwd_warps=8",  # [72 x 256]
 ]
 #: named candidate sets for --candidates
