@@ -65,8 +65,9 @@ class Conv1dConfig:
     inputs take form 1's forward), 3 = the row-streaming kernels (`causal_conv1d_fwd_rows` /
     `causal_conv1d_bwd_rows`, channel-last x only, other layouts take form 1: every input row
     read once, the last W-1 rows carried in registers). span, rows, row_tile (form 3): tokens
-    per forward program (0: `rows_span` picks it from the shape), rows per unrolled step, 1 = one (rows, block_d) tile load per step
-    with the rows extracted on chip (0: one (1, block_d) load per row); bwd_span, bwd_rows,
+    per forward program (0: `rows_span` picks it from the shape), rows per unrolled step,
+    1 = one (rows, block_d) tile load per step with the rows extracted on chip (0: one
+    (1, block_d) load per row); bwd_span, bwd_rows,
     bwd_row_tile: the same for the backward; prefetch, bwd_prefetch: 1 issues the next
     step's loads before the current step's math (software pipelining in registers). unchecked
     (forms 1, 3): 1 lets interior blocks skip the bounds checks of their loads and stores when

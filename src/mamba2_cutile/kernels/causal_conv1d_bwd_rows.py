@@ -26,8 +26,8 @@ read once, as in the forward of this form.
   stores skip the bounds checks. ROW_TILE = 1 loads a step's x and dout as (ROWS, BLOCK_D)
   slices and stores dx as one (ROWS, BLOCK_D) tile (`ct.extract` / `ct.cat`); 0: one row
   load and store per token. PREFETCH: the next full step's x and dout loads are issued
-  before the current step's math (as in the forward). Steps near the sequence end branch per token on t < seqlen and
-  add the dfinal terms.
+  before the current step's math (as in the forward). Steps near the sequence end branch
+  per token on t < seqlen and add the dfinal terms.
 - SILU: 0 no activation, 1 SiLU in IEEE float32, 2 through the approximate exp2 and
   reciprocal (16-bit inputs; see `causal_conv1d_fwd_rows`).
 - Partial sums: dw (W, BLOCK_D) and dbias (BLOCK_D) of the program's tokens t in
