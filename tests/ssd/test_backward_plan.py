@@ -250,7 +250,8 @@ def test_dx_head_block_plan(h, g, block, want):
     call, args = _dx_call(plans_[block])
     call1, args1 = _dx_call(plans_[1])
     n_q, n_pt = -(-l // base.dx_block_q), -(-p // base.dx_block_p)
-    assert _kernel_names([call1]) == ["bwd_chunk_dx"] and tuple(call1.grid) == (n_q * b * h, n_pt, 1)
+    assert _kernel_names([call1]) == ["bwd_chunk_dx"]
+    assert tuple(call1.grid) == (n_q * b * h, n_pt, 1)
     if want == 1:
         assert _kernel_names([call]) == ["bwd_chunk_dx"]
         return

@@ -38,15 +38,16 @@ not here: the plan launches bwd_chunk_dx for them.
 The price of whole-chunk rows: the masked halves (k > t in S_row, q < t in S_colT) are
 multiplied too, (Q / BQ - 1) / 2 blocks of each on average.
 
-Registers (sm_90 CPU compile, B=2 T=4096 H=80 G=1 P=64 N=128, BQ=64, BP=32; the head count
-does not change them, the head loops are run-time loops): at dx_occupancy=1, dx_warps=8 no
-spills, one program per SM; at the dispatcher's occupancy 2 they spill 0.3-0.4 KB per thread
-(with 32-token blocks 0.2 KB; at occupancy 1 and 8 warps 16 bytes).
+Registers (sm_90 CPU compile, B=2 T=4096 H=80 G=1 P=64 N=128, BQ=64; the head count does not
+change them, the head loops are run-time loops): at dx_occupancy=1, dx_warps=8 no spills (168
+registers at BP=32, 253 at BP=64), one program per SM; at the dispatcher's occupancy 2 and 4
+warps 0.3-0.4 KB of spills per thread, 0.6-0.7 KB with every option on, 1.7 KB at an internal
+chunk of 256 (a (64, 256) S tile).
 
 Tiles: x_t, dout_t, z_t (BQ, BP); x_c, dY_c (Q, BP); B_c, C_c (Q, NP); B_t, C_t (BQ, NP), loaded
-per head for Ch and Bds (cache hits); h_c, dS_c (BP, NP); S_row, S_colT, the decays and W
-(BQ, Q). Grid: (cdiv(L, BQ) * B * (H / HB), cdiv(P, BP)), token blocks fastest; blocks past the
-last token are not launched.
+once per program (for S and every head's Ch and Bds); h_c, dS_c (BP, NP); S_row, S_colT, the
+decays and W (BQ, Q). Grid: (cdiv(L, BQ) * B * (H / HB), cdiv(P, BP)), token blocks fastest;
+blocks past the last token are not launched.
 """
 
 import cuda.tile as ct
@@ -125,8 +126,12 @@ def bwd_chunk_dx_heads_fn(
     # the row block t's positions in the chunk's (Q,) da row
     in_t = (ct.arange(NBPC, dtype=ct.int32) == t - first)[:, None]
 
+    # C_t and B_t, MMA operands of S and of every head's Ch and Bds
+    c_t = mma_operand(load_rows(c, batch, t, group, 0, BLOCK_Q, NP), mm)
+    b_t = mma_operand(load_rows(b, batch, t, group, 0, BLOCK_Q, NP), mm)
+
     # key side, S_row = C_t B_c^T for every head: y (dz), the da terms
-    s_row = ct.mma(mma_operand(load_rows(c, batch, t, group, 0, BLOCK_Q, NP), mm),
+    s_row = ct.mma(c_t,
                    mma_operand(load_rows(b, batch, chunk, group, 0, Q, NP, LAT), mm).transpose(),
                    ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32))
     if LOWP:
@@ -166,10 +171,10 @@ def bwd_chunk_dx_heads_fn(
                                                                      axis=0, keepdims=True)
         if t != first:
             carry = ct.full((1,), 0.0, dtype=ct.float32)    # added once per chunk
-        ch = ct.mma(mma_operand(load_rows(c, batch, t, group, 0, BLOCK_Q, NP), mm),
+        ch = ct.mma(c_t,
                     mma_operand(h.transpose(), mm),
                     ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32))
-        bds = ct.mma(mma_operand(load_rows(b, batch, t, group, 0, BLOCK_Q, NP), mm),
+        bds = ct.mma(b_t,
                      mma_operand(ds.transpose(), mm),
                      ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32))
         dgs = state_w * ct.sum(dy * ch, axis=1)             # (BQ,) state term of dG
@@ -212,7 +217,7 @@ def bwd_chunk_dx_heads_fn(
 
     # query side, S_colT = B_t C_c^T (formed after S_row is dead: one (BQ, Q) tile lives at a
     # time): dXs = exit_w Bds + (S o L)^T dY over the chunk's query tokens -> dx, ddt_direct
-    s_colT = ct.mma(mma_operand(load_rows(b, batch, t, group, 0, BLOCK_Q, NP), mm),
+    s_colT = ct.mma(b_t,
                     mma_operand(load_rows(c, batch, chunk, group, 0, Q, NP, LAT), mm).transpose(),
                     ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32))
     if LOWP:
@@ -227,7 +232,7 @@ def bwd_chunk_dx_heads_fn(
         xt = load_rows(x, batch, t, head, p_tile, BLOCK_Q, BLOCK_P).astype(ct.float32)
         # Bds again (one BQ x NP x BP MMA): cheaper than keeping HB of them
         ds = load_state(dstates, batch, head, chunk, p_tile, 0, BLOCK_P, NP)
-        bds = ct.mma(mma_operand(load_rows(b, batch, t, group, 0, BLOCK_Q, NP), mm),
+        bds = ct.mma(b_t,
                      mma_operand(ds.transpose(), mm),
                      ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32))
         qry_ge = tok_c[None, :] >= tok_t[:, None]       # (BQ, Q) query token at or after
