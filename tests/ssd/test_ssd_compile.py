@@ -160,9 +160,10 @@ def test_head_split_launch_compiles(problem, over):
 
 #: dx_head_block > 1 (bwd_chunk_dx_heads, several heads of a group per dx program): (problem,
 #: config overrides, slow). The first ones are the sweep's candidates at the seed problem and at
-#: B=8 T=2048 H=128 G=8 (the head count does not change the machine code beyond HEADS_PER_GROUP
-#: and HEAD_BLOCK: the head loops are run-time loops); then every option, the stable da form,
-#: input-dtype operands, 64-bit, fp32, fp16, chunk 256 computed at 256.
+#: B=8 T=2048 H=128 G=8 (head and group counts do not change the machine code, only HEAD_BLOCK
+#: does: the head loops are run-time loops, heads per group come from the shapes); then every
+#: option, the stable da form, input-dtype operands, 64-bit, fp32, fp16, chunk 256 computed at
+#: 256.
 SEED8 = dict(batch=8, seqlen=2048, nheads=128, ngroups=8, headdim=64, dstate=128, chunk_size=256,
              options=())
 DX_HEADS_VARIANTS = [

@@ -4,8 +4,9 @@ The same quantities as kernels/bwd_chunk_dx.py (read its docstring for the equat
 the per-p-tile partials of dD, ddt_direct and da, written to the same arrays at the same
 indices, so the rest of the backward cannot tell the two apart), but one program handles
 token block t (BLOCK_Q tokens of chunk c) x one p-tile x HB = HEAD_BLOCK heads h0 .. h0+HB-1
-of ONE group (heads of a group are contiguous, head h is in group h // HEADS_PER_GROUP, and HB
-divides HEADS_PER_GROUP). What depends on the group only is formed once per program:
+of ONE group (heads of a group are contiguous, head h is in group h // HPG with HPG = H / G
+the heads per group, and HB divides HPG). What depends on the group only is formed once per
+program:
 
   S_row  = C_t B_c^T      (BQ x Q):  S_row[i, j]  = S_{t_i, c_j}, the key blocks of row block t
   S_colT = B_t C_c^T      (BQ x Q):  S_colT[i, j] = S_{c_j, t_i}, the query blocks, transposed
@@ -90,8 +91,7 @@ def bwd_chunk_dx_heads_fn(
     BLOCK_Q: ct.Constant[int],
     BLOCK_P: ct.Constant[int],
     NP: ct.Constant[int],
-    HEADS_PER_GROUP: ct.Constant[int],
-    HEAD_BLOCK: ct.Constant[int],  # HB heads per program (divides HEADS_PER_GROUP)
+    HEAD_BLOCK: ct.Constant[int],  # HB heads per program (divides H / G)
     D_MODE: ct.Constant[int],      # 0: no D, 1: per head, 2: per (head, channel)
     HAS_Z: ct.Constant[bool],
     HAS_SEQ: ct.Constant[bool],
@@ -110,7 +110,8 @@ def bwd_chunk_dx_heads_fn(
     p_tile = ct.bid(1)
     batch = bhb // n_hb
     head0 = (bhb % n_hb) * HEAD_BLOCK
-    group = head0 // HEADS_PER_GROUP
+    # H / G from the shapes, not a constant: one compile serves every head and group count
+    group = head0 // (nheads // b.shape[2])
     chunk = t // NBPC
     first = chunk * NBPC
     slot = p_tile * NBPC + (t - first)

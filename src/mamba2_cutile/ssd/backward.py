@@ -367,8 +367,8 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
             with_hints(bwd_chunk_dx_heads_i64 if int64 else bwd_chunk_dx_heads,
                        cfg.dx_occupancy, cfg.dx_warps),
             (n_q * batch * (nheads // hb), -(-headdim // cfg.dx_block_p), 1),
-            dx_args + (Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, hb, d_mode,
-                       has_z, has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency)))
+            dx_args + (Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hb, d_mode, has_z,
+                       has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency)))
     else:
         calls.append(KernelCall(
             with_hints(bwd_chunk_dx_i64 if int64 else bwd_chunk_dx, cfg.dx_occupancy,
