@@ -170,7 +170,7 @@ def candidate_space(group_size):
     count (not TMA off: 1.6-1.9x slower at 4096 channels on 2026-12-01); chunks half as wide
     (a power-of-two group in two chunks); the forward with twice the rows at half the
     occupancy, and persistent (fwd_ctas_per_sm = the occupancy: one wave of programs; a
-    power-of-two group as one chunk). Each override names
+    power-of-two group as one chunk, also not persistent). Each override names
     the pass's fields it changes; the chunk field reaches both passes."""
     from ..norm.plan import (MAX_CHUNK, MAX_CHUNKS, MIN_CHUNK, norm_shape_config,
                              padded_shape_config)
@@ -208,6 +208,9 @@ def candidate_space(group_size):
     if whole:
         occ = rule.occupancy or 2
         fwd.append(step(_FWD_FIELDS, chunk=whole, fwd_ctas_per_sm=occ))
+    if whole and not rule.chunk:
+        # the chunked forward's single chunk (x held in its dtype, z read late) vs the padded
+        fwd.append(step(_FWD_FIELDS, chunk=whole))
     # chunks half as wide (twice as many); a power-of-two group in two chunks
     half_chunk = (rule.chunk or (group_size if pow2 else 0)) // 2
     if half_chunk >= MIN_CHUNK and half_chunk <= MAX_CHUNK \
