@@ -32,10 +32,14 @@ def test_launch_compiles(arch, family, name, index):
 
 
 def test_plans_have_their_launches():
-    """Each forward plan holds the 3 forward launches, each backward plan the 6 backward ones
-    (2 recompute + 4 backward kernels)."""
+    """Each forward plan holds the 4 forward launches (3 kernels, chunk_scan's flagged-tile
+    pass the fourth), each backward plan the 6 backward ones (2 recompute + 4 backward
+    kernels)."""
     for name, problem in variants.forward_variants():
-        assert len(plans.forward_problem_plan(**problem)) == 3, name
+        calls = plans.forward_problem_plan(**problem)
+        assert [variants.kernel_name(c) for c in calls] == [
+            "decay_cumsum", "chunk_state_pass", "chunk_scan", "chunk_scan"], name
+        assert calls[2].args[-1] == 1 and calls[3].args[-1] == 2, name
     for name, problem in variants.backward_variants():
         assert len(plans.backward_problem_plan(**problem)) == 6, name
 
