@@ -557,8 +557,9 @@ def test_row_streaming_plan():
                              torch.empty_like(c), None, True, cfg)[0]
     assert call.kernel is causal_conv1d_fwd_stream.causal_conv1d_fwd_stream
     assert plan.backward_grid(c, cfg) == plan.backward_grid(c, dataclasses.replace(cfg, form=1))
-    # span 0: the longest power of two <= 512 keeping ~6 programs per SM, at least 64
-    assert plan.rows_span(0, 8, 1, 5376, 16384, 256, 132) == 256     # 21 x 64 = 1344
+    # span 0: the longest power of two <= 512 keeping ~5 programs per SM, at least 64
+    assert plan.rows_span(0, 8, 1, 5376, 16384, 256, 132) == 512     # 21 x 32 = 672
+    assert plan.rows_span(0, 8, 1, 5376, 8192, 256, 132) == 256      # 21 x 32 = 672
     assert plan.rows_span(0, 8, 4, 5376, 16384, 256, 132) == 512
     assert plan.rows_span(0, 8, 1, 1536, 2048, 256, 132) == 64       # floor
     assert plan.rows_span(0, 64, 1, 64, 100, 256, 132) == 64

@@ -76,6 +76,8 @@ def update_calls(dtype=BF, w=4, k=1, opts=("bias", "silu", "circular", "idx"), i
         torch.empty(b, d, state_len, dtype=dtype, device=META), "silu" in opts)
 
 
+#: form 1 at its own tiles (the dispatcher's channel-last default is form 3's wider ones)
+F1 = dict(form=1, block_d=64, bwd_block_d=64)
 #: form 3 at the sweep's first candidates (kernels/causal_conv1d_*_rows.py)
 ROWS = dict(form=3, block_d=256, span=512, rows=8, prefetch=1, bwd_block_d=256, bwd_span=512,
             bwd_rows=8)
@@ -92,14 +94,14 @@ FAST = [
     ("state-copy-int64", lambda: update_calls(int64=True)[1]),
     ("bwd-bf16-cl-all", lambda: backward_call()),
     # form 1 (streamed taps), at dims its tiles divide (unchecked interior blocks) and not
-    ("fwd1-bf16-cl-all", lambda: forward_call(d=1536, form=1)),
+    ("fwd1-bf16-cl-all", lambda: forward_call(d=1536, **F1)),
     ("fwd1-bf16-cl-bias-silu-16x128", lambda: forward_call(opts=("bias", "silu"), d=1536,
-                                                           form=1, block_l=16)),
+                                                           **F1, block_l=16)),
     ("fwd1-bf16-cl-bias-silu-32x64", lambda: forward_call(opts=("bias", "silu"), d=1536,
-                                                          form=1, block_d=64)),
-    ("bwd1-bf16-cl-all", lambda: backward_call(d=1536, form=1)),
+                                                          **F1)),
+    ("bwd1-bf16-cl-all", lambda: backward_call(d=1536, **F1)),
     ("bwd1-bf16-cl-bias-silu-partial-d", lambda: backward_call(opts=("bias", "silu"), d=1544,
-                                                               form=1)),
+                                                               **F1)),
     # form 2's forward (tap views; its backward is form 1's)
     ("fwd2-bf16-cl-all", lambda: forward_call(form=2)),
     ("fwd2-bf16-cl-bias-silu-32x64", lambda: forward_call(opts=("bias", "silu"), d=1536,
@@ -120,17 +122,17 @@ SLOW = [
     ("bwd-fp32-cl-none-w2", lambda: backward_call(FP32, w=2, opts=())),
     ("bwd-fp16-cl-w8-silu-init", lambda: backward_call(FP16, w=8, opts=("silu", "init"))),
     ("bwd-bf16-cl-int64", lambda: backward_call(opts=("bias", "silu"), int64=True)),
-    ("fwd1-fp16-contig-all", lambda: forward_call(FP16, "contiguous", d=1536, form=1)),
-    ("fwd1-fp32-cl-none-w2", lambda: forward_call(FP32, w=2, opts=(), form=1)),
+    ("fwd1-fp16-contig-all", lambda: forward_call(FP16, "contiguous", d=1536, **F1)),
+    ("fwd1-fp32-cl-none-w2", lambda: forward_call(FP32, w=2, opts=(), **F1)),
     ("fwd1-bf16-cl-w8-int64", lambda: forward_call(w=8, opts=("bias", "silu"), int64=True,
-                                                   form=1)),
+                                                   **F1)),
     # (at one block per program: with a loop over blocks these spill 16-40 bytes)
-    ("bwd1-bf16-contig-all-tiles1", lambda: backward_call(layout="contiguous", d=1536, form=1,
+    ("bwd1-bf16-contig-all-tiles1", lambda: backward_call(layout="contiguous", d=1536, **F1,
                                                           bwd_tiles=1)),
     ("bwd1-fp16-cl-w8-silu-init-tiles1", lambda: backward_call(
-        FP16, w=8, opts=("silu", "init"), form=1, bwd_tiles=1)),
+        FP16, w=8, opts=("silu", "init"), **F1, bwd_tiles=1)),
     ("bwd1-bf16-cl-int64-tiles1", lambda: backward_call(opts=("bias", "silu"), int64=True,
-                                                        form=1, bwd_tiles=1)),
+                                                        **F1, bwd_tiles=1)),
     ("fwd2-fp32-cl-none-w2-tiles4", lambda: forward_call(FP32, w=2, opts=(), form=2, tiles=4)),
     ("fwd2-bf16-cl-w8-int64", lambda: forward_call(w=8, opts=("bias", "silu"), int64=True,
                                                    form=2)),
@@ -194,9 +196,11 @@ def test_forms_pick_their_kernels():
     assert forward_call(form=1).kernel is causal_conv1d_fwd_stream.causal_conv1d_fwd_stream
     assert backward_call(form=1).kernel is causal_conv1d_bwd_stream.causal_conv1d_bwd_stream
     assert forward_call(form=0).kernel is not forward_call(form=1).kernel
-    # the dispatcher: channel-last inputs take form 1, the contiguous layout form 0
-    assert forward_call().kernel is forward_call(form=1).kernel
-    assert backward_call().kernel is backward_call(form=1).kernel
+    # the dispatcher: channel-last inputs up to width 4 take form 3, wider ones form 1, the
+    # contiguous layout form 0
+    assert forward_call().kernel is forward_call(**ROWS).kernel
+    assert backward_call().kernel is backward_call(**ROWS).kernel
+    assert forward_call(w=8).kernel is forward_call(w=8, form=1).kernel
     assert plan.conv1d_config(1, 4096, 16384, False).form == 0
     from mamba2_cutile.kernels.causal_conv1d_fwd_taps import causal_conv1d_fwd_taps
     assert forward_call(form=2).kernel is causal_conv1d_fwd_taps
@@ -233,7 +237,10 @@ def test_forms_pick_their_kernels():
 
 def test_default_config_and_env(monkeypatch):
     cfg = plan.conv1d_config(1, 4096, 16384, True)
-    assert (cfg.block_l, cfg.block_d, cfg.form) == (32, 64, 1) and cfg.bwd_tiles == 8
+    assert (cfg.form, cfg.block_d, cfg.rows, cfg.prefetch, cfg.span) == (3, 256, 8, 0, 0)
+    assert (cfg.bwd_block_d, cfg.bwd_rows, cfg.bwd_prefetch, cfg.bwd_span) == (128, 8, 0, 0)
+    cfg = plan.conv1d_config(1, 4096, 16384, True, width=5)
+    assert (cfg.block_l, cfg.block_d, cfg.form) == (16, 64, 1) and cfg.bwd_tiles == 8
     assert plan.conv1d_config(1, 64, 64, True).bwd_tiles == 1   # few blocks: one per program
     assert plan.conv1d_config(1, 4096, 16384, True, width=8).bwd_block_l == 8
     monkeypatch.setenv(plan.ENV_CONV1D, "block_l=64,shift_tma=1")

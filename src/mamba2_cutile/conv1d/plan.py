@@ -144,18 +144,24 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
     sm_90 CPU compile, where 64x32 spills 96 bytes). Above width 4 the blocks hold half the
     tokens (more taps live). The backward's programs walk up to 8 token blocks (so that the
     dweight partials stay ~1% of the traffic) but keep at least 4 programs per SM.
-    Channel-last inputs take the streamed-tap kernels (form 1) with 32 x 64 forward tiles:
-    timed on the H200 (bf16, width 4, SiLU + bias, kernel alone in a CUDA graph, L2 flushed;
-    benchmarks/results/2026-12-01-h200-conv1d-form-sweep.txt) the forward went from 0.404 to
-    0.258 ms at (1, 16384, 5376) and 0.507 to 0.317 ms at (1, 65536, 1792) (20-22% -> 32-35%
-    of 4.3 TB/s), the backward from 4.93 to 1.03 ms and 6.58 to 1.37 ms (2.5% -> 12%); the
-    tap-view forward (form 2) was slower than form 1 (14-18%). The contiguous layout keeps
-    form 0 (not timed). Form 3 (row streaming: each x and dout row read once, ~2 passes of
-    L2 -> SM traffic where form 1 makes W+1) is selectable (`form=3` with block_d / span /
-    rows / prefetch and the bwd_ ones) and not yet timed, so not the default.
+    Channel-last inputs up to width 4 take the row-streaming kernels (form 3: each x and dout
+    row read once, the last width-1 rows carried in registers): 256-channel forward programs
+    and 128-channel backward ones, 8 rows per step, no prefetch, spans chosen by `rows_span`.
+    Timed on the H200 (bf16, width 4, SiLU + bias, kernel alone in a CUDA graph, L2 flushed,
+    median of 10; benchmarks/results/2026-12-02-h200-conv1d-rows-sweep.txt): forward 0.259 ->
+    0.124 ms at (1, 16384, 5376) and 0.326 -> 0.158 ms at (1, 65536, 1792) against form 1
+    (32-34% -> 66-69% of 4.3 TB/s), backward 1.047 -> 0.207 ms and 1.388 -> 0.250 ms (12% ->
+    59-66%); prefetching, 4 or 16 rows per step, 8 warps and row tiles were slower. Wider
+    filters keep form 1 (streamed taps, 32 x 64 forward tiles: 0.404 -> 0.258 ms against form 0
+    at (1, 16384, 5376), benchmarks/results/2026-12-01-h200-conv1d-form-sweep.txt), as form 3
+    was timed at width 4 only; the tap-view forward (form 2) was slower than form 1. The
+    contiguous layout keeps form 0 (not timed).
     `MAMBA2_CUTILE_CONV1D_CONFIG="field=value,..."` overrides any field.
     """
-    if channel_last:
+    if channel_last and width <= 4:
+        cfg = dict(block_l=32, block_d=256, bwd_block_l=16, bwd_block_d=128, form=3, rows=8,
+                   bwd_rows=8)
+    elif channel_last:
         cfg = dict(block_l=32, block_d=64, bwd_block_l=16, bwd_block_d=64, form=1)
     else:
         cfg = dict(block_l=32, block_d=32, bwd_block_l=32, bwd_block_d=32)
@@ -296,12 +302,14 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
 
 
 #: form 3's longest automatic span, its shortest, and the programs per SM it keeps at least
-ROWS_SPAN_MAX, ROWS_SPAN_MIN, ROWS_PROGRAMS_PER_SM = 512, 64, 6
+# 5 programs per SM: 512-token spans at 672 programs (5.1 per SM) were the fastest forward at
+# (1, 16384, 5376) on the H200 (2026-12-02-h200-conv1d-rows-sweep.txt)
+ROWS_SPAN_MAX, ROWS_SPAN_MIN, ROWS_PROGRAMS_PER_SM = 512, 64, 5
 
 
 def rows_span(span, rows, batch, dim, seqlen, block_d, sms) -> int:
     """Form 3's tokens per program: `span` when set, else (0) the longest power of two up to
-    512 that still gives ~6 programs per SM (one wave at 6 CTAs per SM), but not below 64
+    512 that still gives ~5 programs per SM (`ROWS_PROGRAMS_PER_SM`), but not below 64
     tokens (the halo re-read is (W-1)/span) nor below rows."""
     if span:
         return span
