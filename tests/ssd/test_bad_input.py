@@ -3,10 +3,13 @@ output before t, on the CPU path, on the forward kernels' source (float64 emulat
 on the kernels themselves (GPU).
 
 On the GPU, chunk_scan's plain tile is not causal by itself (masked entries are zeros
-multiplied in, 0 * NaN = NaN); the forward's second chunk_scan launch recomputes, in a
-sanitizing form, exactly the tiles whose outputs hold a non-finite value (kernels/chunk_scan.py),
-and decay_cumsum and chunk_state_pass keep the decay finite and other sequences' garbage out by
-selects. The kernel tests below check that on the kernels' source (emulated) and on the GPU.
+multiplied in, 0 * NaN = NaN). With `scan_causal=1` (MAMBA2_CUTILE_CONFIG; off by default, as
+it costs 18% on clean input at the seed problem) the forward's second chunk_scan launch
+recomputes, in a sanitizing form, exactly the tiles whose outputs hold a non-finite value
+(kernels/chunk_scan.py); decay_cumsum and chunk_state_pass keep the decay finite and other
+sequences' garbage out by selects in every mode. The kernel tests below run scan_causal=1 on
+the kernels' source (emulated) and on the GPU; `test_*_default_not_causal` records that the
+default is not.
 
 The contract checked for every bad input (one entry of x, B, C, z or dt, raw or through
 dt_bias + softplus, at the middle, first or last token of a chunk, with and without seq_idx,
@@ -32,12 +35,14 @@ where the result is finite); the GPU tests log their errors.
 """
 
 import math
+import os
 from dataclasses import replace
 
 import pytest
 import torch
 
 from mamba2_cutile import mamba_chunk_scan_combined
+from mamba2_cutile.config import ENV_FORWARD
 from mamba2_cutile.reference import ssd_recurrence
 
 INF, NAN = math.inf, math.nan
@@ -224,7 +229,7 @@ def test_cpu_path_dt_zero_with_A_minus_inf():
 # the kernels' source, emulated in float64 on the CPU
 # ----------------------------------------------------------------------------------------------
 
-def emulated_run(Q, block_q):
+def emulated_run(Q, block_q, causal=1):
     pytest.importorskip("cuda.tile")
     from mamba2_cutile.runtime import dt_clamp_bounds
     from mamba2_cutile.ssd import forward
@@ -240,7 +245,7 @@ def emulated_run(Q, block_q):
         final, out = nan(b, h, p, n), nan(b, l, h, p)
         cfg = forward.forward_shape_config(b, h, p, n, Q, F64)
         cfg = replace(cfg, cumsum_block_h=2, state_block_p=8, state_block_n=8, scan_block_p=8,
-                      dstate_pad=8, scan_block_q=block_q)
+                      dstate_pad=8, scan_block_q=block_q, scan_causal=causal)
         lo, hi = dt_clamp_bounds(kw["dt_limit"])
         seq = kw["seq_idx"]
         calls = forward.forward_plan(x, dt, A, B, C, kw["z"], kw["D"], kw["dt_bias"], lo, hi,
@@ -276,6 +281,17 @@ def test_emulated_kernels_causal(name, value, where, seq, Q, block_q):
                    strict_nonfinite=False)
 
 
+def test_emulated_default_not_causal():
+    """Without scan_causal (the default) a NaN x reaches the earlier rows of its query block
+    through the masked zeros of the (S X) MMA: the gap scan_causal=1 closes."""
+    Q = 64
+    t = where_in_chunk(Q, "mid")
+    args, kw = make_problem(Q, t, False, softplus=True, dtype=F64, b=2, h=2, p=8, n=7)
+    bad_args, bad_kw = inject(args, kw, "x", t, NAN)
+    y, _ = emulated_run(Q, 64, causal=0)(bad_args, bad_kw)
+    assert not torch.isfinite(y[0, Q:t]).all()
+
+
 @pytest.mark.parametrize("seq, Q, block_q", [(False, 64, 64), (True, 64, 32)])
 def test_emulated_kernels_decay_limits(seq, Q, block_q):
     args, kw = make_problem(Q, Q, seq, softplus=True, dtype=F64)
@@ -290,10 +306,19 @@ def test_emulated_kernels_dt_zero_with_A_minus_inf():
 # GPU: the kernels themselves
 # ----------------------------------------------------------------------------------------------
 
-def gpu_run(Q):
+def gpu_run(Q, causal=True):
     def run(args, kw):
-        y, h = mamba_chunk_scan_combined(**args, chunk_size=Q, return_final_states=True, **kw)
-        torch.cuda.synchronize()
+        saved = os.environ.get(ENV_FORWARD)
+        os.environ[ENV_FORWARD] = "scan_causal=1" if causal else "default"
+        try:
+            y, h = mamba_chunk_scan_combined(**args, chunk_size=Q, return_final_states=True,
+                                             **kw)
+            torch.cuda.synchronize()
+        finally:
+            if saved is None:
+                os.environ.pop(ENV_FORWARD)
+            else:
+                os.environ[ENV_FORWARD] = saved
         return y, h
     return run
 

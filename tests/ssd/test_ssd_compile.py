@@ -32,16 +32,29 @@ def test_launch_compiles(arch, family, name, index):
 
 
 def test_plans_have_their_launches():
-    """Each forward plan holds the 4 forward launches (3 kernels, chunk_scan's flagged-tile
-    pass the fourth), each backward plan the 6 backward ones (2 recompute + 4 backward
+    """Each forward plan holds the 3 forward launches (with scan_causal=1 a fourth, chunk_scan's
+    flagged-tile pass), each backward plan the 6 backward ones (2 recompute + 4 backward
     kernels)."""
     for name, problem in variants.forward_variants():
         calls = plans.forward_problem_plan(**problem)
         assert [variants.kernel_name(c) for c in calls] == [
-            "decay_cumsum", "chunk_state_pass", "chunk_scan", "chunk_scan"], name
-        assert calls[2].args[-1] == 1 and calls[3].args[-1] == 2, name
+            "decay_cumsum", "chunk_state_pass", "chunk_scan"], name
+        assert calls[2].args[-1] == 0, name
+        causal = plans.forward_problem_plan(
+            **dict(problem, overrides=dict(problem.get("overrides") or {}, scan_causal=1)))
+        assert [variants.kernel_name(c) for c in causal[2:]] == ["chunk_scan", "chunk_scan"]
+        assert causal[2].args[-1] == 1 and causal[3].args[-1] == 2, name
     for name, problem in variants.backward_variants():
         assert len(plans.backward_problem_plan(**problem)) == 6, name
+
+
+@pytest.mark.parametrize("chunk_size", [64, 256])
+def test_causal_scan_compiles(chunk_size):
+    """scan_causal=1's two chunk_scan launches (the counting one and the flagged-tile pass),
+    all options, for sm_90."""
+    calls = plans.forward_problem_plan(chunk_size=chunk_size, overrides={"scan_causal": 1})
+    for call in calls[2:]:
+        assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
 
 
 #: dx_cb=1 (chunk_cb, then bwd_chunk_dx reading its S blocks): backward variants (by name in

@@ -1,12 +1,12 @@
 """The forward pass of the chunked SSD on CUDA tensors: its config, its plan of launches (three
-kernels, chunk_scan launched twice), and the launcher.
+kernels; chunk_scan twice with scan_causal=1), and the launcher.
 
 | launch | kernel | what |
 | --- | --- | --- |
 | 1 | `decay_cumsum` | dt' = clamp(softplus(dt + bias)) and the per-chunk cumsum of A dt' in log2 space |
 | 2 | `chunk_state_pass` | the chunk entry states, one sequential pass over chunks |
-| 3 | `chunk_scan` | the output: carried-state term, masked decayed C B^T times X, D x, z gate; and per tile the count of non-finite outputs |
-| 4 | `chunk_scan` | (`scan_causal`) the tiles counted non-zero, again in the causal form: a NaN/Inf input never changes an earlier output |
+| 3 | `chunk_scan` | the output: carried-state term, masked decayed C B^T times X, D x, z gate (with `scan_causal=1`, and per tile the count of non-finite outputs) |
+| 4 | `chunk_scan` | (`scan_causal=1` only) the tiles counted non-zero, again in the causal form: a NaN/Inf input never changes an earlier output |
 
 A plan is built from tensors (real CUDA tensors at run time, or `meta` tensors when compiling on
 a CPU), so the CPU compile check exercises exactly the argument lists the GPU path launches.
@@ -53,10 +53,13 @@ class ForwardConfig:
     state_scale_x: int = -1         # 1: chunk_state_pass weights X, 0: B, -1: the smaller
     scan_block_n: int = 0           # dstate tile of chunk_scan's K loop (0: all of dstate_pad)
     state_fresh_acc: int = 0        # 1: chunk_state_pass MMA into a fresh accumulator, then add
-    scan_causal: int = 1            # 1: a NaN/Inf never reaches an earlier output: chunk_scan
+    scan_causal: int = 0            # 1: a NaN/Inf never reaches an earlier output: chunk_scan
                                     # counts each tile's non-finite outputs and a second launch
                                     # recomputes the flagged tiles in a sanitizing form
-                                    # (kernels/chunk_scan.py); 0: the first launch alone
+                                    # (kernels/chunk_scan.py). Off by default: on clean input it
+                                    # made the seed problem's forward 0.251 -> 0.297 ms on the
+                                    # H200 (the count +0.018 ms, the second launch 0.032 ms;
+                                    # benchmarks/results/2026-12-02-h200-forward-sweep-causal.jsonl)
 
     FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
 
