@@ -57,6 +57,8 @@ def _op(name, shape):
         dims, tiles = shape.split(":")
         r, c = (int(v) for v in dims.split("x"))
         br, bcol = (int(v) for v in tiles.split("x"))
+        if r % br or c % bcol:
+            raise SystemExit(f"copy: the tiles {br}x{bcol} must divide the array {r}x{c}")
         src = torch.randn(r, c, device="cuda").to(torch.bfloat16)
         dst = torch.empty_like(src)
         grid = (r // br, c // bcol, 1)

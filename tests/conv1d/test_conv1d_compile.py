@@ -252,9 +252,9 @@ def test_default_config_and_env(monkeypatch):
     monkeypatch.setenv(plan.ENV_CONV1D, "form=1,bwd_tiles=4,bwd_occupancy=2,warps=4")
     cfg = plan.conv1d_config(1, 4096, 16384, True)
     assert (cfg.form, cfg.bwd_tiles, cfg.bwd_occupancy, cfg.warps) == (1, 4, 2, 4)
-    for bad in ("form=5", "warps=2", "unchecked=2", "store_tma=5"):
+    for bad in ("form=5", "warps=2", "unchecked=2", "store_tma=5", "form=1,block_d=512"):
         monkeypatch.setenv(plan.ENV_CONV1D, bad)
-        with pytest.raises(ValueError, match=bad.split("=")[0]):
+        with pytest.raises(ValueError, match=bad.split("=")[-2].split(",")[-1]):
             plan.conv1d_config(1, 4096, 16384, True)
     monkeypatch.setenv(plan.ENV_CONV1D, "nonsense=1")
     with pytest.raises(ValueError, match=plan.ENV_CONV1D):

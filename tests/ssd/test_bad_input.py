@@ -8,8 +8,8 @@ it costs 18% on clean input at the seed problem) the forward's second chunk_scan
 recomputes, in a sanitizing form, exactly the tiles whose outputs hold a non-finite value
 (kernels/chunk_scan.py); decay_cumsum and chunk_state_pass keep the decay finite and other
 sequences' garbage out by selects in every mode. The kernel tests below run scan_causal=1 on
-the kernels' source (emulated) and on the GPU; `test_*_default_not_causal` records that the
-default is not.
+the kernels' source (emulated) and on the GPU (the decay limits in both modes);
+`test_emulated_default_not_causal` records that the default mode is not causal.
 
 The contract checked for every bad input (one entry of x, B, C, z or dt, raw or through
 dt_bias + softplus, at the middle, first or last token of a chunk, with and without seq_idx,
@@ -272,8 +272,9 @@ EMULATED = [  # (input, value, where, seq, Q, block_q): every input, place and c
                          ids=[f"{e[0]}={e[1]}-{e[2]}-{'seq' if e[3] else 'noseq'}-Q{e[4]}"
                               f"-bq{e[5]}" for e in EMULATED])
 def test_emulated_kernels_causal(name, value, where, seq, Q, block_q):
-    """The forward plan's three kernels (decay_cumsum, chunk_state_pass, chunk_scan) on the
-    emulated ct: query blocks of the whole chunk and of part of it (the key-block loop)."""
+    """The forward plan's launches with scan_causal=1 (decay_cumsum, chunk_state_pass and
+    chunk_scan twice) on the emulated ct: query blocks of the whole chunk and of part of it
+    (the key-block loop)."""
     t = where_in_chunk(Q, where)
     args, kw = make_problem(Q, t, seq, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
                             n=7)
@@ -292,14 +293,16 @@ def test_emulated_default_not_causal():
     assert not torch.isfinite(y[0, Q:t]).all()
 
 
+@pytest.mark.parametrize("causal", [0, 1], ids=["default", "scan_causal"])
 @pytest.mark.parametrize("seq, Q, block_q", [(False, 64, 64), (True, 64, 32)])
-def test_emulated_kernels_decay_limits(seq, Q, block_q):
+def test_emulated_kernels_decay_limits(seq, Q, block_q, causal):
     args, kw = make_problem(Q, Q, seq, softplus=True, dtype=F64)
-    check_decay_limits(emulated_run(Q, block_q), args, kw, EMU_TOL)
+    check_decay_limits(emulated_run(Q, block_q, causal), args, kw, EMU_TOL)
 
 
-def test_emulated_kernels_dt_zero_with_A_minus_inf():
-    check_decay_limits(emulated_run(64, 32), *dt_zero_problem(dtype=F64), EMU_TOL)
+@pytest.mark.parametrize("causal", [0, 1], ids=["default", "scan_causal"])
+def test_emulated_kernels_dt_zero_with_A_minus_inf(causal):
+    check_decay_limits(emulated_run(64, 32, causal), *dt_zero_problem(dtype=F64), EMU_TOL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,29 +357,31 @@ def test_gpu_kernels_causal(name, value, seq, dtype, Q, where):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["default", "scan_causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("Q", [64, 128, 256])
 @pytest.mark.parametrize("seq", [False, True], ids=["no_seq", "seq_idx"])
-def test_gpu_kernels_decay_limits(seq, Q, dtype):
+def test_gpu_kernels_decay_limits(seq, Q, dtype, causal):
     from support.gpu import log_result
     from support.tolerances import forward_tol
 
     args, kw = _gpu_problem(Q, Q, seq, True, dtype)
-    e_y, e_h = check_decay_limits(gpu_run(Q), args, kw, forward_tol(dtype))
+    e_y, e_h = check_decay_limits(gpu_run(Q, causal), args, kw, forward_tol(dtype))
     log_result(f"A=-inf/0 heads: out err {e_y:.2e}, final-state err {e_h:.2e}, "
                f"tol {forward_tol(dtype):.0e}")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["default", "scan_causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gpu_kernels_dt_zero_with_A_minus_inf(dtype):
+def test_gpu_kernels_dt_zero_with_A_minus_inf(dtype, causal):
     from support.gpu import log_result
     from support.tolerances import forward_tol
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     args, kw = dt_zero_problem(dtype=dtype, b=2, h=4, g=2, p=80, n=96, device="cuda")
-    e_y, e_h = check_decay_limits(gpu_run(64), args, kw, forward_tol(dtype))
+    e_y, e_h = check_decay_limits(gpu_run(64, causal), args, kw, forward_tol(dtype))
     log_result(f"dt'=0 at A=-inf: out err {e_y:.2e}, final-state err {e_h:.2e}, "
                f"tol {forward_tol(dtype):.0e}")
 
@@ -384,9 +389,11 @@ def test_gpu_kernels_dt_zero_with_A_minus_inf(dtype):
 @pytest.mark.gpu
 def test_gpu_garbage_padding_seed_problem():
     """The seed problem (B=4 T=16K H=8 P=64 N=128, chunk 128, bf16) with the last 1000 tokens
-    of batch row 0 overwritten by NaN/Inf garbage in x, B, C and dt: the real tokens' outputs
-    equal a clean run's, and the clean run still matches the float64 recurrence. Also logs
-    the forward time on the clean and on the garbage inputs (CUDA events, median of 20)."""
+    of batch row 0 overwritten by NaN/Inf garbage in x, B, C and dt, with scan_causal=1 (the
+    garbage starts inside a query block, where the default mode lets it reach the block's
+    earlier rows): the real tokens' outputs equal a clean run's, and the clean run still
+    matches the float64 recurrence. Also logs the forward time on the clean and on the garbage
+    inputs (CUDA events, median of 20)."""
     from support.gpu import log_result, rel_err
     from support.tolerances import forward_tol
 
@@ -402,8 +409,10 @@ def test_gpu_garbage_padding_seed_problem():
         tail.copy_(torch.where(torch.rand_like(tail, dtype=torch.float32) < 0.5,
                                torch.full_like(tail, NAN), torch.full_like(tail, INF)))
 
+    causal = gpu_run(Q)
+
     def fwd(i):
-        return mamba_chunk_scan_combined(**i, chunk_size=Q, return_final_states=True, **kw)
+        return causal(i, kw)
 
     y_clean, _ = fwd(inp)
     y_bad, _ = fwd(bad)

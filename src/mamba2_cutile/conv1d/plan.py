@@ -110,6 +110,11 @@ class Conv1dConfig:
                 continue            # auto (`rows_span`)
             if not isinstance(v, int) or v < 1 or v & (v - 1) or v > hi:
                 raise ValueError(f"Conv1dConfig: {name}={v!r} is not a power of two in 1..{hi}")
+        for name in ("block_d", "bwd_block_d"):
+            if self.form != 3 and getattr(self, name) > 256:
+                # forms 0-2 hold (block_l, block_d) tiles per tap: built and compiled up to 256
+                raise ValueError(f"Conv1dConfig: {name}={getattr(self, name)} above 256 needs "
+                                 f"form=3 (form={self.form})")
         for span, rows in (("span", "rows"), ("bwd_span", "bwd_rows")):
             if getattr(self, span) and getattr(self, span) < max(8, getattr(self, rows)):
                 raise ValueError(f"Conv1dConfig: {span}={getattr(self, span)} must be at least "
@@ -301,9 +306,9 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
     return [KernelCall(kernel, grid, args)]
 
 
-#: form 3's longest automatic span, its shortest, and the programs per SM it keeps at least
-# 5 programs per SM: 512-token spans at 672 programs (5.1 per SM) were the fastest forward at
-# (1, 16384, 5376) on the H200 (2026-12-02-h200-conv1d-rows-sweep.txt)
+#: form 3's longest automatic span, its shortest, and the programs per SM the automatic span
+#: keeps: 5, as 512-token spans at 672 programs (5.1 per SM) were the fastest forward at
+#: (1, 16384, 5376) on the H200 (2026-12-02-h200-conv1d-rows-sweep.txt)
 ROWS_SPAN_MAX, ROWS_SPAN_MIN, ROWS_PROGRAMS_PER_SM = 512, 64, 5
 
 

@@ -102,7 +102,10 @@ class BackwardConfig:
                                  # token block, p-tile and gcd(HB, HPG) heads of one group
                                  # (`dx_head_blocks`), S = C B^T and B/C formed once for them;
                                  # 1, or da_mode 2 or dx_cb=1 (which it does not take), or
-                                 # gcd 1: bwd_chunk_dx, one head per program
+                                 # gcd 1: bwd_chunk_dx, one head per program. Slower at every
+                                 # tiling timed (H200: 0.669 -> 1.40-1.87 ms at B=2 T=4096
+                                 # H=80, 2.12 -> 4.61-5.92 ms at H=128 G=8; benchmarks/results/
+                                 # 2026-12-02-h200-backward-sweep-dx-head-block.jsonl)
 
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
     FIXED = ("dstate_pad",)

@@ -58,7 +58,7 @@ class ForwardConfig:
                                     # recomputes the flagged tiles in a sanitizing form
                                     # (kernels/chunk_scan.py). Off by default: on clean input it
                                     # made the seed problem's forward 0.251 -> 0.297 ms on the
-                                    # H200 (the count +0.018 ms, the second launch 0.032 ms;
+                                    # H200 (the count +0.017 ms, the second launch 0.032 ms;
                                     # benchmarks/results/2026-12-02-h200-forward-sweep-causal.jsonl)
 
     FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
