@@ -152,9 +152,16 @@ def bench_decode(m, step, batch, reps):
 
 
 def run(models=(768, 2560, 4096), tokens=(8192, 32768, 65536), seqlen=8192,
-        modes=("train", "decode"), reps=20, decode_batches=(1, 64), out_rows=None):
+        modes=("train", "decode"), reps=20, decode_batches=(1, 64), out_rows=None, on_row=None):
+    """The rows (dicts) of every shape, impl and mode; `on_row(row)` sees each as it is made
+    (a run cut short keeps what it measured)."""
     pieces, why_not = _mamba_ssm_pieces()
     rows = []
+
+    def add(row):
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
     for d_model in models:
         ngroups = MODELS.get(d_model, 1)
         m = build_layer(d_model, ngroups)
@@ -169,7 +176,7 @@ def run(models=(768, 2560, 4096), tokens=(8192, 32768, 65536), seqlen=8192,
                     for impl in ("ours", "composed"):
                         row = dict(shape, impl=impl)
                         if impl == "composed" and pieces is None:
-                            rows.append(dict(row, status="skipped", note=why_not))
+                            add(dict(row, status="skipped", note=why_not))
                             continue
                         fwd = m if impl == "ours" else composed_forward(m, pieces)
                         try:
@@ -182,7 +189,7 @@ def run(models=(768, 2560, 4096), tokens=(8192, 32768, 65536), seqlen=8192,
                         except Exception as e:  # noqa: BLE001 - one failed row, the rest go on
                             row.update(status="error", note=f"{type(e).__name__}: {e}"[:400],
                                        trace=traceback.format_exc(limit=3)[-800:])
-                        rows.append(row)
+                        add(row)
                         torch.cuda.empty_cache()
             elif mode == "decode":
                 for batch in decode_batches:
@@ -190,14 +197,14 @@ def run(models=(768, 2560, 4096), tokens=(8192, 32768, 65536), seqlen=8192,
                     for impl in ("ours", "composed"):
                         row = dict(shape, impl=impl)
                         if impl == "composed" and pieces is None:
-                            rows.append(dict(row, status="skipped", note=why_not))
+                            add(dict(row, status="skipped", note=why_not))
                             continue
                         step = m.step if impl == "ours" else composed_step(m, pieces)
                         try:
                             row.update(bench_decode(m, step, batch, max(reps, 50)), status="ok")
                         except Exception as e:  # noqa: BLE001
                             row.update(status="error", note=f"{type(e).__name__}: {e}"[:400])
-                        rows.append(row)
+                        add(row)
             else:
                 raise ValueError(f"modes: unknown mode {mode!r} (train, decode)")
         del m
@@ -251,13 +258,14 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("the layer benchmark needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
-    rows = run(args.models, args.tokens, args.seqlen, tuple(args.modes.split(",")), args.reps,
-               args.decode_batches)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     path = os.path.join(args.out, "layer.jsonl")
     with open(path, "w") as f:
-        for r in rows:
+        def write(r):
             f.write(json.dumps(dict(r, **meta), default=str) + "\n")
+            f.flush()
+        rows = run(args.models, args.tokens, args.seqlen, tuple(args.modes.split(",")),
+                   args.reps, args.decode_batches, on_row=write)
     print(format_table(rows))
     ours = [r["tokens_per_s"] for r in rows
             if r.get("status") == "ok" and r["mode"] == "train" and r["impl"] == "ours"]
