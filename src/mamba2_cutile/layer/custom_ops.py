@@ -190,13 +190,19 @@ def split_conv1d_scan_backward(
         dt_lo: float, dt_hi: float) -> list[Tensor]:
     """The gradients of GRAD_INPUTS in order (each in its input's dtype), an empty tensor for
     each absent input. dout / dfinal None: zero cotangents."""
+    # Peak memory: each (batch, seqlen, dim) intermediate is dropped as soon as its last use
+    # is past, and the gradient of zxbcdt is filled slice by slice, so what is alive at once
+    # stays near zxbcdt, its gradient and the scan backward's own buffers.
     sz = Sizes(zxbcdt, conv1d_weight, A, headdim, ngroups)
     dtype, cd = zxbcdt.dtype, _compute_dtype(zxbcdt)
     zx0, z, xBC, dt = sz.split(zxbcdt)
     has_norm, has_proj = rmsnorm_weight is not None, outproj_weight is not None
+    dzxbcdt = torch.empty_like(zxbcdt, memory_format=torch.contiguous_format)
+    dzx0_out, dz_out, dxBC_out, ddt_out = sz.split(dzxbcdt)
     # The forward's rounding points: x, B, C in zxbcdt's dtype, from the same convolution.
     act = conv_act(xBC, conv1d_weight, conv1d_bias, seq_idx, silu)
     x, B, C = sz.xbc(act)
+    del act
     scan_z = None if has_norm else z
     scan_args = (chunk_size, D, scan_z, dt_bias, initial_states, seq_idx, dt_lo, dt_hi)
     y_scan = None
@@ -215,34 +221,45 @@ def split_conv1d_scan_backward(
     d_proj_w = d_proj_b = None
     if has_proj:
         y_in = _linear_input(sz, zx0, y)
+        del y
         dout2 = dout.reshape(-1, dout.shape[-1]).to(dtype)
         d_proj_w = (dout2.t() @ y_in.reshape(-1, y_in.shape[-1])).to(outproj_weight.dtype)
+        del y_in
         if outproj_bias is not None:
             d_proj_b = dout2.to(cd).sum(dim=0).to(outproj_bias.dtype)
         dy = (dout2 @ outproj_weight.to(dtype)).reshape(sz.batch, sz.seqlen, sz.d_mlp + sz.dim)
+        del dout2
     else:
+        del y
         dy = dout.to(dtype)
-    dy_mlp, dy = dy.split([sz.d_mlp, sz.dim], dim=-1)
-    dzx0 = parts.swiglu_backward(dy_mlp.to(cd), zx0.to(cd)) if sz.d_mlp else zx0.new_empty(
-        (sz.batch, sz.seqlen, 0), dtype=cd)
-    d_norm_w = dz = None
+    del dout
+    if sz.d_mlp:
+        dzx0_out.copy_(parts.swiglu_backward(dy[..., :sz.d_mlp].to(cd), zx0.to(cd)))
+    dy = dy[..., sz.d_mlp:]
+    d_norm_w = None
     if has_norm:
         rows = lambda t: t.reshape(-1, sz.dim)  # noqa: E731
         dy, d_norm_w, _, dz = torch.ops.mamba2_cutile.rmsnorm_gated_bwd(
             rows(dy), rows(y_scan), rmsnorm_weight, None, rows(z), rstd, group_size,
             norm_before_gate)
-        dy, dz = dy.view(sz.batch, sz.seqlen, sz.dim), dz.view(sz.batch, sz.seqlen, sz.dim)
+        dy = dy.view(sz.batch, sz.seqlen, sz.dim)
+        dz_out.copy_(dz.view(sz.batch, sz.seqlen, sz.dim))
+        del dz
+    del y_scan
     g = _scan_backward(x, dt, A, B, C, chunk_size, sz.heads(dy.to(x.dtype)), dfinal, D,
                        None if scan_z is None else sz.heads(scan_z), dt_bias, initial_states,
                        seq_idx, dt_lo, dt_hi)
+    del dy, x, B, C
     if not has_norm:
-        dz = g["z"].flatten(-2)
-    d_act = torch.cat([g["x"].flatten(-2), g["B"].flatten(-2), g["C"].flatten(-2)],
-                      dim=-1).to(dtype)
+        dz_out.copy_(g.pop("z").flatten(-2))
+    ddt_out.copy_(g.pop("dt"))
+    d_act = torch.cat([g.pop("x").flatten(-2), g.pop("B").flatten(-2),
+                       g.pop("C").flatten(-2)], dim=-1).to(dtype)
     dxBC, d_conv_w, d_conv_b = conv_backward(d_act, xBC, conv1d_weight, conv1d_bias, seq_idx,
                                              silu)
-    dzxbcdt = torch.cat([dzx0.to(dtype), dz.to(dtype), dxBC.to(dtype), g["dt"].to(dtype)],
-                        dim=-1)
+    del d_act
+    dxBC_out.copy_(dxBC)
+    del dxBC
     grads = dict(zxbcdt=dzxbcdt, conv1d_weight=d_conv_w.to(conv1d_weight.dtype),
                  conv1d_bias=None if d_conv_b is None else d_conv_b.to(conv1d_bias.dtype),
                  dt_bias=g["dt_bias"], A=g["A"], D=g["D"], initial_states=g["initial_states"],
