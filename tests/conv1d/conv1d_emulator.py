@@ -13,13 +13,27 @@ from support.emulator import CT, _tile
 
 
 class EmuArray(torch.Tensor):
-    """A kernel argument: a torch tensor with cuTile's `Array.slice`."""
+    """A kernel argument: a torch tensor with cuTile's `Array.slice`. A slice remembers its
+    parent, so that a store through it is checked for races against the parent's owners
+    (the emulator keys its owner maps by the array object, and a per-program view is a new
+    object whose id a later program's view may reuse)."""
 
     def slice(self, axis, start, stop):
         start, stop = int(start), int(stop)
         assert 0 <= start < self.shape[axis] and start <= stop <= self.shape[axis], \
             (axis, start, stop, tuple(self.shape))
-        return self.narrow(axis, start, stop - start)
+        view = self.narrow(axis, start, stop - start)
+        view._emu_parent = (self, axis, start)
+        return view
+
+
+def _owners(array):
+    """The emulator's owner map of `array`: for a slice, the matching view of its root's."""
+    parent = getattr(array, "_emu_parent", None)
+    if parent is None:
+        return CT.owner.setdefault(id(array), torch.full(array.shape, -1, dtype=torch.int64))
+    base, axis, start = parent
+    return _owners(base).narrow(axis, start, array.shape[axis])
 
 
 def _assert_inside(array, index, shape):
@@ -38,11 +52,19 @@ def _load(array, index, shape, order="C", padding_mode=None, check_bounds=True, 
 
 
 def _store(array, index, tile, order="C", check_bounds=True, **kw):
+    owners = _owners(array) if getattr(array, "_emu_parent", None) is not None else None
     if order != "C":
         array = array.permute(*order)
+        owners = owners.permute(*order) if owners is not None else None
     if not check_bounds:
         _assert_inside(array, index, tuple(tile.shape))
-    return _plain_store(array, index, tile, **kw)
+    if owners is None:
+        return _plain_store(array, index, tile, **kw)
+    CT.owner[id(array)] = owners
+    try:
+        return _plain_store(array, index, tile, **kw)
+    finally:
+        del CT.owner[id(array)]
 
 
 def _scatter(array, indices, value, mask=None, check_bounds=True, latency=None):

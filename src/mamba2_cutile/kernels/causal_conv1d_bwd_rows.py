@@ -10,7 +10,7 @@
 (pre from `causal_conv1d_fwd_rows.conv_row`, recomputed from x), with every row of x and dout
 read once, as in the forward of this form.
 
-- A program owns BLOCK_D channels of one batch row and the dx rows u = s0 .. s0+SPAN-1. It
+- A program owns BLOCK_D channels of one batch row and the dx rows u = s0 .. s0+span-1. It
   walks the tokens t = u + (W-1) in order, ROWS per unrolled step: per token it loads x(t) and
   dout(t), forms pre(t) from the W-1 input rows it carries (tokens t-(W-1)..t-1, float32),
   g(t), adds the dw/dbias terms of g(t), and finishes dx(t-(W-1)), whose last term was g(t),
@@ -31,9 +31,14 @@ read once, as in the forward of this form.
 - SILU: 0 no activation, 1 SiLU in IEEE float32, 2 through the approximate exp2 and
   reciprocal (16-bit inputs; see `causal_conv1d_fwd_rows`).
 - Partial sums: dw (W, BLOCK_D) and dbias (BLOCK_D) of the program's tokens t in
-  [s0, s0+SPAN) go to row `b * num_blocks(1) + bid(1)` of the partial buffers, summed
+  [s0, s0+span) go to row `b * num_blocks(1) + bid(1)` of the partial buffers, summed
   afterwards in a fixed order (deterministic, no atomics); the programs of the first span
-  write dinit. Grid: (cdiv(dim, BLOCK_D), cdiv(seqlen, SPAN), batch).
+  write dinit. Grid: (cdiv(dim, BLOCK_D), cdiv(seqlen, span), batch); `span` is a run-time
+  int32, any multiple of ROWS that is at least W-1 (one compile for every span: the lookahead
+  select above needs only that a span's last step ends at s0+span). The full steps index
+  views that start at s0 (dx) and s0+W-1 (x, dout). sm_90 registers (bf16, bias + SiLU,
+  width 4, BLOCK_D 128, ROWS 8, CPU compile): 82, 6 CTAs per SM (77 at a compile-time span;
+  88 at the run-time span with absolute row indices, 5 per SM).
 """
 
 import cuda.tile as ct
@@ -109,13 +114,14 @@ def _token(x, dout, seq_idx, b, t, d_blk, seqlen, BLOCK_D: ct.Constant[int],
     return xt, dot, idt
 
 
-def _full_step(xraw, draw, seq_idx, dx, wts, bias_row, xs, ids, gs, dws, db, b, t0,
-               step_tile, d_blk, s_end, WIDTH: ct.Constant[int], ROWS: ct.Constant[int],
+def _full_step(xraw, draw, seq_idx, dx_span, wts, bias_row, xs, ids, gs, dws, db, b, t0,
+               r0, d_blk, s_end, WIDTH: ct.Constant[int], ROWS: ct.Constant[int],
                BLOCK_D: ct.Constant[int], HAS_SEQ: ct.Constant[bool],
                SILU: ct.Constant[int], ROW_TILE: ct.Constant[bool],
                UNCHECKED: ct.Constant[bool]):
     """dx rows t0 .. t0+ROWS-1 (tokens t0+W-1 .. t0+ROWS+W-2 all inside the sequence, loaded
-    as xraw / draw, see `causal_conv1d_fwd_rows.step_loads`)."""
+    as xraw / draw, see `causal_conv1d_fwd_rows.step_loads`), stored as rows r0 .. r0+ROWS-1
+    of dx_span (dx from the span's first row: r0 = t0 - s0, a multiple of ROWS)."""
     xr = step_rows(xraw, ROWS, BLOCK_D, ROW_TILE)
     dr = step_rows(draw, ROWS, BLOCK_D, ROW_TILE)
     outs = ()
@@ -129,9 +135,9 @@ def _full_step(xraw, draw, seq_idx, dx, wts, bias_row, xs, ids, gs, dws, db, b, 
         g = _grad_row(xs, ids, xt, idt, dot, wts, bias_row, WIDTH, HAS_SEQ, SILU)
         de = _dx_row(gs, ids, g, idt, wts, WIDTH, HAS_SEQ)
         if ROW_TILE:
-            outs += (de.astype(dx.dtype),)
+            outs += (de.astype(dx_span.dtype),)
         else:
-            store_row(dx, b, t0 + i, d_blk, de, BLOCK_D, UNCHECKED)
+            store_row(dx_span, b, r0 + i, d_blk, de, BLOCK_D, UNCHECKED)
         gw = g
         if i >= ROWS - (WIDTH - 1):
             # lookahead past the span holds the next program's terms: a select, not a branch
@@ -143,7 +149,7 @@ def _full_step(xraw, draw, seq_idx, dx, wts, bias_row, xs, ids, gs, dws, db, b, 
         if HAS_SEQ:
             ids = shift(ids, idt, WIDTH)
     if ROW_TILE:
-        ct.store(dx, index=(b, step_tile, d_blk),
+        ct.store(dx_span, index=(b, r0 // ROWS, d_blk),
                  tile=cat_rows(outs, ROWS).reshape((1, ROWS, BLOCK_D)), allow_tma=False,
                  check_bounds=not UNCHECKED)
     return xs, ids, gs, dws, db
@@ -203,7 +209,7 @@ def _dinit(dinit, dfinal, seq_idx, gs, ids, wts, b, d_blk, seqlen, WIDTH: ct.Con
 
 
 def _bwd_rows(x, weight_t, bias, init, seq_idx, dout, dfinal, dx, dw_part, db_part, dinit,
-              WIDTH: ct.Constant[int], SPAN: ct.Constant[int], ROWS: ct.Constant[int],
+              WIDTH: ct.Constant[int], span: int, ROWS: ct.Constant[int],
               BLOCK_D: ct.Constant[int], HAS_BIAS: ct.Constant[bool],
               HAS_INIT: ct.Constant[bool], HAS_SEQ: ct.Constant[bool],
               SILU: ct.Constant[int], HAS_DFINAL: ct.Constant[bool],
@@ -214,8 +220,8 @@ def _bwd_rows(x, weight_t, bias, init, seq_idx, dout, dfinal, dx, dw_part, db_pa
     b = ct.bid(2)
     seqlen = x.shape[1]
     wts, bias_row = weight_rows_plain(weight_t, bias, d_blk, WIDTH, BLOCK_D, HAS_BIAS)
-    s0 = prog * SPAN
-    s_end = s0 + SPAN
+    s0 = prog * span
+    s_end = s0 + span
     xs, ids = halo_rows(x, init, seq_idx, b, s0, d_blk, WIDTH, BLOCK_D, HAS_INIT, HAS_SEQ)
     zero = ct.full((1, BLOCK_D), 0.0, dtype=ct.float32)
     gs = ()
@@ -238,34 +244,41 @@ def _bwd_rows(x, weight_t, bias, init, seq_idx, dout, dfinal, dx, dw_part, db_pa
         if prog == 0:
             _dinit(dinit, dfinal, seq_idx, gs, ids, wts, b, d_blk, seqlen, WIDTH, BLOCK_D,
                    HAS_SEQ, HAS_DFINAL)
-    n_steps = ct.cdiv(ct.minimum(seqlen - s0, SPAN), ROWS)
-    tile0 = prog * (SPAN // ROWS)
-    ahead = s0 + (WIDTH - 1)        # the tokens of dx row u are read at u + W-1
+    n_steps = ct.cdiv(ct.minimum(seqlen - s0, span), ROWS)
+    # the full steps index views from the span's start (dx) and from its first lookahead
+    # token (x, dout: the tokens of dx row u are read at u + W-1), at rows r0 + i with r0 a
+    # multiple of ROWS: the compiler then chains each step's ROWS addresses off one base
+    # (absolute rows kept one 64-bit address per row: 88 registers against 82). A span
+    # whose lookahead start lies past the end has no full step: its view is never read.
+    ahead = ct.minimum(s0 + (WIDTH - 1), seqlen - 1)
+    x_ahead = x.slice(1, ahead, seqlen)
+    dout_ahead = dout.slice(1, ahead, seqlen)
+    dx_span = dx.slice(1, s0, seqlen)
     if PREFETCH:
         xnxt = no_step(x, ROWS, BLOCK_D, ROW_TILE)
         dnxt = no_step(dout, ROWS, BLOCK_D, ROW_TILE)
-        if ahead + ROWS <= seqlen:
-            xnxt = step_loads(x, b, ahead, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
-            dnxt = step_loads(dout, b, ahead, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
+        if s0 + (ROWS + WIDTH - 1) <= seqlen:
+            xnxt = step_loads(x_ahead, b, 0, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
+            dnxt = step_loads(dout_ahead, b, 0, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
     for step in range(n_steps):
-        t0 = s0 + step * ROWS
+        r0 = step * ROWS
+        t0 = s0 + r0
         if t0 + (ROWS + WIDTH - 1) <= seqlen:
             if PREFETCH:
                 # the next full step's loads go out before this step's math
                 xraw = xnxt
                 draw = dnxt
-                nt = t0 + ROWS + (WIDTH - 1)
-                xnxt = next_step_loads(x, b, nt, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
-                dnxt = next_step_loads(dout, b, nt, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
+                xnxt = next_step_loads(x_ahead, b, r0 + ROWS, d_blk, ROWS, BLOCK_D, ROW_TILE,
+                                       UNCHECKED)
+                dnxt = next_step_loads(dout_ahead, b, r0 + ROWS, d_blk, ROWS, BLOCK_D,
+                                       ROW_TILE, UNCHECKED)
             else:
-                xraw = step_loads(x, b, t0 + (WIDTH - 1), d_blk, ROWS, BLOCK_D, ROW_TILE,
-                                  UNCHECKED)
-                draw = step_loads(dout, b, t0 + (WIDTH - 1), d_blk, ROWS, BLOCK_D, ROW_TILE,
+                xraw = step_loads(x_ahead, b, r0, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
+                draw = step_loads(dout_ahead, b, r0, d_blk, ROWS, BLOCK_D, ROW_TILE,
                                   UNCHECKED)
             xs, ids, gs, dws, db = _full_step(
-                xraw, draw, seq_idx, dx, wts, bias_row, xs, ids, gs, dws, db, b, t0,
-                tile0 + step, d_blk, s_end, WIDTH, ROWS, BLOCK_D, HAS_SEQ, SILU, ROW_TILE,
-                UNCHECKED)
+                xraw, draw, seq_idx, dx_span, wts, bias_row, xs, ids, gs, dws, db, b, t0, r0,
+                d_blk, s_end, WIDTH, ROWS, BLOCK_D, HAS_SEQ, SILU, ROW_TILE, UNCHECKED)
         else:
             xs, ids, gs, dws, db = _edge_step(
                 x, seq_idx, dout, dfinal, dx, wts, bias_row, xs, ids, gs, dws, db, b, t0,

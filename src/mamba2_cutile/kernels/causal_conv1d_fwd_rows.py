@@ -9,11 +9,11 @@ e(u) is x, the initial states at u = -(W-1)..-1, zero before and past the end; i
 the row's first id, id(0).
 
 Layout of the work: each input row crosses L2 -> SM once. A program owns BLOCK_D channels of
-one batch row and SPAN consecutive tokens s0 .. s0+SPAN-1; it walks them ROWS at a time and
+one batch row and `span` consecutive tokens s0 .. s0+span-1; it walks them ROWS at a time and
 carries the last W-1 input rows (float32, (1, BLOCK_D) each) and their ids from row to row, so
 that tap k of token t is a register it already holds, not a reload of a shifted tile (form 1
 issues W overlapping tile loads per block, W+1 passes of L2 -> SM traffic). Per span the
-W-1 rows before s0 are read again (the halo; W-1 rows per SPAN, under 1% at SPAN >= 512).
+W-1 rows before s0 are read again (the halo; W-1 rows per span: 0.6% at 512, 4.7% at 64).
 
 - Every row is a (1, BLOCK_D) tile and every tap, weight and output row has that one shape, so
   the whole per-token computation is elementwise on one register layout. ROW_TILE = 0 loads
@@ -38,7 +38,14 @@ W-1 rows before s0 are read again (the halo; W-1 rows per SPAN, under 1% at SPAN
   approximate exp2 and reciprocal (16-bit outputs, whose rounding, 2^-9 or 2^-12, dwarfs
   their ~2^-21): at 4.3 TB/s an SM must finish ~4 elements a clock, and the IEEE division
   and expf tripled the kernel's FFMAs (sm_90 SASS: 428 against 128).
-- Grid: (cdiv(dim, BLOCK_D), cdiv(seqlen, SPAN), batch); SPAN is a multiple of ROWS.
+- Grid: (cdiv(dim, BLOCK_D), cdiv(seqlen, span), batch). `span` is a run-time int32 (one
+  compile serves every span, so the launcher can pick any span per shape, e.g. one that makes
+  the grid fill whole waves of CTA slots, see `conv1d.plan.rows_span`): any multiple of ROWS
+  that is at least W-1 (so the halo of a span s0 > 0 lies inside x). The full steps index
+  views of x and out that start at s0 (see `_fwd_rows`). sm_90 registers (bf16, bias + SiLU,
+  width 4, BLOCK_D 256, ROWS 8, CPU compile): 80, 6 CTAs per SM (a compile-time span gave
+  72, 7 per SM); with the occupancy-8 hint form 3's launcher gives it by default, 64 and 8
+  per SM (63 at a compile-time span), no spills either way.
 """
 
 import cuda.tile as ct
@@ -92,8 +99,8 @@ def halo_rows(x, init, seq_idx, b, s0, d_blk, WIDTH: ct.Constant[int],
               BLOCK_D: ct.Constant[int], HAS_INIT: ct.Constant[bool],
               HAS_SEQ: ct.Constant[bool]):
     """(e(s0-(W-1)+j) as (1, BLOCK_D) float32, id(s0-(W-1)+j) as (1, 1)) for j < W-1, as two
-    tuples (the ids one empty without seq_idx); s0 is a span start (a multiple of SPAN >=
-    W-1, so s0 > 0 means every halo row is inside x)."""
+    tuples (the ids one empty without seq_idx); s0 is a span start (a multiple of the span,
+    which is >= W-1, so s0 > 0 means every halo row is inside x)."""
     xs = ()
     ids = ()
     if s0 == 0:
@@ -229,12 +236,13 @@ def step_rows(raw, ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
     return rows
 
 
-def _full_step(raw, seq_idx, out, wts, bias_row, xs, ids, b, t0, step_tile, d_blk,
+def _full_step(raw, seq_idx, out_span, wts, bias_row, xs, ids, b, t0, r0, d_blk,
                WIDTH: ct.Constant[int], ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
                HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[int],
                ROW_TILE: ct.Constant[bool], UNCHECKED: ct.Constant[bool]):
     """Tokens t0 .. t0+ROWS-1, all inside the sequence, loaded as `raw` (`step_loads`):
-    outputs stored; (xs, ids) carried on."""
+    outputs stored as rows r0 .. r0+ROWS-1 of out_span (out from the span's first token, so
+    r0 = t0 - s0 is a multiple of ROWS); (xs, ids) carried on."""
     rows = step_rows(raw, ROWS, BLOCK_D, ROW_TILE)
     outs = ()
     for i in ct.static_iter(range(ROWS)):
@@ -245,14 +253,14 @@ def _full_step(raw, seq_idx, out, wts, bias_row, xs, ids, b, t0, step_tile, d_bl
         acc = _activate(conv_row(xs, ids, xt, idt, wts, bias_row, WIDTH, HAS_SEQ), idt,
                         HAS_SEQ, SILU)
         if ROW_TILE:
-            outs += (acc.astype(out.dtype),)
+            outs += (acc.astype(out_span.dtype),)
         else:
-            store_row(out, b, t0 + i, d_blk, acc, BLOCK_D, UNCHECKED)
+            store_row(out_span, b, r0 + i, d_blk, acc, BLOCK_D, UNCHECKED)
         xs = shift(xs, xt, WIDTH)
         if HAS_SEQ:
             ids = shift(ids, idt, WIDTH)
     if ROW_TILE:
-        ct.store(out, index=(b, step_tile, d_blk),
+        ct.store(out_span, index=(b, r0 // ROWS, d_blk),
                  tile=cat_rows(outs, ROWS).reshape((1, ROWS, BLOCK_D)), allow_tma=False,
                  check_bounds=not UNCHECKED)
     return xs, ids
@@ -303,7 +311,7 @@ def _final_states(x, init, seq_idx, final, b, d_blk, seqlen, WIDTH: ct.Constant[
 
 
 def _fwd_rows(x, weight_t, bias, init, seq_idx, out, final, WIDTH: ct.Constant[int],
-              SPAN: ct.Constant[int], ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
+              span: int, ROWS: ct.Constant[int], BLOCK_D: ct.Constant[int],
               HAS_BIAS: ct.Constant[bool], HAS_INIT: ct.Constant[bool],
               HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[int],
               HAS_FINAL: ct.Constant[bool], ROW_TILE: ct.Constant[bool],
@@ -313,27 +321,33 @@ def _fwd_rows(x, weight_t, bias, init, seq_idx, out, final, WIDTH: ct.Constant[i
     b = ct.bid(2)
     seqlen = x.shape[1]
     wts, bias_row = weight_rows_plain(weight_t, bias, d_blk, WIDTH, BLOCK_D, HAS_BIAS)
-    s0 = prog * SPAN
+    s0 = prog * span
     xs, ids = halo_rows(x, init, seq_idx, b, s0, d_blk, WIDTH, BLOCK_D, HAS_INIT, HAS_SEQ)
-    n_steps = ct.cdiv(ct.minimum(seqlen - s0, SPAN), ROWS)
-    tile0 = prog * (SPAN // ROWS)
+    n_steps = ct.cdiv(ct.minimum(seqlen - s0, span), ROWS)
+    # the full steps index views that start at s0: their rows r0 + i (r0 a multiple of ROWS,
+    # i < ROWS) cannot carry past r0's low bits, so the compiler chains the ROWS addresses
+    # off one base (with absolute rows s0 + r0 + i, s0 only known at run time, it kept one
+    # 64-bit address per row: 84 registers, 80 with the views)
+    x_span = x.slice(1, s0, seqlen)
+    out_span = out.slice(1, s0, seqlen)
     if PREFETCH:
         nxt = no_step(x, ROWS, BLOCK_D, ROW_TILE)
         if s0 + ROWS <= seqlen:
-            nxt = step_loads(x, b, s0, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
+            nxt = step_loads(x_span, b, 0, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
     for step in range(n_steps):
-        t0 = s0 + step * ROWS
+        r0 = step * ROWS
+        t0 = s0 + r0
         if t0 + ROWS <= seqlen:
             if PREFETCH:
                 # the next full step's loads go out before this step's math
                 raw = nxt
-                nxt = next_step_loads(x, b, t0 + ROWS, d_blk, ROWS, BLOCK_D, ROW_TILE,
+                nxt = next_step_loads(x_span, b, r0 + ROWS, d_blk, ROWS, BLOCK_D, ROW_TILE,
                                       UNCHECKED)
             else:
-                raw = step_loads(x, b, t0, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
-            xs, ids = _full_step(raw, seq_idx, out, wts, bias_row, xs, ids, b, t0,
-                                 tile0 + step, d_blk, WIDTH, ROWS, BLOCK_D, HAS_SEQ, SILU,
-                                 ROW_TILE, UNCHECKED)
+                raw = step_loads(x_span, b, r0, d_blk, ROWS, BLOCK_D, ROW_TILE, UNCHECKED)
+            xs, ids = _full_step(raw, seq_idx, out_span, wts, bias_row, xs, ids, b, t0, r0,
+                                 d_blk, WIDTH, ROWS, BLOCK_D, HAS_SEQ, SILU, ROW_TILE,
+                                 UNCHECKED)
         else:
             xs, ids = _tail_step(x, seq_idx, out, wts, bias_row, xs, ids, b, t0, d_blk,
                                  seqlen, WIDTH, ROWS, BLOCK_D, HAS_SEQ, SILU)
