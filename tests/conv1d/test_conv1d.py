@@ -517,6 +517,28 @@ def test_kernels_emulated_row_streaming(w, silu, opts, rows_cfg, silu_mode, monk
     _emulated_forward_backward("channel_last", w, silu, opts, "default", 3)
 
 
+#: spans that are no power of two (a run-time kernel argument): several programs per row at
+#: 101 tokens, none of them a multiple of the span (24: 5 spans, the last 5 tokens; 40: 3
+#: spans, the last 21), row loads and row tiles, prefetch on and off
+ODD_SPAN_CFGS = {
+    "span24-rows8-bwd40-rows4": dict(span=24, rows=8, bwd_span=40, bwd_rows=4),
+    "span40-rows4-bwd24-rows8-tile-prefetch": dict(span=40, rows=4, row_tile=1, prefetch=1,
+                                                   bwd_span=24, bwd_rows=8, bwd_row_tile=1,
+                                                   bwd_prefetch=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ODD_SPAN_CFGS))
+@pytest.mark.parametrize("w,opts", [(4, "all"), (3, "all")])
+def test_kernels_emulated_row_streaming_odd_spans(w, opts, name, monkeypatch):
+    """Form 3 at spans of 24 and 40 tokens on 101 tokens: halo rows from the previous span,
+    seq_idx, initial states (dinit), final states and dfinal, dweight partials of spans that
+    end inside a step's lookahead, forward and backward against the float64 definition."""
+    cfg = dataclasses.replace(EMU_CFG, form=3, **ODD_SPAN_CFGS[name])
+    monkeypatch.setattr(plan, "conv1d_config", lambda *a, **k: cfg)
+    _emulated_forward_backward("channel_last", w, True, opts, "default", 3, l=101)
+
+
 @pytest.mark.parametrize("rows_cfg", ["span8-rows4", "span16-rows8-tile-prefetch",
                                       "span16-rows4-prefetch"])
 @pytest.mark.parametrize("w,silu,opts", [(4, True, "all"), (8, True, "all"), (2, False, "none")])
@@ -549,7 +571,9 @@ def test_row_streaming_plan():
     call = plan.forward_plan(x, torch.empty(4, 100, dtype=F64), None, None, None, out, None,
                              True, cfg)[0]
     from mamba2_cutile.kernels import causal_conv1d_fwd_rows, causal_conv1d_fwd_stream
-    assert call.kernel is causal_conv1d_fwd_rows.causal_conv1d_fwd_rows
+    from mamba2_cutile.runtime import with_hints
+    assert call.kernel is with_hints(causal_conv1d_fwd_rows.causal_conv1d_fwd_rows,
+                                     *plan.rows_forward_hints(cfg))
     assert tuple(call.grid) == (2, 4, 2)
     assert plan.backward_grid(x, cfg) == (4, 8, 2)
     c = x.contiguous()
@@ -557,20 +581,100 @@ def test_row_streaming_plan():
                              torch.empty_like(c), None, True, cfg)[0]
     assert call.kernel is causal_conv1d_fwd_stream.causal_conv1d_fwd_stream
     assert plan.backward_grid(c, cfg) == plan.backward_grid(c, dataclasses.replace(cfg, form=1))
-    # span 0: the longest power of two <= 512 keeping ~5 programs per SM, at least 64
-    assert plan.rows_span(0, 8, 1, 5376, 16384, 256, 132) == 512     # 21 x 32 = 672
-    assert plan.rows_span(0, 8, 1, 5376, 8192, 256, 132) == 256      # 21 x 32 = 672
-    assert plan.rows_span(0, 8, 4, 5376, 16384, 256, 132) == 512
-    assert plan.rows_span(0, 8, 1, 1536, 2048, 256, 132) == 64       # floor
-    assert plan.rows_span(0, 64, 1, 64, 100, 256, 132) == 64
-    assert plan.rows_span(128, 8, 1, 64, 100, 256, 132) == 128
+    assert plan.rows_span(128, 8, 1, 64, 100, 256, 132, 8) == 128       # explicit
     auto = plan.Conv1dConfig(form=3, block_d=64, bwd_block_d=32)
     assert plan.backward_grid(x, auto) == (4, 16, 2)      # 8 x 2 blocks: the 64-token floor
     for bad, match in ((dict(span=4), "span"), (dict(rows=16, span=8), "span"),
+                       (dict(span=12), "span=12 must be 0 .* multiple of rows=8"),
+                       (dict(bwd_span=30, bwd_rows=4), "bwd_span=30 .* bwd_rows=4"),
+                       (dict(span=65544), "span"), (dict(span=-8), "span"),
                        (dict(bwd_rows=3), "bwd_rows"), (dict(row_tile=2), "row_tile"),
-                       (dict(block_d=2048), "block_d")):
+                       (dict(block_d=2048), "block_d"), (dict(ctas_per_sm=0), "ctas_per_sm"),
+                       (dict(bwd_ctas_per_sm=33), "bwd_ctas_per_sm"),
+                       (dict(ctas_hint=2), "ctas_hint")):
         with pytest.raises(ValueError, match=match):
             plan.Conv1dConfig(**bad)
+    # any multiple of rows is a span now (a run-time kernel argument)
+    cfg = plan.Conv1dConfig(form=3, block_d=64, span=376, bwd_block_d=32, bwd_span=40,
+                            bwd_rows=4)
+    assert tuple(plan.forward_plan(x, torch.empty(4, 100, dtype=F64), None, None, None, out,
+                                   None, True, cfg)[0].grid) == (2, 3, 2)
+    assert plan.backward_grid(x, cfg) == (4, 25, 2)
+
+
+def _programs(blocks, seqlen, span):
+    return blocks * -(-seqlen // span)
+
+
+def test_rows_span_fills_whole_waves():
+    """span 0: the span whose grid fills whole waves of ctas_per_sm x SMs CTA slots
+    (`plan.rows_span`), at the sweep's shapes, and its bounds over many shapes."""
+    rs = plan.rows_span
+    # (1, 16384, 5376), forward tiles (21 channel blocks): 7 per SM -> 44 spans of 376
+    # tokens, 924 programs = one full wave of 924 slots; 8 per SM (the default) -> 50 x 328
+    assert rs(0, 8, 1, 5376, 16384, 256, 132, 7) == 376
+    assert _programs(21, 16384, 376) == 924
+    assert rs(0, 8, 1, 5376, 16384, 256, 132, 8) == 328 and _programs(21, 16384, 328) == 1050
+    # (1, 65536, 1792), 7 blocks: 131 spans of 504 tokens, 917 programs of 924 slots
+    assert rs(0, 8, 1, 1792, 65536, 256, 132, 7) == 504 and _programs(7, 65536, 504) == 917
+    # backward tiles (42 blocks), 6 per SM: 1344 programs at 512 would be 1.7 waves; two
+    # full waves of 792 slots take 37 spans of 448 tokens (1554 programs)
+    assert rs(0, 8, 1, 5376, 16384, 128, 132, 6) == 448 and _programs(42, 16384, 448) == 1554
+    # small: the 64-token floor (a multiple of rows), one program at seqlen <= 64
+    assert rs(0, 8, 1, 1536, 2048, 256, 132, 8) == 64
+    assert rs(0, 64, 1, 64, 100, 256, 132, 8) == 64
+    assert rs(0, 16, 1, 64, 50, 256, 132, 8) == 64
+    assert rs(0, 1, 1, 64, 5, 256, 132, 8) == 64
+    for batch, dim, seqlen in ((1, 5376, 16384), (2, 8448, 32768), (4, 10240, 8192),
+                               (1, 1792, 65536), (3, 1544, 16389), (1, 264, 333),
+                               (8, 4096, 4097), (1, 100, 1)):
+        for rows in (1, 4, 8, 16, 64):
+            for block_d, ctas in ((256, 8), (128, 6), (64, 12), (128, 1)):
+                span = rs(0, rows, batch, dim, seqlen, block_d, 132, ctas)
+                blocks = batch * -(-dim // block_d)
+                slots = ctas * 132
+                k_min = -(-seqlen // 512)
+                waves = -(-(blocks * k_min) // slots)
+                assert span % rows == 0 and 64 <= span and span <= max(512, 64), span
+                assert _programs(blocks, seqlen, span) <= max(waves * slots, blocks)
+                if span - rows >= 64:   # above the floor: one step shorter overfills
+                    assert _programs(blocks, seqlen, span - rows) > waves * slots
+
+
+def test_rows_plan_hints_and_fields():
+    """Form 3's forward runs under the occupancy hint ctas_per_sm (default 8) unless
+    occupancy is set or ctas_hint is 0; the backward takes no automatic hint; the spans
+    follow ctas_per_sm / bwd_ctas_per_sm; the dispatcher's defaults."""
+    from mamba2_cutile.kernels.causal_conv1d_bwd_rows import causal_conv1d_bwd_rows
+    from mamba2_cutile.kernels.causal_conv1d_fwd_rows import causal_conv1d_fwd_rows
+    from mamba2_cutile.runtime import with_hints
+    cfg = plan.conv1d_config(1, 5376, 16384, True)
+    assert (cfg.ctas_per_sm, cfg.bwd_ctas_per_sm, cfg.ctas_hint, cfg.span) == (8, 6, 1, 0)
+    x = torch.empty(1, 16384, 5376 + 8, device="meta")[..., :5376].transpose(1, 2)
+    wt = torch.empty(4, 5376, device="meta")
+    out = plan.empty_like_layout(x, True)
+
+    def fwd(**fields):
+        return plan.forward_plan(x, wt, None, None, None, out, None, True,
+                                 dataclasses.replace(cfg, **fields))[0]
+
+    call = fwd()
+    assert call.kernel is with_hints(causal_conv1d_fwd_rows, 8, 0)
+    assert call.kernel is not causal_conv1d_fwd_rows
+    assert tuple(call.grid) == (21, 50, 1) and call.args[8] == 328     # span
+    assert fwd(ctas_hint=0).kernel is causal_conv1d_fwd_rows
+    assert fwd(occupancy=4).kernel is with_hints(causal_conv1d_fwd_rows, 4, 0)
+    call = fwd(ctas_per_sm=7)
+    assert call.kernel is with_hints(causal_conv1d_fwd_rows, 7, 0)
+    assert tuple(call.grid) == (21, 44, 1) and call.args[8] == 376
+    assert fwd(span=384).args[8] == 384 and tuple(fwd(span=384).grid) == (21, 43, 1)
+    parts = plan.backward_grid(x, cfg)
+    assert parts == (42, 37, 1)
+    bwd = plan.backward_plan(x, wt, None, None, None, out, None, out,
+                             torch.empty(37, 4, 5376, device="meta"),
+                             torch.empty(37, 5376, device="meta"), None, True, cfg)[0]
+    assert bwd.kernel is causal_conv1d_bwd_rows and bwd.args[12] == 448
+    assert plan.backward_grid(x, dataclasses.replace(cfg, bwd_ctas_per_sm=5)) == (42, 47, 1)
 
 
 def test_sweep_candidates_are_valid_configs():

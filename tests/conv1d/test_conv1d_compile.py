@@ -113,6 +113,12 @@ FAST = [
     ("fwd3-bf16-cl-all", lambda: forward_call(**ROWS)),
     ("bwd3-bf16-cl-bias-silu-256-r8", lambda: backward_call(opts=("bias", "silu"), d=1536,
                                                             **ROWS)),
+    # the dispatcher's form 3 (automatic spans; the forward under the occupancy-8 hint:
+    # 64 registers, 8 CTAs/SM; the backward 82, 6/SM) and the forward without the hint
+    ("fwd3-bf16-cl-bias-silu-default", lambda: forward_call(opts=("bias", "silu"), d=5376)),
+    ("fwd3-bf16-cl-bias-silu-nohint", lambda: forward_call(opts=("bias", "silu"), d=5376,
+                                                           ctas_hint=0)),
+    ("bwd3-bf16-cl-bias-silu-default", lambda: backward_call(opts=("bias", "silu"), d=5376)),
 ]
 SLOW = [
     ("fwd-bf16-contig-w3-seq", lambda: forward_call(layout="contiguous", w=3, opts=("seq",))),
@@ -182,6 +188,20 @@ def test_less_common_variant_compiles(name, make):
     _compile(make)
 
 
+def test_row_span_is_a_runtime_argument():
+    """Form 3's span is an int32 kernel argument, not a constant: every span (any multiple
+    of rows) shares one compiled variant."""
+    import typing
+    from mamba2_cutile.bench.compile import _is_constant
+    from mamba2_cutile.kernels import causal_conv1d_bwd_rows, causal_conv1d_fwd_rows
+    for kern in (causal_conv1d_fwd_rows.causal_conv1d_fwd_rows,
+                 causal_conv1d_bwd_rows.causal_conv1d_bwd_rows):
+        hints = typing.get_type_hints(kern._annotated_function.pyfunc, include_extras=True)
+        assert not _is_constant(hints["span"]) and _is_constant(hints["ROWS"])
+    a, b = forward_call(**dict(ROWS, span=376)), forward_call(**dict(ROWS, span=512))
+    assert a.kernel is b.kernel and a.args[8] == 376 and b.args[8] == 512
+
+
 def test_int64_variants_are_picked():
     assert forward_call(int64=True).kernel is not forward_call().kernel
     assert backward_call(int64=True).kernel is not backward_call().kernel
@@ -217,7 +237,12 @@ def test_forms_pick_their_kernels():
     # UNCHECKED (the last argument) only where the channel tiles divide dim; SiLU mode 2
     # (approximate sigmoid) for 16-bit inputs, 1 (IEEE) for float32
     from mamba2_cutile.kernels import causal_conv1d_bwd_rows, causal_conv1d_fwd_rows
-    assert forward_call(**ROWS).kernel is causal_conv1d_fwd_rows.causal_conv1d_fwd_rows
+    from mamba2_cutile.runtime import with_hints
+    # (the forward under its automatic occupancy hint, ctas_per_sm = 8)
+    assert forward_call(**ROWS).kernel is with_hints(
+        causal_conv1d_fwd_rows.causal_conv1d_fwd_rows, 8, 0)
+    assert forward_call(**ROWS, ctas_hint=0).kernel is \
+        causal_conv1d_fwd_rows.causal_conv1d_fwd_rows
     assert backward_call(**ROWS).kernel is causal_conv1d_bwd_rows.causal_conv1d_bwd_rows
     assert forward_call(layout="contiguous", **ROWS).kernel is \
         causal_conv1d_fwd_stream.causal_conv1d_fwd_stream

@@ -65,10 +65,17 @@ class Conv1dConfig:
     inputs take form 1's forward), 3 = the row-streaming kernels (`causal_conv1d_fwd_rows` /
     `causal_conv1d_bwd_rows`, channel-last x only, other layouts take form 1: every input row
     read once, the last W-1 rows carried in registers). span, rows, row_tile (form 3): tokens
-    per forward program (0: `rows_span` picks it from the shape), rows per unrolled step,
-    1 = one (rows, block_d) tile load per step with the rows extracted on chip (0: one
-    (1, block_d) load per row); bwd_span, bwd_rows,
-    bwd_row_tile: the same for the backward; prefetch, bwd_prefetch: 1 issues the next
+    per forward program (0: `rows_span` picks it from the shape; else any multiple of rows
+    from max(8, rows) to 65536, a run-time kernel argument, so no compile per span), rows per
+    unrolled step, 1 = one (rows, block_d) tile load per step with the rows extracted on chip
+    (0: one (1, block_d) load per row); bwd_span, bwd_rows, bwd_row_tile: the same for the
+    backward. ctas_per_sm, bwd_ctas_per_sm (form 3, 1..32): the CTAs an SM is taken to hold
+    at once, whose CTA slots (ctas_per_sm x SMs) the automatic span fills in whole waves
+    (`rows_span`): 8 for the forward (the sm_90 compile needs 80 registers, 6 per SM, and 64
+    under the occupancy-8 hint it gets by default), 6 for the backward (82 registers: 6 per
+    SM, no hint). ctas_hint (form 3): 1 gives the forward the hint occupancy=ctas_per_sm when
+    `occupancy` is 0 (0: no hint; a set `occupancy` always wins). prefetch, bwd_prefetch:
+    1 issues the next
     step's loads before the current step's math (software pipelining in registers). unchecked
     (forms 1, 3): 1 lets interior blocks skip the bounds checks of their loads and stores when
     block_d divides dim (and tileiras is 13.4+; otherwise it has no effect). warps: the
@@ -97,6 +104,9 @@ class Conv1dConfig:
     bwd_row_tile: int = 0
     prefetch: int = 0
     bwd_prefetch: int = 0
+    ctas_per_sm: int = 8
+    bwd_ctas_per_sm: int = 6
+    ctas_hint: int = 1
 
     FIXED = ()
 
@@ -104,10 +114,8 @@ class Conv1dConfig:
         c = _config
         c.check_pow2(self, "block_l", "bwd_block_l")
         for name, hi in (("block_d", MAX_BLOCK_D), ("bwd_block_d", MAX_BLOCK_D), ("rows", 64),
-                         ("bwd_rows", 64), ("span", 65536), ("bwd_span", 65536)):
+                         ("bwd_rows", 64)):
             v = getattr(self, name)
-            if name.endswith("span") and v == 0:
-                continue            # auto (`rows_span`)
             if not isinstance(v, int) or v < 1 or v & (v - 1) or v > hi:
                 raise ValueError(f"Conv1dConfig: {name}={v!r} is not a power of two in 1..{hi}")
         for name in ("block_d", "bwd_block_d"):
@@ -116,10 +124,13 @@ class Conv1dConfig:
                 raise ValueError(f"Conv1dConfig: {name}={getattr(self, name)} above 256 needs "
                                  f"form=3 (form={self.form})")
         for span, rows in (("span", "rows"), ("bwd_span", "bwd_rows")):
-            if getattr(self, span) and getattr(self, span) < max(8, getattr(self, rows)):
-                raise ValueError(f"Conv1dConfig: {span}={getattr(self, span)} must be at least "
-                                 f"8 (the width-1 halo lies in the previous span) and at least "
-                                 f"{rows}={getattr(self, rows)}")
+            v, r = getattr(self, span), getattr(self, rows)
+            if v == 0:
+                continue            # automatic (`rows_span`)
+            if not isinstance(v, int) or not max(8, r) <= v <= 65536 or v % r:
+                raise ValueError(f"Conv1dConfig: {span}={v!r} must be 0 (automatic) or a "
+                                 f"multiple of {rows}={r} from {max(8, r)} to 65536 (at least "
+                                 f"8: the width-1 halo lies in the previous span)")
         c.check_choice(self, "row_tile", (0, 1))
         c.check_choice(self, "bwd_row_tile", (0, 1))
         c.check_choice(self, "prefetch", (0, 1))
@@ -138,6 +149,9 @@ class Conv1dConfig:
         c.check_choice(self, "warps", (0, 4, 8))
         c.check_choice(self, "store_tma", (0, 1))
         c.check_choice(self, "bwd_warps", (0, 4, 8))
+        c.check_range(self, "ctas_per_sm", 1, 32)
+        c.check_range(self, "bwd_ctas_per_sm", 1, 32)
+        c.check_choice(self, "ctas_hint", (0, 1))
 
 
 def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
@@ -151,7 +165,9 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
     dweight partials stay ~1% of the traffic) but keep at least 4 programs per SM.
     Channel-last inputs up to width 4 take the row-streaming kernels (form 3: each x and dout
     row read once, the last width-1 rows carried in registers): 256-channel forward programs
-    and 128-channel backward ones, 8 rows per step, no prefetch, spans chosen by `rows_span`.
+    and 128-channel backward ones, 8 rows per step, no prefetch, spans chosen by `rows_span`
+    to fill whole waves of 8 (forward, under the occupancy-8 hint) and 6 (backward) CTAs per
+    SM.
     Timed on the H200 (bf16, width 4, SiLU + bias, kernel alone in a CUDA graph, L2 flushed,
     median of 10; benchmarks/results/2026-12-02-h200-conv1d-rows-sweep.txt): forward 0.259 ->
     0.124 ms at (1, 16384, 5376) and 0.326 -> 0.158 ms at (1, 65536, 1792) against form 1
@@ -306,24 +322,53 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
     return [KernelCall(kernel, grid, args)]
 
 
-#: form 3's longest automatic span, its shortest, and the programs per SM the automatic span
-#: keeps: 5, as 512-token spans at 672 programs (5.1 per SM) were the fastest forward at
-#: (1, 16384, 5376) on the H200 (2026-12-02-h200-conv1d-rows-sweep.txt)
-ROWS_SPAN_MAX, ROWS_SPAN_MIN, ROWS_PROGRAMS_PER_SM = 512, 64, 5
+#: form 3's longest automatic span (the halo re-read, (W-1)/span, stays under 0.6% above it)
+#: and its shortest (4.7% at width 4)
+ROWS_SPAN_MAX, ROWS_SPAN_MIN = 512, 64
 
 
-def rows_span(span, rows, batch, dim, seqlen, block_d, sms) -> int:
-    """Form 3's tokens per program: `span` when set, else (0) the longest power of two up to
-    512 that still gives ~5 programs per SM (`ROWS_PROGRAMS_PER_SM`), but not below 64
-    tokens (the halo re-read is (W-1)/span) nor below rows."""
+def rows_span(span, rows, batch, dim, seqlen, block_d, sms, ctas_per_sm) -> int:
+    """Form 3's tokens per program: `span` when set, else (0) the span whose grid fills whole
+    waves of the GPU's CTA slots.
+
+    With blocks = batch * cdiv(dim, block_d) channel blocks and slots = ctas_per_sm * sms
+    programs resident at once, each row is cut into k spans:
+
+        k_min = cdiv(seqlen, 512)                         (spans of at most 512 tokens)
+        waves = cdiv(blocks * k_min, slots)
+        k     = max(k_min, floor(waves * slots / blocks))
+        span  = max(round_up(cdiv(seqlen, k), rows), 64 rounded up to rows)
+
+    so blocks * cdiv(seqlen, span) <= waves * slots: the last wave is as full as the rows
+    allow (a power-of-two span leaves it part empty: 672 programs on 924 slots at (1, 16384,
+    5376)), and the span stays a multiple of rows, at most 512 and at least 64 tokens (short
+    sequences then take fewer programs). Bandwidth was measured to follow the resident CTAs
+    (H200: 512-token spans 66-70% of 4.3 TB/s at 5-7 programs per SM, 74% under the
+    occupancy-8 hint)."""
     if span:
         return span
-    span = ROWS_SPAN_MAX
     blocks = -(-dim // block_d) * batch
-    while span > max(ROWS_SPAN_MIN, rows) and blocks * -(-seqlen // span) < \
-            ROWS_PROGRAMS_PER_SM * sms:
-        span //= 2
-    return span
+    slots = ctas_per_sm * sms
+    k_min = -(-seqlen // ROWS_SPAN_MAX)
+    waves = -(-(blocks * k_min) // slots)
+    k = max(k_min, waves * slots // blocks)
+    span = -(-(-(-seqlen // k)) // rows) * rows
+    return max(span, -(-ROWS_SPAN_MIN // rows) * rows)
+
+
+def rows_spans(cfg, batch, dim, seqlen, sms) -> tuple:
+    """(forward span, backward span) of form 3 at cfg (see `rows_span`)."""
+    return (rows_span(cfg.span, cfg.rows, batch, dim, seqlen, cfg.block_d, sms,
+                      cfg.ctas_per_sm),
+            rows_span(cfg.bwd_span, cfg.bwd_rows, batch, dim, seqlen, cfg.bwd_block_d, sms,
+                      cfg.bwd_ctas_per_sm))
+
+
+def rows_forward_hints(cfg) -> tuple:
+    """(occupancy, warps) hints of form 3's forward: `occupancy` when set, else
+    ctas_per_sm under ctas_hint (0: none)."""
+    occupancy = cfg.occupancy or (cfg.ctas_per_sm if cfg.ctas_hint else 0)
+    return occupancy, cfg.warps
 
 
 def _rows_silu(silu, xp) -> int:
@@ -340,9 +385,9 @@ def _rows_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final, s
     b, l, d = xp.shape
     w = weight_t.shape[0]
     kernel = FORMS[3][0][1 if needs_int64(xp, op) else 0]
-    kernel = with_hints(kernel, cfg.occupancy, cfg.warps)
+    kernel = with_hints(kernel, *rows_forward_hints(cfg))
     stand_in = weight_t
-    span = rows_span(cfg.span, cfg.rows, b, d, l, cfg.block_d, num_sms(xp))
+    span = rows_spans(cfg, b, d, l, num_sms(xp))[0]
     grid = (-(-d // cfg.block_d), -(-l // span), b)
     args = (xp, weight_t, bias if bias is not None else stand_in,
             initial_states if initial_states is not None else stand_in,
@@ -392,7 +437,7 @@ def backward_grid(x, cfg):
     """The backward's grid; its axis 1 times batch is the number of dw/dbias partial rows."""
     b, d, l = x.shape
     if cfg.form == 3 and is_channel_last(x):
-        span = rows_span(cfg.bwd_span, cfg.bwd_rows, b, d, l, cfg.bwd_block_d, num_sms(x))
+        span = rows_spans(cfg, b, d, l, num_sms(x))[1]
         return (-(-d // cfg.bwd_block_d), -(-l // span), b)
     return (-(-d // cfg.bwd_block_d), -(-(-(-l // cfg.bwd_block_l)) // cfg.bwd_tiles), b)
 
@@ -449,9 +494,8 @@ def _rows_backward_call(xp, weight_t, bias, initial_states, seq_idx, dop, dfinal
             seq_idx if seq_idx is not None else stand_in, dop,
             dfinal if dfinal is not None else stand_in, dxp, dw_part, db_part,
             dinit if dinit is not None else stand_in,
-            w, rows_span(cfg.bwd_span, cfg.bwd_rows, xp.shape[0], d, xp.shape[1],
-                         cfg.bwd_block_d, num_sms(xp)), cfg.bwd_rows, cfg.bwd_block_d,
-            bias is not None,
+            w, rows_spans(cfg, xp.shape[0], d, xp.shape[1], num_sms(xp))[1], cfg.bwd_rows,
+            cfg.bwd_block_d, bias is not None,
             initial_states is not None, seq_idx is not None, _rows_silu(silu, xp),
             dfinal is not None, bool(cfg.bwd_row_tile), _unchecked(cfg, d, cfg.bwd_block_d),
             bool(cfg.bwd_prefetch))
