@@ -89,6 +89,11 @@ def _launches():
     return out
 
 
+#: stack bytes per thread (sm_90, tileiras 13.4) of rule configs timed faster on the H200 than
+#: their spill-free alternatives: 8 warps at 1536 channels (2026-12-02 chunked-norm sweep)
+STACK_TIMED = {("bf16-h1536-z-nbg", "fwd"): 56, ("bf16-h1536-int64", "bwd"): 8}
+
+
 @pytest.mark.parametrize("name, kind", _launches())
 def test_launch_compiles(name, kind):
     problem = dict(PROBLEMS)[name]
@@ -110,7 +115,9 @@ def test_launch_compiles(name, kind):
     gate_first = problem.get("has_z", True) and not problem.get("norm_before_gate", True)
     if "config" not in problem and (group <= 2048 and not chunked
                                     or chunked and group <= 4096 and not gate_first):
-        assert res["stack"] == 0, res     # the shape rule's configs up to these groups
+        # the shape rule's configs up to these groups, but for the 8-warp 1536-channel
+        # kernels, whose small stack frames the H200 timing accepted (forward 66.3 -> 56.3 us)
+        assert res["stack"] <= STACK_TIMED.get((name, kind), 0), res
 
 
 def test_int64_problem_uses_the_64_bit_variant():

@@ -59,7 +59,13 @@ def assert_close(got, ref, tol=1e-10):
     assert_grads_close(got, ref, tol)
 
 
-@pytest.mark.parametrize("opt", list(OPTIONS))
+#: option sets whose paths the others cover (every input of "all", the dt transforms of "all" and
+#: "none"), emulated only in the slow run (MAMBA2_TEST_SLOW=1): 20-27 s each on 2 cores
+SLOW_OPTIONS = ("D_head", "bias_softplus_limit", "init_no_dfinal", "limit_nosoftplus")
+
+
+@pytest.mark.parametrize("opt", [pytest.param(o, marks=pytest.mark.slow) if o in SLOW_OPTIONS
+                                 else o for o in OPTIONS])
 def test_emulated_kernels_match_chunked_backward(opt):
     Q = 64
     args, kw, dout, dfinal = make_problem(OPTIONS[opt], Q=Q)
@@ -96,7 +102,13 @@ TILINGS = {
 }
 
 
-@pytest.mark.parametrize("tiling", list(TILINGS))
+#: tilings emulated only in the slow run: latency hints (the emulation ignores hints: the math is
+#: fused_local's), and the stable and split da forms, which the dispatcher does not pick
+SLOW_TILINGS = ("latency_hints", "dbc_fused", "da_split")
+
+
+@pytest.mark.parametrize("tiling", [pytest.param(t, marks=pytest.mark.slow)
+                                    if t in SLOW_TILINGS else t for t in TILINGS])
 def test_emulated_tilings(tiling):
     Q = 64
     args, kw, dout, dfinal = make_problem(OPTIONS["all"], l=150, Q=Q, seed=2, h=6, g=3, p=40,
@@ -248,6 +260,7 @@ def _launch_recording(calls_seen):
     return launch
 
 
+@pytest.mark.slow     # bc_head_split: measured slower, off by default
 @pytest.mark.parametrize("case", list(HEAD_SPLIT))
 def test_emulated_head_split(case):
     """With a head split the dB/dC launch has that many programs on grid axis 2, each writing
@@ -270,6 +283,7 @@ def test_emulated_head_split(case):
     assert_close(got, reference_grads(args, kw, Q, dout, dfinal))
 
 
+@pytest.mark.slow     # bc_head_split: measured slower, off by default
 @pytest.mark.parametrize("Q", [64, 256])
 def test_emulated_dispatcher_config_head_split(Q):
     """The dispatcher's tiles with bc_head_split=2 and 4 (4 heads, one group)."""

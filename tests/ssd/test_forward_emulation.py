@@ -58,8 +58,16 @@ def check(args, kw, Q, cfg, tol=1e-10):
         assert err <= tol * scale, f"{name}: error {err:.3e}, scale {scale:.3e}"
 
 
-@pytest.mark.parametrize("opt", ["seq_idx", "D_head_z_seq", "all", "none"])
-@pytest.mark.parametrize("Q, block_q", [(64, 16), (64, 64), (128, 32), (128, 128), (256, 64)])
+def _forward_cases():
+    """Every option set at chunks 64 and 128; at chunk 256 (27-32 s each on 2 cores) "all" by
+    default and the other three in the slow run (MAMBA2_TEST_SLOW=1)."""
+    for Q, block_q in [(64, 16), (64, 64), (128, 32), (128, 128), (256, 64)]:
+        for opt in ["seq_idx", "D_head_z_seq", "all", "none"]:
+            marks = pytest.mark.slow if Q == 256 and opt != "all" else ()
+            yield pytest.param(opt, Q, block_q, marks=marks, id=f"{Q}-{block_q}-{opt}")
+
+
+@pytest.mark.parametrize("opt, Q, block_q", list(_forward_cases()))
 def test_emulated_forward_matches_recurrence(opt, Q, block_q):
     """Several query blocks per chunk (block_q < Q: the key-block loop) and one (the diagonal
     block only); seq_idx resets at token 1, inside chunks, on and one after chunk boundaries,
