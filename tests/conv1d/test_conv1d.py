@@ -685,5 +685,12 @@ def test_sweep_candidates_are_valid_configs():
     for fwd, bwd in bench.CANDIDATE_SETS.values():
         for spec in fwd + bwd:
             dataclasses.replace(base, **bench._parse_fields(spec))
-    fwd, bwd = bench.CANDIDATE_SETS["rows"]
-    assert fwd[0] == bwd[0] == "" and all("form=3" in c for c in fwd[1:] + bwd[1:])
+    for name in ("rows", "waves"):
+        fwd, bwd = bench.CANDIDATE_SETS[name]
+        assert fwd[0] == bwd[0] == "" and all("form=3" in c for c in fwd[1:] + bwd[1:])
+    # the waves set: the automatic span at 6-8 (forward) and 5-12 (backward) CTAs per SM
+    fwd, bwd = bench.CANDIDATE_SETS["waves"]
+    assert {dataclasses.replace(base, **bench._parse_fields(c)).ctas_per_sm
+            for c in fwd} == {6, 7, 8}
+    assert {dataclasses.replace(base, **bench._parse_fields(c)).bwd_ctas_per_sm
+            for c in bwd} == {5, 6, 7, 12}

@@ -19,11 +19,18 @@ candidate's results are checked against the dispatcher's default config (max rel
 difference printed); the fastest per shape and direction is listed at the end.
 
     python -m mamba2_cutile.bench.conv1d --sweep [--only fwd|bwd] [--shapes 1x16384x1792,...]
-        [--candidates all|rows] [--configs "fwd:form=1,block_l=16;bwd:form=1,bwd_tiles=4"]
-        [--reps 30] [--json FILE]
+        [--candidates all|rows|waves]
+        [--configs "fwd:form=1,block_l=16;bwd:form=1,bwd_tiles=4"] [--reps 30] [--json FILE]
 
 `--candidates rows` is form 3 (the row-streaming kernels) at its tiles, spans and step sizes
-beside the dispatcher's default; each row also prints the launch's grid size (programs).
+beside the dispatcher's default; `--candidates waves` is form 3's automatic span at the CTA
+slots it fills (`Conv1dConfig.ctas_per_sm` 6/7/8, with and without the occupancy hint that
+matches it; `bwd_ctas_per_sm` 5/6/7/12) beside explicit spans (power-of-two 512 / 256, the
+old rule's, and 384 / 376 / 448) and the default. Each row also prints the launch's grid
+size (programs) and, for form 3, its span.
+
+    python -m mamba2_cutile.bench.conv1d --sweep --candidates waves --reps 10 \
+        --shapes 1x16384x5376,1x65536x1792,2x32768x8448,4x8192x10240
 """
 
 from __future__ import annotations
@@ -177,9 +184,9 @@ BWD_CANDIDATES = [
 
 
 #: form 3 (row streaming) beside the current default (listed first by the sweep). Registers
-#: per thread and CTAs per SM from the sm_90 CPU compile (bf16, bias + SiLU, dim 5376) in
-#: brackets; programs at (1, 16384, 5376) = 21 channel blocks x 16384 / span at block_d 256
-#: (x 2 at 128). Spans of 256-512 tokens (halo re-read (W-1)/span: 0.6-1.2%), 4-16 rows per
+#: per thread and CTAs per SM from the sm_90 CPU compile (bf16, bias + SiLU, dim 5376; with
+#: the compile-time span of then, no hint) in brackets; programs at (1, 16384, 5376) = 21
+#: channel blocks x 16384 / span at block_d 256 (x 2 at 128). Spans of 256-512 tokens (halo re-read (W-1)/span: 0.6-1.2%), 4-16 rows per
 #: unrolled step, prefetch on/off, 8 warps (1 channel a thread), the row-tile load (the
 #: backward's row-tile variant, 142 registers and 29 KB of shared memory, is left out).
 ROWS_FWD_CANDIDATES = [
@@ -201,9 +208,38 @@ ROWS_BWD_CANDIDATES = [
     "form=3,bwd_block_d=128,bwd_span=512,bwd_rows=8,bwd_prefetch=1",    # [96, 5/SM] 1344: 2.0
     "form=3,bwd_block_d=256,bwd_span=256,bwd_rows=4,bwd_prefetch=1,bwd_warps=8",  # [72 x 256]
 ]
+#: form 3's automatic span (`conv1d.plan.rows_span`: whole waves of ctas_per_sm x SMs CTA
+#: slots) at the dispatcher's tiles (forward block_d 256, backward 128, 8 rows, no prefetch).
+#: Registers per thread and CTAs per SM from the sm_90 CPU compile (bf16, bias + SiLU, width 4,
+#: run-time span) in brackets; programs / slots at 132 SMs for (1, 16384, 5376) and
+#: (1, 65536, 1792). The default ("") is ctas_per_sm 8 under the occupancy-8 hint.
+WAVES_FWD_CANDIDATES = [
+    "form=3,ctas_per_sm=8,ctas_hint=0",     # [80, 6/SM] span 328: 1050, 440: 1043 of 1056
+    "form=3,ctas_per_sm=7",                 # [72, 7/SM] 376: 924 of 924, 504: 917 of 924
+    "form=3,ctas_per_sm=7,ctas_hint=0",     # [80, 6/SM] the same spans
+    "form=3,ctas_per_sm=6",                 # [75, 6/SM] 448: 777 of 792, 296: 1554 of 1584
+    "form=3,ctas_per_sm=6,ctas_hint=0",     # [80, 6/SM]
+    "form=3,span=512",                      # [64, 8/SM] the old rule's: 672, 896 programs
+    "form=3,span=512,ctas_hint=0",          # [80, 6/SM] (a compile-time 512 had 72, 7/SM)
+    "form=3,span=384",                      # [64, 8/SM] 903 programs, 1197
+    "form=3,span=376,occupancy=7",          # [72, 7/SM] 924, 1225
+]
+WAVES_BWD_CANDIDATES = [
+    # (the default "" is bwd_ctas_per_sm 6, no hint: [82, 6/SM] span 448: 1554 of 1584
+    # slots, 392: 2352 of 2376)
+    "form=3,bwd_ctas_per_sm=5",                     # [82, 6/SM] 352: 1974 of 1980
+    "form=3,bwd_ctas_per_sm=7",                     # [82, 6/SM] 376: 1848 of 1848
+    "form=3,bwd_ctas_per_sm=7,bwd_occupancy=7",     # [72, 7/SM] the same spans
+    "form=3,bwd_ctas_per_sm=12",                    # [82, 6/SM] 448 (one wave of 12), 296
+    "form=3,bwd_span=512",                          # [82, 6/SM] the old rule's: 1344, 1792
+    "form=3,bwd_span=256",                          # [82, 6/SM] 2688, 3584
+    "form=3,bwd_span=384",                          # [82, 6/SM] 1806, 2394
+    "form=3,bwd_span=376,bwd_occupancy=7",          # [72, 7/SM] 1848, 2450
+]
 #: named candidate sets for --candidates
 CANDIDATE_SETS = {"all": (FWD_CANDIDATES, BWD_CANDIDATES),
-                  "rows": ([""] + ROWS_FWD_CANDIDATES, [""] + ROWS_BWD_CANDIDATES)}
+                  "rows": ([""] + ROWS_FWD_CANDIDATES, [""] + ROWS_BWD_CANDIDATES),
+                  "waves": ([""] + WAVES_FWD_CANDIDATES, [""] + WAVES_BWD_CANDIDATES)}
 
 
 def _parse_fields(spec):
@@ -228,6 +264,15 @@ def _programs(calls) -> int:
     return total
 
 
+def _rows_span_of(xk, cfg, channel_last, direction):
+    """Form 3's span (direction 0 forward, 1 backward) of the launch, else None."""
+    from ..conv1d import plan
+    if cfg.form != 3 or not channel_last:
+        return None
+    b, d, l = xk.shape
+    return plan.rows_spans(cfg, b, d, l, plan.num_sms(xk))[direction]
+
+
 def _fwd_runner(x, w, b, cfg):
     """(kernel-only fn, whole-call fn, output) of the forward at cfg (bias, SiLU)."""
     from ..conv1d import plan
@@ -243,6 +288,7 @@ def _fwd_runner(x, w, b, cfg):
         return plan.conv1d_forward_cuda(x, w, b, None, None, True, False, cfg)[0]
 
     kernel.programs = _programs(calls)
+    kernel.span = _rows_span_of(xk, cfg, cl, 0)
     kernel()
     return kernel, call, out
 
@@ -268,6 +314,7 @@ def _bwd_runner(x, w, b, dout, cfg):
         return plan.conv1d_backward_cuda(x, w, b, None, None, dout, None, True, cfg)[:3]
 
     kernel.programs = _programs(calls)
+    kernel.span = _rows_span_of(xk, cfg, cl, 1)
     kernel()
     return kernel, call, (dx, dw_part.sum(0).t(), db_part.sum(0))
 
@@ -306,6 +353,8 @@ def sweep_conv1d(shapes=SWEEP_SHAPES, fwd_candidates=FWD_CANDIDATES,
                     torch.cuda.synchronize()
                     row["first_s"] = time.perf_counter() - started    # compile + first run
                     row["programs"] = kernel.programs
+                    if kernel.span is not None:
+                        row["span"] = kernel.span
                     if ref is None:     # the first candidate that ran (the default's, when
                         ref = tuple(t.clone() for t in res)    # it is listed first and runs)
                         row["reference"] = True
@@ -341,7 +390,8 @@ def _format_sweep_row(r) -> str:
         return f"{head} {'failed':>9} {r['error']}  [{r['config']}]"
     return (f"{head} {r['kernel_ms']:9.4f} {r['gb_s']:6.0f} {r['peak_pct']:5.1f}% "
             f"{r['call_ms']:8.4f} {r['call_peak_pct']:5.1f}% {r['max_rel_diff']:8.1e} "
-            f"{r.get('programs', 0):6d} {r.get('first_s', 0.0):7.2f}  {r['config']}")
+            f"{r.get('programs', 0):6d} {r.get('first_s', 0.0):7.2f}  {r['config']}"
+            + (f"  [span {r['span']}]" if "span" in r else ""))
 
 
 def best_of_sweep(rows) -> list:
@@ -386,7 +436,8 @@ def main(argv=None):
     ap.add_argument("--only", choices=["fwd", "bwd"], default=None, help="sweep one direction")
     ap.add_argument("--shapes", default=None, help="sweep shapes, e.g. 1x16384x1792,...")
     ap.add_argument("--candidates", default="all", choices=sorted(CANDIDATE_SETS),
-                    help="named candidate set (rows: form 3 beside the default)")
+                    help="named candidate set (rows: form 3 beside the default; waves: "
+                         "form 3's automatic spans at 5-12 CTAs per SM, explicit spans)")
     ap.add_argument("--configs", default=None,
                     help='sweep candidates "fwd:form=1,block_l=16;bwd:form=1" (the default '
                          'config is always timed first)')
