@@ -38,6 +38,9 @@ ROWS_CFG = ("form=3,block_d=256,span=128,rows=8,prefetch=1,bwd_block_d=128,bwd_s
             "bwd_rows=4,bwd_prefetch=1")
 ROWS_TILE_CFG = ("form=3,block_d=128,span=64,rows=16,row_tile=1,bwd_block_d=256,bwd_span=128,"
                  "bwd_rows=8,bwd_row_tile=1")
+#: form 3 at spans that are no multiple of each other nor powers of two
+ROWS_ODD_SPAN_CFG = ("form=3,block_d=256,span=376,rows=8,bwd_block_d=128,bwd_span=40,"
+                     "bwd_rows=4")
 #: kernel forms (`Conv1dConfig.form`, set through MAMBA2_CUTILE_CONV1D_CONFIG): the dispatcher's
 #: choice (form 1 for channel-last inputs, form 0 for contiguous ones), the first kernels
 #: (form 0) at the dispatcher's tiles, the streamed-tap kernels at 128-channel tiles and at
@@ -336,6 +339,11 @@ ROWS_QUICK = [
     ("bf16-unchecked", torch.bfloat16, SHAPES[4], "bias_silu", ROWS_CFG),
     ("fp32-short", torch.float32, SHAPES[1], "bias_silu", ROWS_CFG),
     ("bf16-row-tile", torch.bfloat16, SHAPES[4], "bias_silu", ROWS_TILE_CFG),
+    # spans that are no power of two (run-time kernel arguments): 376 and 40 tokens on 4097
+    ("bf16-odd-spans", torch.bfloat16, SHAPES[3], "all", ROWS_ODD_SPAN_CFG),
+    # the dispatcher's automatic spans (whole waves of CTA slots) at 16K tokens: forward
+    # 147 spans of 112 tokens, backward 59 of 280 (1544 channels, 132 SMs)
+    ("bf16-auto-waves", torch.bfloat16, (1, 1544, 16389), "all", ""),
 ]
 
 
