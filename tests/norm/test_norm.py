@@ -456,3 +456,15 @@ def test_chunked_rule_values():
         (1024, 1, 2, 8)]
     assert [(c.bwd_block_m, c.bwd_occupancy, c.bwd_warps) for c in got.values()] == [
         (8, 2, 0), (2, 2, 8), (1, 2, 0), (1, 2, 8), (1, 1, 8), (1, 1, 8)]
+
+
+def test_sweep_configs_parse():
+    """`bench.norm --configs`: each pass's override lists led by the rule; bad items name
+    the flag."""
+    from mamba2_cutile.bench.norm import parse_configs
+    fwd, bwd = parse_configs("fwd:warps=8,occupancy=4; bwd:bwd_block_m=1 ;bwd:bwd_warps=8")
+    assert fwd == [{}, {"warps": 8, "occupancy": 4}]
+    assert bwd == [{}, {"bwd_block_m": 1}, {"bwd_warps": 8}]
+    for bad in ("warps=8", "fwd:warps", "up:warps=8"):
+        with pytest.raises(ValueError, match="--configs"):
+            parse_configs(bad)

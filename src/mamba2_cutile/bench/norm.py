@@ -12,6 +12,7 @@ must read x and z again). Fractions are of 4.3 TB/s (`bench.roofline.HBM_BYTES_P
     python -m mamba2_cutile.bench.norm --sweep --reps 10    # candidates beside today's rule
     python -m mamba2_cutile.bench.norm --sweep --space full # every sweep_space override
     python -m mamba2_cutile.bench.norm --sweep --sweep-shapes 16384x1536x1,16384x8192x8
+    python -m mamba2_cutile.bench.norm --sweep --configs "fwd:warps=8;bwd:bwd_block_m=1,bwd_warps=8"
     python -m mamba2_cutile.bench.norm --json out.json --gate-first --dtype fp32
 """
 
@@ -229,8 +230,28 @@ def candidate_space(group_size):
     return tuple(out)
 
 
+def parse_configs(text):
+    """"fwd:warps=8,occupancy=4;bwd:bwd_block_m=1;..." -> (forward, backward) override lists,
+    each led by the rule itself ({}); the fields are NormConfig's (checked when applied)."""
+    fwd, bwd = [{}], [{}]
+    for item in filter(None, (i.strip() for i in text.split(";"))):
+        kind, sep, spec = item.partition(":")
+        if not sep or kind not in ("fwd", "bwd"):
+            raise ValueError(f"--configs: {item!r} is not fwd:<fields> or bwd:<fields>")
+        over = {}
+        for kv in filter(None, spec.split(",")):
+            k, eq, v = kv.partition("=")
+            if not eq:
+                raise ValueError(f"--configs: {kv!r} is not field=value")
+            over[k.strip()] = int(v)
+        (fwd if kind == "fwd" else bwd).append(over)
+    return fwd, bwd
+
+
 def _space(space, group_size):
     from ..norm.plan import norm_shape_config
+    if isinstance(space, tuple):          # explicit (forward, backward) override lists
+        return space
     if space == "full":
         return sweep_space(norm_shape_config(group_size))
     return candidate_space(group_size)
@@ -388,6 +409,9 @@ def main(argv=None):
                     metavar="TOKENSxHIDDENxGROUPS,...",
                     help="the sweep's shapes, e.g. 16384x1536x1,16384x8192x8 (default: the "
                          "space's shapes)")
+    ap.add_argument("--configs", default=None, metavar='"fwd:warps=8;bwd:bwd_block_m=1"',
+                    help="sweep these overrides of the rule (beside the rule itself) instead "
+                         "of --space")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                     help="processes compiling the sweep's kernels before timing (1: none)")
     ap.add_argument("--reps", type=int, default=50)
@@ -395,8 +419,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dtype = _DTYPES[args.dtype]
     if args.sweep:
-        rows = sweep_norm(args.sweep_shapes, dtype=dtype, reps=args.reps, space=args.space,
-                          jobs=args.jobs)
+        space = parse_configs(args.configs) if args.configs else args.space
+        rows = sweep_norm(args.sweep_shapes or (CANDIDATE_SHAPES if args.configs else None),
+                          dtype=dtype, reps=args.reps, space=space, jobs=args.jobs)
         print(format_rows(rows))
         print("fastest:")
         print(format_rows(best_of_sweep(rows)))
