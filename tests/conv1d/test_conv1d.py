@@ -571,9 +571,8 @@ def test_row_streaming_plan():
     call = plan.forward_plan(x, torch.empty(4, 100, dtype=F64), None, None, None, out, None,
                              True, cfg)[0]
     from mamba2_cutile.kernels import causal_conv1d_fwd_rows, causal_conv1d_fwd_stream
-    from mamba2_cutile.runtime import with_hints
-    assert call.kernel is with_hints(causal_conv1d_fwd_rows.causal_conv1d_fwd_rows,
-                                     *plan.rows_forward_hints(cfg))
+    # (float64 x: no automatic occupancy hint, see test_rows_plan_hints_and_fields)
+    assert call.kernel is causal_conv1d_fwd_rows.causal_conv1d_fwd_rows
     assert tuple(call.grid) == (2, 4, 2)
     assert plan.backward_grid(x, cfg) == (4, 8, 2)
     c = x.contiguous()
@@ -643,18 +642,21 @@ def test_rows_span_fills_whole_waves():
 
 def test_rows_plan_hints_and_fields():
     """Form 3's forward runs under the occupancy hint ctas_per_sm (default 8) unless
-    occupancy is set or ctas_hint is 0; the backward takes no automatic hint; the spans
-    follow ctas_per_sm / bwd_ctas_per_sm; the dispatcher's defaults."""
+    occupancy is set or ctas_hint is 0, and only where that compiles without spills (16-bit,
+    32-bit indexing: float32 and 64-bit variants run unhinted, their spans at 6 per SM); the
+    backward takes no automatic hint; the spans follow ctas_per_sm / bwd_ctas_per_sm; the
+    dispatcher's defaults."""
     from mamba2_cutile.kernels.causal_conv1d_bwd_rows import causal_conv1d_bwd_rows
     from mamba2_cutile.kernels.causal_conv1d_fwd_rows import causal_conv1d_fwd_rows
     from mamba2_cutile.runtime import with_hints
     cfg = plan.conv1d_config(1, 5376, 16384, True)
     assert (cfg.ctas_per_sm, cfg.bwd_ctas_per_sm, cfg.ctas_hint, cfg.span) == (8, 6, 1, 0)
-    x = torch.empty(1, 16384, 5376 + 8, device="meta")[..., :5376].transpose(1, 2)
+    x = torch.empty(1, 16384, 5376 + 8, device="meta",
+                    dtype=torch.bfloat16)[..., :5376].transpose(1, 2)
     wt = torch.empty(4, 5376, device="meta")
     out = plan.empty_like_layout(x, True)
 
-    def fwd(**fields):
+    def fwd(x=x, out=out, **fields):
         return plan.forward_plan(x, wt, None, None, None, out, None, True,
                                  dataclasses.replace(cfg, **fields))[0]
 
@@ -668,6 +670,18 @@ def test_rows_plan_hints_and_fields():
     assert call.kernel is with_hints(causal_conv1d_fwd_rows, 7, 0)
     assert tuple(call.grid) == (21, 44, 1) and call.args[8] == 376
     assert fwd(span=384).args[8] == 384 and tuple(fwd(span=384).grid) == (21, 43, 1)
+    # no automatic hint where it spills: float32, 64-bit indexing, row tiles, 16 rows
+    x32 = x.float()
+    call = fwd(x32, plan.empty_like_layout(x32, True))
+    assert call.kernel is causal_conv1d_fwd_rows and call.args[8] == 448     # 6 per SM
+    assert fwd(row_tile=1).kernel is causal_conv1d_fwd_rows
+    assert fwd(rows=16).kernel is causal_conv1d_fwd_rows
+    big = torch.empty(1, 2**21 + 3, 1536, device="meta", dtype=torch.bfloat16).transpose(1, 2)
+    call = fwd(big, plan.empty_like_layout(big, True))
+    from mamba2_cutile.kernels.causal_conv1d_fwd_rows import causal_conv1d_fwd_rows_i64
+    assert call.kernel is causal_conv1d_fwd_rows_i64
+    assert fwd(x32, plan.empty_like_layout(x32, True), occupancy=8).kernel is \
+        with_hints(causal_conv1d_fwd_rows, 8, 0)
     parts = plan.backward_grid(x, cfg)
     assert parts == (42, 37, 1)
     bwd = plan.backward_plan(x, wt, None, None, None, out, None, out,

@@ -143,6 +143,10 @@ SLOW = [
     ("fwd2-bf16-cl-w8-int64", lambda: forward_call(w=8, opts=("bias", "silu"), int64=True,
                                                    form=2)),
     ("fwd3-fp32-cl-none-w2", lambda: forward_call(FP32, w=2, opts=(), **ROWS)),
+    # the dispatcher's form 3 where the automatic occupancy hint is left off (it spilled
+    # 24 and 168 bytes there): float32, and 64-bit indexing at width 4
+    ("fwd3-fp32-cl-all-default", lambda: forward_call(FP32)),
+    ("fwd3-bf16-cl-all-int64-default", lambda: forward_call(int64=True)),
     ("fwd3-fp16-cl-w8-int64", lambda: forward_call(FP16, w=8, opts=("bias", "silu"),
                                                    int64=True, **ROWS)),
     ("fwd3-bf16-cl-bias-silu-512-r16", lambda: forward_call(

@@ -264,13 +264,12 @@ def _programs(calls) -> int:
     return total
 
 
-def _rows_span_of(xk, cfg, channel_last, direction):
-    """Form 3's span (direction 0 forward, 1 backward) of the launch, else None."""
-    from ..conv1d import plan
+def _rows_span_of(calls, cfg, channel_last, direction):
+    """Form 3's span (direction 0 forward, 1 backward) of the launch, else None: the
+    kernels' `span` argument (after the 7 / 11 tensors and the width)."""
     if cfg.form != 3 or not channel_last:
         return None
-    b, d, l = xk.shape
-    return plan.rows_spans(cfg, b, d, l, plan.num_sms(xk))[direction]
+    return calls[0].args[12 if direction else 8]
 
 
 def _fwd_runner(x, w, b, cfg):
@@ -288,7 +287,7 @@ def _fwd_runner(x, w, b, cfg):
         return plan.conv1d_forward_cuda(x, w, b, None, None, True, False, cfg)[0]
 
     kernel.programs = _programs(calls)
-    kernel.span = _rows_span_of(xk, cfg, cl, 0)
+    kernel.span = _rows_span_of(calls, cfg, cl, 0)
     kernel()
     return kernel, call, out
 
@@ -314,7 +313,7 @@ def _bwd_runner(x, w, b, dout, cfg):
         return plan.conv1d_backward_cuda(x, w, b, None, None, dout, None, True, cfg)[:3]
 
     kernel.programs = _programs(calls)
-    kernel.span = _rows_span_of(xk, cfg, cl, 1)
+    kernel.span = _rows_span_of(calls, cfg, cl, 1)
     kernel()
     return kernel, call, (dx, dw_part.sum(0).t(), db_part.sum(0))
 

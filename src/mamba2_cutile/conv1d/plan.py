@@ -72,9 +72,11 @@ class Conv1dConfig:
     backward. ctas_per_sm, bwd_ctas_per_sm (form 3, 1..32): the CTAs an SM is taken to hold
     at once, whose CTA slots (ctas_per_sm x SMs) the automatic span fills in whole waves
     (`rows_span`): 8 for the forward (the sm_90 compile needs 80 registers, 6 per SM, and 64
-    under the occupancy-8 hint it gets by default), 6 for the backward (82 registers: 6 per
-    SM, no hint). ctas_hint (form 3): 1 gives the forward the hint occupancy=ctas_per_sm when
-    `occupancy` is 0 (0: no hint; a set `occupancy` always wins). prefetch, bwd_prefetch:
+    under the occupancy-8 hint it gets by default at 16-bit inputs; unhinted variants fill
+    at most 6), 6 for the backward (82 registers: 6 per SM, no hint). ctas_hint (form 3): 1 gives the forward the hint occupancy=ctas_per_sm when
+    `occupancy` is 0, where that compiles without spills (`rows_forward_occupancy`: 16-bit,
+    32-bit indexing, the dispatcher's tiles; 0: no hint; a set `occupancy` always wins).
+    prefetch, bwd_prefetch:
     1 issues the next
     step's loads before the current step's math (software pipelining in registers). unchecked
     (forms 1, 3): 1 lets interior blocks skip the bounds checks of their loads and stores when
@@ -166,8 +168,8 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
     Channel-last inputs up to width 4 take the row-streaming kernels (form 3: each x and dout
     row read once, the last width-1 rows carried in registers): 256-channel forward programs
     and 128-channel backward ones, 8 rows per step, no prefetch, spans chosen by `rows_span`
-    to fill whole waves of 8 (forward, under the occupancy-8 hint) and 6 (backward) CTAs per
-    SM.
+    to fill whole waves of 8 (forward, under the occupancy-8 hint where it compiles without
+    spills, else 6) and 6 (backward) CTAs per SM.
     Timed on the H200 (bf16, width 4, SiLU + bias, kernel alone in a CUDA graph, L2 flushed,
     median of 10; benchmarks/results/2026-12-02-h200-conv1d-rows-sweep.txt): forward 0.259 ->
     0.124 ms at (1, 16384, 5376) and 0.326 -> 0.158 ms at (1, 65536, 1792) against form 1
@@ -356,19 +358,36 @@ def rows_span(span, rows, batch, dim, seqlen, block_d, sms, ctas_per_sm) -> int:
     return max(span, -(-ROWS_SPAN_MIN // rows) * rows)
 
 
-def rows_spans(cfg, batch, dim, seqlen, sms) -> tuple:
-    """(forward span, backward span) of form 3 at cfg (see `rows_span`)."""
+#: CTAs per SM of form 3's forward without an occupancy hint (sm_90 CPU compile, bf16, bias +
+#: SiLU, width 4, block_d 256, rows 8: 80 registers)
+ROWS_FWD_CTAS_UNHINTED = 6
+
+
+def rows_forward_occupancy(cfg, xp, op, width) -> tuple:
+    """(CTAs per SM the forward's automatic span fills, its occupancy hint; 0 = none).
+
+    A set `occupancy` is the hint, with ctas_per_sm. Else, under ctas_hint, the hint is
+    ctas_per_sm for the variants whose sm_90 compile fits its register budget (64 at 8 per
+    SM) without spilling: 16-bit x, 32-bit indexing, width <= 4, block_d <= 256, rows <= 8,
+    no row tile (CPU compile: 60-64 registers, no stack; float32 inputs spill 24 bytes,
+    64-bit indexing 170-250, 16 rows 400, row tiles 8). The others run unhinted and their
+    span fills min(ctas_per_sm, 6) CTAs per SM (`ROWS_FWD_CTAS_UNHINTED`)."""
+    if cfg.occupancy:
+        return cfg.ctas_per_sm, cfg.occupancy
+    lean = (xp.dtype in (torch.float16, torch.bfloat16) and not needs_int64(xp, op)
+            and width <= 4 and cfg.block_d <= 256 and cfg.rows <= 8 and not cfg.row_tile)
+    if cfg.ctas_hint and lean:
+        return cfg.ctas_per_sm, cfg.ctas_per_sm
+    return min(cfg.ctas_per_sm, ROWS_FWD_CTAS_UNHINTED), 0
+
+
+def rows_spans(cfg, batch, dim, seqlen, sms, fwd_ctas=None) -> tuple:
+    """(forward span, backward span) of form 3 at cfg (see `rows_span`); fwd_ctas: the
+    forward's CTAs per SM (`rows_forward_occupancy`; default cfg.ctas_per_sm)."""
     return (rows_span(cfg.span, cfg.rows, batch, dim, seqlen, cfg.block_d, sms,
-                      cfg.ctas_per_sm),
+                      fwd_ctas or cfg.ctas_per_sm),
             rows_span(cfg.bwd_span, cfg.bwd_rows, batch, dim, seqlen, cfg.bwd_block_d, sms,
                       cfg.bwd_ctas_per_sm))
-
-
-def rows_forward_hints(cfg) -> tuple:
-    """(occupancy, warps) hints of form 3's forward: `occupancy` when set, else
-    ctas_per_sm under ctas_hint (0: none)."""
-    occupancy = cfg.occupancy or (cfg.ctas_per_sm if cfg.ctas_hint else 0)
-    return occupancy, cfg.warps
 
 
 def _rows_silu(silu, xp) -> int:
@@ -385,9 +404,10 @@ def _rows_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final, s
     b, l, d = xp.shape
     w = weight_t.shape[0]
     kernel = FORMS[3][0][1 if needs_int64(xp, op) else 0]
-    kernel = with_hints(kernel, *rows_forward_hints(cfg))
+    ctas, occupancy = rows_forward_occupancy(cfg, xp, op, w)
+    kernel = with_hints(kernel, occupancy, cfg.warps)
     stand_in = weight_t
-    span = rows_spans(cfg, b, d, l, num_sms(xp))[0]
+    span = rows_spans(cfg, b, d, l, num_sms(xp), ctas)[0]
     grid = (-(-d // cfg.block_d), -(-l // span), b)
     args = (xp, weight_t, bias if bias is not None else stand_in,
             initial_states if initial_states is not None else stand_in,

@@ -44,8 +44,9 @@ W-1 rows before s0 are read again (the halo; W-1 rows per span: 0.6% at 512, 4.7
   that is at least W-1 (so the halo of a span s0 > 0 lies inside x). The full steps index
   views of x and out that start at s0 (see `_fwd_rows`). sm_90 registers (bf16, bias + SiLU,
   width 4, BLOCK_D 256, ROWS 8, CPU compile): 80, 6 CTAs per SM (a compile-time span gave
-  72, 7 per SM); with the occupancy-8 hint form 3's launcher gives it by default, 64 and 8
-  per SM (63 at a compile-time span), no spills either way.
+  72, 7 per SM); under the occupancy-8 hint, which the launcher gives 16-bit inputs with
+  32-bit indexing by default, 64 and 8 per SM (63 at a compile-time span), no spills (the
+  float32 and 64-bit variants spill under it: they run unhinted).
 """
 
 import cuda.tile as ct
