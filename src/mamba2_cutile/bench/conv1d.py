@@ -186,9 +186,10 @@ BWD_CANDIDATES = [
 #: form 3 (row streaming) beside the current default (listed first by the sweep). Registers
 #: per thread and CTAs per SM from the sm_90 CPU compile (bf16, bias + SiLU, dim 5376; with
 #: the compile-time span of then, no hint) in brackets; programs at (1, 16384, 5376) = 21
-#: channel blocks x 16384 / span at block_d 256 (x 2 at 128). Spans of 256-512 tokens (halo re-read (W-1)/span: 0.6-1.2%), 4-16 rows per
-#: unrolled step, prefetch on/off, 8 warps (1 channel a thread), the row-tile load (the
-#: backward's row-tile variant, 142 registers and 29 KB of shared memory, is left out).
+#: channel blocks x 16384 / span at block_d 256 (x 2 at 128). Spans of 256-512 tokens (halo
+#: re-read (W-1)/span: 0.6-1.2%), 4-16 rows per unrolled step, prefetch on/off, 8 warps (1
+#: channel a thread), the row-tile load (the backward's row-tile variant, 142 registers and
+#: 29 KB of shared memory, is left out).
 ROWS_FWD_CANDIDATES = [
     "form=3,block_d=256,span=512,rows=8,prefetch=1",            # [80, 6/SM] 672 programs
     "form=3,block_d=256,span=256,rows=8,prefetch=1",            # [80, 6/SM] 1344

@@ -73,12 +73,12 @@ class Conv1dConfig:
     at once, whose CTA slots (ctas_per_sm x SMs) the automatic span fills in whole waves
     (`rows_span`): 8 for the forward (the sm_90 compile needs 80 registers, 6 per SM, and 64
     under the occupancy-8 hint it gets by default at 16-bit inputs; unhinted variants fill
-    at most 6), 6 for the backward (82 registers: 6 per SM, no hint). ctas_hint (form 3): 1 gives the forward the hint occupancy=ctas_per_sm when
-    `occupancy` is 0, where that compiles without spills (`rows_forward_occupancy`: 16-bit,
-    32-bit indexing, the dispatcher's tiles; 0: no hint; a set `occupancy` always wins).
-    prefetch, bwd_prefetch:
-    1 issues the next
-    step's loads before the current step's math (software pipelining in registers). unchecked
+    at most 6), 6 for the backward (82 registers: 6 per SM, no hint). ctas_hint (form 3):
+    1 gives the forward the hint occupancy=ctas_per_sm when `occupancy` is 0, where that
+    compiles without spills (`rows_forward_occupancy`: 16-bit, 32-bit indexing, the
+    dispatcher's tiles; 0: no hint; a set `occupancy` always wins). prefetch, bwd_prefetch:
+    1 issues the next step's loads before the current step's math (software pipelining in
+    registers). unchecked
     (forms 1, 3): 1 lets interior blocks skip the bounds checks of their loads and stores when
     block_d divides dim (and tileiras is 13.4+; otherwise it has no effect). warps: the
     num_worker_warps hint (0: the compiler's choice; 4 or 8). store_tma (form 1): 1 lets the
