@@ -56,7 +56,7 @@ class Conv1dConfig:
     forward program. bwd_*: the same for the backward (its programs also sum dweight/dbias
     partials over their bwd_tiles blocks). shift_tma: 1 lets the token-shifted loads use TMA
     (0: plain loads, which hit L1 for the overlapping taps). occupancy: hint for both (0: the
-    compiler's choice). form: which kernels, 0 = `causal_conv1d_fwd` / `causal_conv1d_bwd`
+    compiler's choice; for form 3's forward see ctas_hint). form: which kernels, 0 = `causal_conv1d_fwd` / `causal_conv1d_bwd`
     (every tap behind a head/x/zero branch; the backward keeps its 2W-1 input tiles), 1 = the
     streamed ones (`causal_conv1d_fwd_stream` / `causal_conv1d_bwd_stream`: branch-free taps
     in interior blocks, the backward's taps streamed through a W-tile window), 2 = form 1
