@@ -650,7 +650,7 @@ def test_rows_plan_hints_and_fields():
     from mamba2_cutile.kernels.causal_conv1d_fwd_rows import causal_conv1d_fwd_rows
     from mamba2_cutile.runtime import with_hints
     cfg = plan.conv1d_config(1, 5376, 16384, True)
-    assert (cfg.ctas_per_sm, cfg.bwd_ctas_per_sm, cfg.ctas_hint, cfg.span) == (8, 6, 1, 0)
+    assert (cfg.ctas_per_sm, cfg.bwd_ctas_per_sm, cfg.ctas_hint, cfg.span) == (8, 7, 1, 0)
     x = torch.empty(1, 16384, 5376 + 8, device="meta",
                     dtype=torch.bfloat16)[..., :5376].transpose(1, 2)
     wt = torch.empty(4, 5376, device="meta")
@@ -683,11 +683,25 @@ def test_rows_plan_hints_and_fields():
     assert fwd(x32, plan.empty_like_layout(x32, True), occupancy=8).kernel is \
         with_hints(causal_conv1d_fwd_rows, 8, 0)
     parts = plan.backward_grid(x, cfg)
-    assert parts == (42, 37, 1)
-    bwd = plan.backward_plan(x, wt, None, None, None, out, None, out,
-                             torch.empty(37, 4, 5376, device="meta"),
-                             torch.empty(37, 5376, device="meta"), None, True, cfg)[0]
-    assert bwd.kernel is causal_conv1d_bwd_rows and bwd.args[12] == 448
+    assert parts == (42, 44, 1)                  # two waves of 7 x 132 slots: 1848 of 1848
+
+    def bwd(x=x, out=out, **fields):
+        c = dataclasses.replace(cfg, **fields)
+        n = plan.backward_grid(x, c)[1]
+        return plan.backward_plan(x, wt, None, None, None, out, None, out,
+                                  torch.empty(n, 4, 5376, device="meta"),
+                                  torch.empty(n, 5376, device="meta"), None, True, c)[0]
+
+    call = bwd()
+    assert call.kernel is with_hints(causal_conv1d_bwd_rows, 7, 0) and call.args[12] == 376
+    assert bwd(ctas_hint=0).kernel is causal_conv1d_bwd_rows
+    assert bwd(bwd_occupancy=5).kernel is with_hints(causal_conv1d_bwd_rows, 5, 0)
+    # unhinted where it would spill (float32), with the same span: the grid (the dweight
+    # partials) does not depend on the hint
+    call = bwd(x32, plan.empty_like_layout(x32, True))
+    assert call.kernel is causal_conv1d_bwd_rows and call.args[12] == 376
+    assert bwd(bwd_rows=16).kernel is causal_conv1d_bwd_rows
+    assert plan.backward_grid(x, dataclasses.replace(cfg, bwd_ctas_per_sm=6)) == (42, 37, 1)
     assert plan.backward_grid(x, dataclasses.replace(cfg, bwd_ctas_per_sm=5)) == (42, 47, 1)
 
 
@@ -707,4 +721,4 @@ def test_sweep_candidates_are_valid_configs():
     assert {dataclasses.replace(base, **bench._parse_fields(c)).ctas_per_sm
             for c in fwd} == {6, 7, 8}
     assert {dataclasses.replace(base, **bench._parse_fields(c)).bwd_ctas_per_sm
-            for c in bwd} == {5, 6, 7, 12}
+            for c in bwd} == {5, 6, 7, 8, 12}

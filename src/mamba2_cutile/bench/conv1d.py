@@ -226,16 +226,17 @@ WAVES_FWD_CANDIDATES = [
     "form=3,span=376,occupancy=7",          # [72, 7/SM] 924, 1225
 ]
 WAVES_BWD_CANDIDATES = [
-    # (the default "" is bwd_ctas_per_sm 6, no hint: [82, 6/SM] span 448: 1554 of 1584
-    # slots, 392: 2352 of 2376)
-    "form=3,bwd_ctas_per_sm=5",                     # [82, 6/SM] 352: 1974 of 1980
-    "form=3,bwd_ctas_per_sm=7",                     # [82, 6/SM] 376: 1848 of 1848
-    "form=3,bwd_ctas_per_sm=7,bwd_occupancy=7",     # [72, 7/SM] the same spans
-    "form=3,bwd_ctas_per_sm=12",                    # [82, 6/SM] 448 (one wave of 12), 296
-    "form=3,bwd_span=512",                          # [82, 6/SM] the old rule's: 1344, 1792
-    "form=3,bwd_span=256",                          # [82, 6/SM] 2688, 3584
-    "form=3,bwd_span=384",                          # [82, 6/SM] 1806, 2394
-    "form=3,bwd_span=376,bwd_occupancy=7",          # [72, 7/SM] 1848, 2450
+    # (the default "" is bwd_ctas_per_sm 7 under the occupancy-7 hint: [72, 7/SM] span 376:
+    # 1848 of 1848 slots, 504: 1834 of 1848; timed 2026-12-02 as
+    # "bwd_ctas_per_sm=7,bwd_occupancy=7", the fastest at all three sweep shapes)
+    "form=3,bwd_ctas_per_sm=6,ctas_hint=0",         # [82, 6/SM] the earlier default: 448, 392
+    "form=3,bwd_ctas_per_sm=5",                     # [72, 5 of 7/SM] 352: 1974 of 1980
+    "form=3,bwd_ctas_per_sm=7,ctas_hint=0",         # [82, 6/SM] 376: 1848 of 1848
+    "form=3,bwd_ctas_per_sm=8",                     # [64, 8/SM] hint 8, no stack (bias + SiLU)
+    "form=3,bwd_ctas_per_sm=12,ctas_hint=0",        # [82, 6/SM] 448 (one wave of 12), 296
+    "form=3,bwd_span=512",                          # the old rule's: 1344, 1792
+    "form=3,bwd_span=256",                          # 2688, 3584
+    "form=3,bwd_span=384",                          # 1806, 2394
 ]
 #: named candidate sets for --candidates
 CANDIDATE_SETS = {"all": (FWD_CANDIDATES, BWD_CANDIDATES),

@@ -73,10 +73,12 @@ class Conv1dConfig:
     at once, whose CTA slots (ctas_per_sm x SMs) the automatic span fills in whole waves
     (`rows_span`): 8 for the forward (the sm_90 compile needs 80 registers, 6 per SM, and 64
     under the occupancy-8 hint it gets by default at 16-bit inputs; unhinted variants fill
-    at most 6), 6 for the backward (82 registers: 6 per SM, no hint). ctas_hint (form 3):
-    1 gives the forward the hint occupancy=ctas_per_sm when `occupancy` is 0, where that
-    compiles without spills (`rows_forward_occupancy`: 16-bit, 32-bit indexing, the
-    dispatcher's tiles; 0: no hint; a set `occupancy` always wins). prefetch, bwd_prefetch:
+    at most 6), 7 for the backward (82 registers unhinted, 6 per SM; 72 under the
+    occupancy-7 hint). ctas_hint (form 3): 1 gives the forward the hint
+    occupancy=ctas_per_sm and the backward bwd_occupancy=bwd_ctas_per_sm when `occupancy` /
+    `bwd_occupancy` is 0, where that compiles without spills (`rows_forward_occupancy`,
+    `rows_backward_occupancy`: 16-bit, 32-bit indexing, the dispatcher's tiles; 0: no hint;
+    a set occupancy always wins). prefetch, bwd_prefetch:
     1 issues the next step's loads before the current step's math (software pipelining in
     registers). unchecked
     (forms 1, 3): 1 lets interior blocks skip the bounds checks of their loads and stores when
@@ -107,7 +109,7 @@ class Conv1dConfig:
     prefetch: int = 0
     bwd_prefetch: int = 0
     ctas_per_sm: int = 8
-    bwd_ctas_per_sm: int = 6
+    bwd_ctas_per_sm: int = 7
     ctas_hint: int = 1
 
     FIXED = ()
@@ -313,9 +315,11 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
     id_head = make_id_head(seq_idx, cfg.block_l, w) if seq_idx is not None else weight_t
     stand_in = weight_t
     grid = (-(-d // cfg.block_d), -(-(-(-l // cfg.block_l)) // cfg.tiles), b)
+    # stand-ins for absent arrays are small (head): an unread stand-in still passes through
+    # ct.launch's stride check, which x's 64-bit strides fail outside the int64 variants' list
     args = (xp, head, weight_t, bias if bias is not None else stand_in,
             seq_idx if seq_idx is not None else stand_in, id_head, op,
-            final if final is not None else xp,
+            final if final is not None else head,
             w, halo_rows(w), head_front(w), cfg.block_l, cfg.block_d, cfg.tiles, cl,
             bias is not None, seq_idx is not None, bool(silu), final is not None,
             bool(cfg.shift_tma))
@@ -379,6 +383,24 @@ def rows_forward_occupancy(cfg, xp, op, width) -> tuple:
     if cfg.ctas_hint and lean:
         return cfg.ctas_per_sm, cfg.ctas_per_sm
     return min(cfg.ctas_per_sm, ROWS_FWD_CTAS_UNHINTED), 0
+
+
+def rows_backward_occupancy(cfg, xp, dop, dxp, width) -> int:
+    """The backward's occupancy hint (0 = none): a set bwd_occupancy (or occupancy), else
+    under ctas_hint bwd_ctas_per_sm for the variants that compile without spills at that
+    budget: 16-bit x, 32-bit indexing, width <= 4, bwd_block_d <= 128 dividing dim (the
+    unchecked interior loads; a partial channel block's checks cost 8 bytes of stack),
+    bwd_rows <= 8, no row tile (sm_90, bf16, bias + SiLU + seq_idx + initial and final
+    states: 72 registers, 7 per SM, no stack; fp16 at width 4: 16 bytes). H200, bf16, width 4 (2026-12-02 conv1d waves sweep): 0.2019 -> 0.1936 ms at
+    (1, 16384, 5376), 0.2660 -> 0.2521 at (1, 65536, 1792), 0.8456 -> 0.7243 at (4, 8192,
+    10240) against 6 per SM unhinted. The automatic span fills bwd_ctas_per_sm per SM either
+    way (the grid, and so the dweight partials, must not depend on the hint)."""
+    if cfg.bwd_occupancy or cfg.occupancy:
+        return cfg.bwd_occupancy or cfg.occupancy
+    lean = (xp.dtype in (torch.float16, torch.bfloat16) and not needs_int64(xp, dop, dxp)
+            and width <= 4 and cfg.bwd_block_d <= 128 and cfg.bwd_rows <= 8
+            and not cfg.bwd_row_tile and _unchecked(cfg, xp.shape[2], cfg.bwd_block_d))
+    return cfg.bwd_ctas_per_sm if cfg.ctas_hint and lean else 0
 
 
 def rows_spans(cfg, batch, dim, seqlen, sms, fwd_ctas=None) -> tuple:
@@ -447,7 +469,7 @@ def _taps_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final, s
     args = (xp, head, tap_views(xp, w), weight_t, bias if bias is not None else stand_in,
             ids if ids is not None else stand_in, id_head,
             tap_views(ids, w) if ids is not None else stand_in, op, op[:, w - 1:],
-            final if final is not None else xp,
+            final if final is not None else head,
             w, halo_rows(w), head_front(w), cfg.block_l, cfg.block_d, cfg.tiles,
             bias is not None, ids is not None, bool(silu), final is not None)
     return KernelCall(kernel, grid, args)
@@ -483,16 +505,16 @@ def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, 
     head = physical(make_head(x, initial_states, bl, w, cl), cl)
     if form in (1, 2) and initial_states is None:
         # form 1 reads dout before token 0 only for dinit: no head to build (two small
-        # launches fewer); the stand-in is never read
-        dout_head = dop
+        # launches fewer); the stand-in is never read (and small: see forward_plan)
+        dout_head = head
     else:
         dout_head = physical(make_head(dout, None, bl, w, cl), cl)
     id_head = make_id_head(seq_idx, bl, w) if seq_idx is not None else weight_t
     stand_in = weight_t
     args = (xp, head, weight_t, bias if bias is not None else stand_in,
             seq_idx if seq_idx is not None else stand_in, id_head, dop, dout_head,
-            dfinal if dfinal is not None else xp, dxp, dw_part, db_part,
-            dinit if dinit is not None else xp,
+            dfinal if dfinal is not None else head, dxp, dw_part, db_part,
+            dinit if dinit is not None else head,
             w, next_pow2(w), halo_rows(w), head_front(w), bl, cfg.bwd_block_d,
             cfg.bwd_tiles, cl, bias is not None, initial_states is not None,
             seq_idx is not None, bool(silu), dfinal is not None, bool(cfg.shift_tma))
@@ -507,7 +529,8 @@ def _rows_backward_call(xp, weight_t, bias, initial_states, seq_idx, dop, dfinal
     d = xp.shape[2]
     w = weight_t.shape[0]
     kernel = FORMS[3][1][1 if needs_int64(xp, dop, dxp) else 0]
-    kernel = with_hints(kernel, cfg.bwd_occupancy or cfg.occupancy, cfg.bwd_warps or cfg.warps)
+    kernel = with_hints(kernel, rows_backward_occupancy(cfg, xp, dop, dxp, w),
+                        cfg.bwd_warps or cfg.warps)
     stand_in = weight_t
     args = (xp, weight_t, bias if bias is not None else stand_in,
             initial_states if initial_states is not None else stand_in,
