@@ -443,7 +443,8 @@ def test_chunked_rule_values():
     chunks (at most 1024); widths whose chunks would be under 64 channels or more than 32,
     and widths above 10240, keep the padded kernels; forward rows per tile the power of two
     <= 8192 / S, the backward's <= 4096 / S below 2048 channels; the hints timed at 1536, 2560
-    and 5120 channels (8 warps at 1536, occupancy 4 / 2 at 5120)."""
+    and 5120 channels (8 warps forward at 1536; four backward programs per SM at occupancy 4
+    from 1024 to 2560; occupancy 4 / 2 at 5120)."""
     from mamba2_cutile.norm.plan import group_chunk, norm_shape_config
     chunks = {s: group_chunk(s) for s in (1536, 2560, 3072, 5120, 7680, 10240, 15360, 320,
                                           1000, 1030, 37, 1, 4096, 64 * 33)}
@@ -455,7 +456,8 @@ def test_chunked_rule_values():
         (64, 16, 4, 0), (512, 4, 4, 8), (512, 2, 4, 0), (1024, 1, 4, 0), (512, 1, 2, 0),
         (1024, 1, 2, 8)]
     assert [(c.bwd_block_m, c.bwd_occupancy, c.bwd_warps) for c in got.values()] == [
-        (8, 2, 0), (2, 2, 8), (1, 2, 0), (1, 2, 8), (1, 1, 8), (1, 1, 8)]
+        (8, 2, 0), (1, 4, 4), (1, 4, 4), (1, 2, 8), (1, 1, 8), (1, 1, 8)]
+    assert [c.bwd_ctas_per_sm for c in got.values()] == [2, 4, 4, 2, 2, 2]
 
 
 def test_sweep_configs_parse():

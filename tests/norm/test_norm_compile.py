@@ -90,8 +90,11 @@ def _launches():
 
 
 #: stack bytes per thread (sm_90, tileiras 13.4) of rule configs timed faster on the H200 than
-#: their spill-free alternatives: 8 warps at 1536 channels (2026-12-02 chunked-norm sweep)
-STACK_TIMED = {("bf16-h1536-z-nbg", "fwd"): 56, ("bf16-h1536-int64", "bwd"): 8}
+#: their spill-free alternatives: the forward's 8 warps at 1536 channels (66.3 -> 56.3 us), the
+#: backward's four programs per SM at occupancy 4 at 2560 (187.6 -> 161.5 us; 2026-12-02 sweeps)
+#: (and the 64-bit backward under the same hints, untimed: 16 bytes)
+STACK_TIMED = {("bf16-h1536-z-nbg", "fwd"): 56, ("bf16-h2560-z-nbg", "bwd"): 16,
+               ("bf16-h1536-int64", "bwd"): 16}
 
 
 @pytest.mark.parametrize("name, kind", _launches())
@@ -115,8 +118,8 @@ def test_launch_compiles(name, kind):
     gate_first = problem.get("has_z", True) and not problem.get("norm_before_gate", True)
     if "config" not in problem and (group <= 2048 and not chunked
                                     or chunked and group <= 4096 and not gate_first):
-        # the shape rule's configs up to these groups, but for the 8-warp 1536-channel
-        # kernels, whose small stack frames the H200 timing accepted (forward 66.3 -> 56.3 us)
+        # the shape rule's configs up to these groups, but for the small stack frames the
+        # H200 timing accepted (STACK_TIMED)
         assert res["stack"] <= STACK_TIMED.get((name, kind), 0), res
 
 

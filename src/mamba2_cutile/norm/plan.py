@@ -135,16 +135,18 @@ def norm_shape_config(group_size: int) -> NormConfig:
 
     Group widths S = m * 2^k that are not powers of two (`group_chunk`) take the chunked
     kernels with chunks of 2^k channels (at most 1024): forward rows per tile the power of
-    two <= 8192 / S (at least 1), the backward's the power of two <= 4096 / S below 2048
-    channels, else 1; 8 warps in both from 1024 to 2048 channels; the forward at occupancy 4 up to
-    5120 channels, 2 above (8 warps from 8192); the backward at occupancy 2 up to 5120
-    channels, 1 above, with 8 warps above 4096. Timed on the H200 (16384 rows, bf16, z gate,
-    one group; benchmarks/results/2026-12-02-h200-norm-sweep-chunked.txt), against the
-    chunked rule before these hints: 1536 channels forward 66.3 -> 56.3 us with 8 warps (62%
-    of 4.3 TB/s; 69% at 65536 rows), backward 127.8 -> 116.9 us (50%); 2560: 105.3 / 187.6 us
-    (56% / 52%; no hint was faster by more than 6%); 5120: occupancy 4 forward 295.7 -> 191.2
-    us (61%), backward occupancy 2 420.6 -> 312.7 us (62%). The padded kernels at these
-    widths: 106.6, 138.9, 184.7, 215.6, 405.9, 510.5 us. Widths above 5120 are untimed. sm_90 compiles: with the norm before the
+    two <= 8192 / S (at least 1), 8 warps from 1024 to 2048 channels, occupancy 4 up to 5120
+    channels, 2 above (8 warps from 8192); the backward one row per tile from 1024 channels
+    (below: the power of two <= 4096 / S), from 1024 to 2560 channels at four programs per SM,
+    occupancy 4, 4 warps, else two per SM at occupancy 2 up to 5120 channels, 1 above, with 8
+    warps above 4096. Timed on the H200 (16384 rows, bf16, z gate, one group;
+    benchmarks/results/2026-12-02-h200-norm-sweep-chunked.txt and ...-norm-sweep-combinations
+    .txt), against the chunked rule before these hints: 1536 channels forward 66.3 -> 56.3
+    us with 8 warps (62% of 4.3 TB/s; 69% at 65536 rows), backward 127.8 -> 103.1 us (57%;
+    64% at 65536 rows); 2560: forward 105.3 us (56%), backward 187.6 -> 161.5 us (60%); 5120:
+    occupancy 4 forward 295.7 -> 191.2 us (61%), backward occupancy 2 420.6 -> 312.7 us (62%).
+    The padded kernels at these widths: 106.6, 138.9, 184.7, 215.6, 405.9, 510.5 us. Widths
+    above 5120 are untimed. sm_90 compiles: with the norm before the
     gate no spills up to 4096 channels (forward 64 registers, backward 128); with the gate
     first the forward spills 24 bytes at 1536 (128 with a bias), 16 at 3072; 16 bytes in the
     forward at 5120, 24 in the backward at 7680. Twice the forward's rows no longer fit its
@@ -155,14 +157,15 @@ def norm_shape_config(group_size: int) -> NormConfig:
     chunk = group_chunk(group_size)
     if chunk:
         rows = prev_pow2(max(1, 4096 // group_size))
-        narrow = group_size < 2048
-        wide_warps = 1024 < group_size < 2048     # 8 warps: timed at 1536
+        wide_warps = 1024 < group_size < 2048     # the forward's 8 warps: timed at 1536
+        mid = 1024 < group_size <= 2560           # the backward's 4 per SM: timed at 1536, 2560
         return NormConfig(block_g=bg, block_m=prev_pow2(max(1, 8192 // group_size)),
-                          bwd_block_m=min(32, rows) if narrow else 1,
-                          bwd_ctas_per_sm=2, occupancy=4 if group_size <= 5120 else 2,
+                          bwd_block_m=min(32, rows) if group_size < 1024 else 1,
+                          bwd_ctas_per_sm=4 if mid else 2,
+                          occupancy=4 if group_size <= 5120 else 2,
                           warps=8 if wide_warps or group_size >= 8192 else 0,
-                          bwd_occupancy=2 if group_size <= 5120 else 1,
-                          bwd_warps=8 if wide_warps or group_size > 4096 else 0, chunk=chunk)
+                          bwd_occupancy=4 if mid else 2 if group_size <= 5120 else 1,
+                          bwd_warps=4 if mid else 8 if group_size > 4096 else 0, chunk=chunk)
     return padded_shape_config(group_size)
 
 
