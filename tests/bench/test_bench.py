@@ -608,3 +608,36 @@ def test_cli_bench_train_mode_on_cpu(monkeypatch, tmp_path, capsys):
         doc = json.loads((tmp_path / f"bench-{mode}.json").read_text())
         assert {r["mode"] for r in doc["rows"]} == {mode}
         assert [r["status"] for r in doc["rows"]] == ["ok", "ok"]
+
+
+def test_cpu_compile_signature_refuses_what_launch_refuses():
+    """`bench.compile.signature_of` checks each 32-bit-indexed array argument against the
+    int32 range as ct.launch does (its "stride is too big"), so a CPU compile test of a 64-bit
+    plan catches a large tensor passed where the kernel has no ct.IndexedWithInt64 (an unread
+    stand-in included), and passes the same tensor where it has."""
+    pytest.importorskip("cuda.tile")
+    from mamba2_cutile.bench.compile import check_int32_range, signature_of
+    from mamba2_cutile.kernels.causal_conv1d_fwd_stream import (causal_conv1d_fwd_stream,
+                                                                 causal_conv1d_fwd_stream_i64)
+    big = torch.empty(1, 2**21 + 3, 1600, dtype=torch.bfloat16, device="meta")[..., :1536]
+    small = torch.empty(1, 8, 1536, dtype=torch.bfloat16, device="meta")
+    check_int32_range("k", "small", small)
+    with pytest.raises(ValueError, match="'x'.*stride 3355448000 in dimension 0"):
+        check_int32_range("k", "x", big)
+    with pytest.raises(ValueError, match="size 2147483648"):
+        check_int32_range("k", "t", torch.empty(2**31, dtype=torch.int8, device="meta"))
+    from mamba2_cutile.conv1d import plan
+    wt = torch.empty(4, 1536, dtype=torch.float32, device="meta")
+    cfg = plan.Conv1dConfig(form=1, block_d=64)
+
+    def call(final):
+        return plan.forward_plan(big.transpose(1, 2), wt, None, None, None,
+                                 plan.empty_like_layout(big.transpose(1, 2), True), final,
+                                 True, cfg)[0]
+    c = call(None)
+    assert c.kernel is causal_conv1d_fwd_stream_i64
+    signature_of(c.kernel, c.args)                        # x and out are 64-bit parameters
+    args = list(c.args)
+    args[0] = big
+    with pytest.raises(ValueError, match="ct.launch would refuse"):
+        signature_of(causal_conv1d_fwd_stream, args)      # the 32-bit variant: x refused

@@ -37,7 +37,26 @@ def _array_constraint(t: torch.Tensor, index_dtype) -> ArrayConstraint:
         base_addr_divisible_by=16)
 
 
+#: ct.launch refuses an array argument without ct.IndexedWithInt64 whose size or stride in any
+#: dimension leaves the int32 range ("shape is too big" / "stride is too big")
+INT32_MAX = 2**31 - 1
+
+
+def check_int32_range(fn_name, name, t: torch.Tensor) -> None:
+    """Raise what ct.launch would refuse: a 32-bit-indexed array argument with a size or
+    stride past the int32 range (an argument the kernel never reads is checked too)."""
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if size > INT32_MAX or abs(stride) > INT32_MAX:
+            raise ValueError(
+                f"{fn_name}: argument {name!r} (shape {tuple(t.shape)}, strides {t.stride()}) "
+                f"has {'size' if size > INT32_MAX else 'stride'} {max(size, abs(stride))} in "
+                f"dimension {dim}, past the int32 index range of a parameter without "
+                f"ct.IndexedWithInt64: ct.launch would refuse it")
+
+
 def signature_of(kernel, args) -> KernelSignature:
+    """The compile signature of a planned launch, checking each 32-bit-indexed array against
+    the int32 range as ct.launch does."""
     fn = kernel._annotated_function.pyfunc
     hints = typing.get_type_hints(fn, include_extras=True)
     names = list(fn.__code__.co_varnames[:fn.__code__.co_argcount])
@@ -47,7 +66,10 @@ def signature_of(kernel, args) -> KernelSignature:
         if _is_constant(ann):
             constraints.append(ConstantConstraint(value))
         elif isinstance(value, torch.Tensor):
-            constraints.append(_array_constraint(value, ct.int64 if _is_int64(ann) else ct.int32))
+            int64 = _is_int64(ann)
+            if not int64:
+                check_int32_range(fn.__name__, name, value)
+            constraints.append(_array_constraint(value, ct.int64 if int64 else ct.int32))
         elif isinstance(value, bool):
             constraints.append(ConstantConstraint(value))
         elif isinstance(value, float):
