@@ -12,10 +12,6 @@ silu(z), L the masked intra-chunk decay, h_c / dS_c the chunk's entry state / ex
 dY X^T reduces over all of P: a loop over p-tiles of BLOCK_P accumulates it (BQ x BQ fp32).
 Tiles: x, dout, z (BQ, BP); B, C (BQ, BN); h_c, dS_c (BP, BN); accumulator (BQ, BN) fp32.
 Grid: (cdiv(L, BQ) * B * G, cdiv(N, BN), 2), token blocks fastest.
-
-`bwd_chunk_dbc_fused_fn` computes the same sums one whole chunk per program; it can split a
-group's heads over HEAD_SPLIT programs, which then store fp32 partial sums of dB and dC that
-the launcher adds in a fixed order (still no atomics).
 """
 
 import cuda.tile as ct
@@ -155,8 +151,8 @@ def bwd_chunk_dbc_fused_fn(
     seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
     states,      # (B, H, C, P, N) entry states h_c
     dstates,     # (B, H, C, P, N) exit-state gradients dS_c
-    db,          # (B, L, G, N) out; with HEAD_SPLIT > 1 (HEAD_SPLIT, B, L, G, N) fp32 partials
-    dc,          # the same for dC
+    db,          # (B, L, G, N) out
+    dc,          # (B, L, G, N) out
     da_part,     # (n_pt + n_nt, B, H, Lp) float32 out (only with DA_W): slots n_pt + n_tile
     Q: ct.Constant[int],
     BLOCK_P: ct.Constant[int],
@@ -167,26 +163,17 @@ def bwd_chunk_dbc_fused_fn(
     LOWP: ct.Constant[bool],
     DA_W: ct.Constant[bool],
     LAT: ct.Constant[int],        # load latency hint in the head loop (0: none)
-    HEAD_SPLIT: ct.Constant[int],  # programs per group on grid axis 2 (divides HEADS_PER_GROUP)
 ):
     """dB and dC of one whole chunk in one program (the same sums as bwd_chunk_dbc_fn).
 
     Both intra-chunk terms use one Q x Q matrix per head, M = (dY X^T) o L o dt'_col:
     dC += M @ B and dB += M^T @ C, so M (one dY X^T MMA and one exp2 per entry) is formed once
     per head instead of once per output and token block. One program = chunk c x one n-tile of
-    one group; p-tiles are looped for dY X^T and the state terms.
-    Grid: (nc * B * G, cdiv(N, BN), HEAD_SPLIT).
-
-    HEAD_SPLIT = 1: the program walks all HPG = HEADS_PER_GROUP heads of its group and stores
-    dB, dC in their dtype. HEAD_SPLIT = S > 1 (S divides HPG): program s of axis 2 walks heads
-    [s HPG/S, (s+1) HPG/S) of the group, S times more programs each doing 1/S of the work, and
-    stores its partial sums dB^(s), dC^(s) (fp32) at db[s], dc[s]; the launcher forms
-    dB = sum_s dB^(s) (and dC) in a fixed order (deterministic, no atomics).
+    one group; p-tiles are looped for dY X^T and the state terms. Grid: (nc * B * G, cdiv(N, BN)).
 
     With DA_W it also writes the W part of the decay gradient (bwd_chunk_dx's DA_MODE 2): with
     S_n = C_n B_n^T (this n-tile's share of C B^T, shared by the group's heads), W = M o S_n and
-    per token r - c = rowsum(W) - colsum(W), into da_part slot n_pt + n_tile. That slot is per
-    head, so the programs of a split write disjoint entries (each its own heads').
+    per token r - c = rowsum(W) - colsum(W), into da_part slot n_pt + n_tile.
     """
     seqlen = x.shape[1]
     ngroups = b.shape[2]
@@ -209,12 +196,8 @@ def bwd_chunk_dbc_fused_fn(
     if DA_W:
         s_n = ct.mma(cn, bn.transpose(), ct.full((Q, Q), 0.0, dtype=ct.float32))
         slot = da_part.shape[0] - ct.num_blocks(1) + n_tile
-    heads_per_split = HEADS_PER_GROUP // HEAD_SPLIT
-    head0 = group * HEADS_PER_GROUP
-    if HEAD_SPLIT > 1:
-        head0 = head0 + ct.bid(2) * heads_per_split
-    for hh in range(heads_per_split):
-        head = head0 + hh
+    for hh in range(HEADS_PER_GROUP):
+        head = group * HEADS_PER_GROUP + hh
         g = block_decay(cum, batch, head, chunk, Q, LAT)
         dtv = block_decay(dt, batch, head, chunk, Q, LAT)
         g_last = chunk_last_decay(cum, batch, head, chunk, Q)
@@ -237,17 +220,10 @@ def bwd_chunk_dbc_fused_fn(
                      tile=(ct.sum(w, axis=1) - ct.sum(w, axis=0)).reshape((1, 1, 1, Q)))
         acc_c = ct.mma(wop(m, mm, LOWP), bn, acc_c)
         acc_b = ct.mma(wop(m.transpose(), mm, LOWP), cn, acc_b)
-    if HEAD_SPLIT == 1:
-        ct.store(dc, index=(batch, chunk, group, n_tile),
-                 tile=acc_c.reshape((1, Q, 1, BLOCK_N)).astype(dc.dtype))
-        ct.store(db, index=(batch, chunk, group, n_tile),
-                 tile=acc_b.reshape((1, Q, 1, BLOCK_N)).astype(db.dtype))
-    else:
-        split = ct.bid(2)
-        ct.store(dc, index=(split, batch, chunk, group, n_tile),
-                 tile=acc_c.reshape((1, 1, Q, 1, BLOCK_N)).astype(dc.dtype))
-        ct.store(db, index=(split, batch, chunk, group, n_tile),
-                 tile=acc_b.reshape((1, 1, Q, 1, BLOCK_N)).astype(db.dtype))
+    ct.store(dc, index=(batch, chunk, group, n_tile),
+             tile=acc_c.reshape((1, Q, 1, BLOCK_N)).astype(dc.dtype))
+    ct.store(db, index=(batch, chunk, group, n_tile),
+             tile=acc_b.reshape((1, Q, 1, BLOCK_N)).astype(db.dtype))
 
 
 bwd_chunk_dbc = ct.kernel(bwd_chunk_dbc_fn)

@@ -38,18 +38,9 @@ h_c the entry state and dS_c the exit-state gradient of the chunk (p-tile rows, 
      dt kernel forms da_s = suffix_sum(all slots)_s + sum_tokens(v_part). Without z the
      key-block loop is then skipped entirely.
 
-Where S comes from (DX_CB, a compile-time constant): 0: each block pair's S is formed here,
-S_tk = C_t B_k^T in the key-block loop and S_qt^T = B_t C_q^T in the query-block loop, two
-N-deep MMAs per block pair, repeated for every head of the group and every p-tile; 1: the
-(BQ, BQ) blocks S_tk and S_qt (transposed here) are loaded from the fp32 buffer `cb`
-(B, nc, G, Q, Q) that kernels/chunk_cb.py fills once per (batch, chunk, group) before this
-launch (the same products with the same operand dtypes: only the summation order differs).
-B_t and C_t are loaded either way, for Bds and Ch.
-
 Tiles: x, dout, z (BQ, BP); B, C (BQ, NP) with NP the padded dstate; h_c, dS_c (BP, NP);
-Q x Q work in BQ x BQ blocks (BQ = BLOCK_Q <= Q), S blocks (BQ, BQ) fp32 from cb with DX_CB.
-Grid: (cdiv(L, BQ) * B * H, cdiv(P, BP)), token blocks fastest; blocks past the last token are
-not launched.
+Q x Q work in BQ x BQ blocks (BQ = BLOCK_Q <= Q). Grid: (cdiv(L, BQ) * B * H, cdiv(P, BP)),
+token blocks fastest; blocks past the last token are not launched.
 """
 
 import cuda.tile as ct
@@ -69,7 +60,6 @@ from .bwd_common import (
     state_weight,
     wop,
 )
-from .chunk_cb import load_cb_block
 
 
 def bwd_chunk_dx_fn(
@@ -91,7 +81,6 @@ def bwd_chunk_dx_fn(
     ddt_part,    # (n_pt, B, H, Lp) float32 out: ddt_direct per p-tile
     dD_part,     # (cdiv(L, BQ), B, H, P) float32 out: colsum(dY o X) (only if D_MODE)
     v_part,      # (n_pt, B, H, Lp) float32 out: V (+ carry on the chunk's first token), DA_MODE 2
-    cb_buf,      # (B, nc, G, Q, Q) float32 S = C B^T (chunk_cb; ignored unless DX_CB)
     Q: ct.Constant[int],
     BLOCK_Q: ct.Constant[int],
     BLOCK_P: ct.Constant[int],
@@ -103,7 +92,6 @@ def bwd_chunk_dx_fn(
     LOWP: ct.Constant[bool],
     DA_MODE: ct.Constant[int],    # 0: stable form, 1: local terms, 2: split (see above)
     LAT: ct.Constant[int],        # load latency hint in the key/query block loops (0: none)
-    DX_CB: ct.Constant[bool],     # S blocks from cb instead of two N-deep MMAs per block pair
 ):
     ZERO = ct.PaddingMode.ZERO
     NBPC = Q // BLOCK_Q                  # token blocks per chunk
@@ -172,12 +160,9 @@ def bwd_chunk_dx_fn(
         g_k = block_decay(cum, batch, head, k, BLOCK_Q, LAT)
         dt_k = block_decay(dt, batch, head, k, BLOCK_Q, LAT)
         s_k = block_seq(seq_idx, batch, k, BLOCK_Q, HAS_SEQ)
-        if DX_CB:
-            s = load_cb_block(cb_buf, batch, chunk, group, t - first, k - first, BLOCK_Q, LAT)
-        else:
-            bk = load_rows(b, batch, k, group, 0, BLOCK_Q, NP, LAT)
-            s = ct.mma(ct_t, mma_operand(bk.transpose(), mm),
-                       ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
+        bk = load_rows(b, batch, k, group, 0, BLOCK_Q, NP, LAT)
+        s = ct.mma(ct_t, mma_operand(bk.transpose(), mm),
+                   ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
         cb = s * intra_decay(g_t, g_k, tok_t, tok_k, s_t, s_k, HAS_SEQ) * dt_k[None, :]
         xk = load_rows(x, batch, k, head, p_tile, BLOCK_Q, BLOCK_P, LAT)
         if HAS_Z:
@@ -237,13 +222,9 @@ def bwd_chunk_dx_fn(
         tok_q = q * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
         g_q = block_decay(cum, batch, head, q, BLOCK_Q, LAT)
         s_q = block_seq(seq_idx, batch, q, BLOCK_Q, HAS_SEQ)
-        if DX_CB:
-            st = load_cb_block(cb_buf, batch, chunk, group, q - first, t - first, BLOCK_Q,
-                               LAT).transpose()
-        else:
-            cq = load_rows(c, batch, q, group, 0, BLOCK_Q, NP, LAT)
-            st = ct.mma(bt, mma_operand(cq.transpose(), mm),
-                        ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
+        cq = load_rows(c, batch, q, group, 0, BLOCK_Q, NP, LAT)
+        st = ct.mma(bt, mma_operand(cq.transpose(), mm),
+                    ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
         lt = intra_decay(g_q, g_t, tok_q, tok_t, s_q, s_t, HAS_SEQ).transpose()
         dyq = load_rows(dout, batch, q, head, p_tile, BLOCK_Q, BLOCK_P, LAT).astype(ct.float32)
         if HAS_Z:
@@ -265,5 +246,4 @@ def bwd_chunk_dx_fn(
 bwd_chunk_dx = ct.kernel(bwd_chunk_dx_fn)
 bwd_chunk_dx_i64 = ct.kernel(int64_variant(
     bwd_chunk_dx_fn, ["x", "b", "c", "z", "dout", "D", "dt", "cum", "seq_idx", "states",
-                      "dstates", "dx", "dz", "da_part", "ddt_part", "dD_part", "v_part",
-                      "cb_buf"]))
+                      "dstates", "dx", "dz", "da_part", "ddt_part", "dD_part", "v_part"]))

@@ -1,25 +1,17 @@
 """The cuTile backward pass of the chunked SSD: plans, configs, the launcher.
 
-Six launches, seven with `dx_cb=1` (no host synchronization, CUDA-graph capturable), following
-the stages of `reference.chunked_backward` (see each kernel's docstring for its equations,
-tiles and grid):
+Six launches (no host synchronization, CUDA-graph capturable), following the stages of
+`reference.chunked_backward` (see each kernel's docstring for its equations, tiles and grid):
 
   1. decay_cumsum        (forward kernel 1) recompute dt' and G2 = log2(e) cumsum(A dt')
   2. chunk_state_pass    (forward kernel 2) recompute the chunk entry states h_c (fp32)
   3. bwd_state_pass      reverse pass over chunks: exit-state gradients dS_c, dinitial_states
-  (3b. chunk_cb          only with dx_cb=1: S = C B^T per (batch, chunk, group) into the fp32
-                         scratch `cb`, the lower block triangle bwd_chunk_dx reads)
   4. bwd_chunk_dx        per chunk: dx, dz, and per-tile partials of dD, ddt_direct, da
-                         (S blocks from `cb` with dx_cb=1, else formed by two MMAs per block);
-                         with dx_head_block > 1 bwd_chunk_dx_heads instead: the same outputs,
-                         several heads of a group per program sharing one S
   5. bwd_chunk_dbc       per chunk: dB and dC, summed over each group's heads in-program
-                         (with bc_head_split > 1 over S programs per group writing fp32
-                         partials, then one torch sum over the S partials)
   6. bwd_dt              da -> ddt' -> ddt (clamp, softplus, dt_bias), partials of dA, ddt_bias
 
-then three small fixed-shape torch sums (dA, ddt_bias, dD partials; deterministic; with a head
-split also the dB/dC partials, `reduce_head_splits`) and dtype casts. Nothing uses atomics: every cross-program reduction goes through a partial buffer that
+then three small fixed-shape torch sums (dA, ddt_bias, dD partials; deterministic) and dtype
+casts. Nothing uses atomics: every cross-program reduction goes through a partial buffer that
 a later kernel or a torch sum reduces in a fixed order, so two runs give equal bits.
 
 Plans are built from tensors (real CUDA tensors, or `meta` tensors for the CPU compile check,
@@ -28,7 +20,6 @@ or CPU float64 tensors for the tile-program emulation in tests/ssd/test_backward
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -37,18 +28,14 @@ from .. import config as _config
 from ..kernels.bwd_chunk_dbc import (bwd_chunk_dbc, bwd_chunk_dbc_fused, bwd_chunk_dbc_fused_i64,
                                      bwd_chunk_dbc_i64)
 from ..kernels.bwd_chunk_dx import bwd_chunk_dx, bwd_chunk_dx_i64
-from ..kernels.bwd_chunk_dx_heads import bwd_chunk_dx_heads, bwd_chunk_dx_heads_i64
 from ..kernels.bwd_dt import bwd_dt, bwd_dt_i64
 from ..kernels.bwd_state_pass import bwd_state_pass, bwd_state_pass_i64
-from ..kernels.chunk_cb import chunk_cb, chunk_cb_i64
 from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, dt_clamp_bounds,
                        launch_calls, needs_int64, next_pow2, num_sms, with_hints)
 from .forward import ForwardConfig, forward_plan, forward_shape_config
 
 INF = float("inf")
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
-HEAD_SPLITS = (1, 2, 4, 8, 16, 32, 64)     # BackwardConfig.bc_head_split's values
-DX_HEAD_BLOCKS = HEAD_SPLITS               # BackwardConfig.dx_head_block's values
 
 
 @dataclass(frozen=True)
@@ -88,24 +75,6 @@ class BackwardConfig:
     bc_load_latency: int = 0      # bwd_chunk_dbc_fused's head loop
     bc_fused: int = 0            # 1: one program per whole chunk forms M once for dB and dC
                                  # (bc_block_q is then unused)
-    dx_cb: int = 0               # 1: S = C B^T once per (batch, chunk, group) by chunk_cb into
-                                 # an fp32 scratch (B*nc*G*Q*Q*4 bytes) that bwd_chunk_dx reads,
-                                 # instead of two N-deep MMAs per block pair in every head's
-                                 # and p-tile's program
-    bc_head_split: int = 1       # S (power of two, 1..64; S > 1 needs bc_fused=1): the fused
-                                 # dB/dC launch splits each group's HPG heads over up to S
-                                 # programs (grid axis 2), `head_splits`: gcd(S, HPG) of them,
-                                 # HPG/that heads each; they write fp32 partials
-                                 # (2 * splits * B*L*G*N*4 bytes) that one torch sum adds.
-                                 # 1: one program walks all the group's heads, no scratch
-    dx_head_block: int = 1       # HB (power of two, 1..64): bwd_chunk_dx_heads, one program per
-                                 # token block, p-tile and gcd(HB, HPG) heads of one group
-                                 # (`dx_head_blocks`), S = C B^T and B/C formed once for them;
-                                 # 1, or da_mode 2 or dx_cb=1 (which it does not take), or
-                                 # gcd 1: bwd_chunk_dx, one head per program. Slower at every
-                                 # tiling timed (H200: 0.669 -> 1.40-1.87 ms at B=2 T=4096
-                                 # H=80, 2.12 -> 4.61-5.92 ms at H=128 G=8; benchmarks/results/
-                                 # 2026-12-02-h200-backward-sweep-dx-head-block.jsonl)
 
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
     FIXED = ("dstate_pad",)
@@ -125,40 +94,11 @@ class BackwardConfig:
             c.check_range(self, name, 0, 32)
         for name in ("dx_warps", "bc_warps"):
             c.check_choice(self, name, (0, 4, 8))
-        for name in ("lowp", "dx_lowp", "bc_fused", "dx_cb"):
+        for name in ("lowp", "dx_lowp", "bc_fused"):
             c.check_choice(self, name, (0, 1))
         if self.da_mode not in (0, 1, 2) or (self.da_mode == 2 and not self.bc_fused):
             raise ValueError(f"BackwardConfig: da_mode={self.da_mode} must be 0, 1, or 2 with "
                              "bc_fused=1")
-        c.check_choice(self, "bc_head_split", HEAD_SPLITS)
-        c.check_choice(self, "dx_head_block", DX_HEAD_BLOCKS)
-        if self.bc_head_split > 1 and not self.bc_fused:
-            raise ValueError(f"BackwardConfig: bc_head_split={self.bc_head_split} needs "
-                             "bc_fused=1 (the per-block dB/dC programs do not split heads)")
-
-
-def head_splits(cfg: BackwardConfig, nheads: int, ngroups: int) -> int:
-    """How many programs share each group's heads in the fused dB/dC launch: the largest
-    divisor of the heads per group HPG that divides `bc_head_split`, gcd(S, HPG) (S is a power
-    of two, so the largest power of two dividing HPG, capped at S). Every split then walks the
-    same number of heads, HPG / splits, so the kernel's head loop keeps a compile-time trip
-    count; one config fits every layer of a model whatever its head counts (HPG = 6 at S = 4
-    runs 2 splits of 3 heads; HPG = 1 runs unsplit). 1 means the unsplit launch."""
-    if not cfg.bc_fused or ngroups == 0:
-        return 1
-    return math.gcd(cfg.bc_head_split, nheads // ngroups)
-
-
-def dx_head_blocks(cfg: BackwardConfig, nheads: int, ngroups: int) -> int:
-    """Heads per bwd_chunk_dx program: gcd(dx_head_block, HPG), the largest power of two that
-    divides the heads per group HPG, capped at dx_head_block, so that a program's heads lie in
-    one group (they share its B, C and S) and every program walks the same number of them (one
-    config fits every layer whatever its head counts: HPG = 6 at dx_head_block = 4 runs 2 heads
-    per program). 1 means the one-head kernel bwd_chunk_dx, also whenever the config asks for
-    what the multi-head kernel does not do: da_mode 2 or dx_cb=1."""
-    if cfg.da_mode == 2 or cfg.dx_cb or ngroups == 0:
-        return 1
-    return math.gcd(cfg.dx_head_block, nheads // ngroups)
 
 
 def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
@@ -252,9 +192,6 @@ class BackwardBuffers:
     dD_part: torch.Tensor | None   # (cdiv(L, dx_block_q), B, H, P) fp32
     dA_part: torch.Tensor      # (B * nc, H) fp32
     dbias_part: torch.Tensor | None  # (B * nc, H) fp32
-    cb: torch.Tensor | None    # (B, nc, G, Q, Q) fp32 S = C B^T blocks (dx_cb=1)
-    db_part: torch.Tensor | None   # (splits, B, L, G, N) fp32 per-split dB (head_splits > 1)
-    dc_part: torch.Tensor | None   # the same for dC
     dx: torch.Tensor
     dz: torch.Tensor | None
     dB: torch.Tensor
@@ -282,7 +219,6 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
     od.update(out_dtypes or {})
     e = lambda *s, dt=buf_dtype: torch.empty(s, dtype=dt, device=dev)  # noqa: E731
     sdt = state_dtype or buf_dtype
-    splits = head_splits(cfg, h, g)
     return BackwardBuffers(
         dt_buf=e(b, h, lp), cum_buf=e(b, h, lp), states=e(b, h, nc, p, n, dt=sdt),
         hbuf=e(b, h, p, n), dstates=e(b, h, nc, p, n, dt=sdt),
@@ -292,9 +228,6 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
         ddt_part=e(n_pt, b, h, lp),
         dD_part=None if D is None else e(n_q, b, h, p),
         dA_part=e(b * nc, h), dbias_part=None if dt_bias is None else e(b * nc, h),
-        cb=e(b, nc, g, Q, Q) if cfg.dx_cb else None,
-        db_part=e(splits, b, l, g, n) if splits > 1 else None,
-        dc_part=e(splits, b, l, g, n) if splits > 1 else None,
         dx=e(b, l, h, p, dt=od["x"]), dz=None if z is None else e(b, l, h, p, dt=od["z"]),
         dB=e(b, l, g, n, dt=od["B"]), dC=e(b, l, g, n, dt=od["C"]), ddt=e(b, l, h, dt=od["dt"]),
     )
@@ -311,11 +244,9 @@ def recompute_config(cfg: BackwardConfig, x, B) -> ForwardConfig:
 
 def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
                   dout, dfinal, bufs: BackwardBuffers, cfg: BackwardConfig):
-    """The six launches of the backward (seven with dx_cb=1). Inputs as the kernels take
-    them (B, C, z, dout in x's dtype with unit innermost stride; A, D, dt_bias, init, dfinal
-    fp32; seq_idx int32); unused optional inputs None. Reads no tensor values. With a head
-    split (bufs.db_part set) the dB/dC launch writes partials: `reduce_head_splits(bufs)`
-    after the launches forms bufs.dB and bufs.dC."""
+    """The six launches of the backward. Inputs as the kernels take them (B, C, z, dout in x's
+    dtype with unit innermost stride; A, D, dt_bias, init, dfinal fp32; seq_idx int32);
+    unused optional inputs None. Reads no tensor values."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
@@ -343,58 +274,32 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          Q, cfg.bstate_block_p, cfg.bstate_block_n, hpg, has_z, has_seq, dfinal is not None,
          init is not None, cfg.bstate_load_latency)))
 
-    # 3b: S = C B^T per (batch, chunk, group), the blocks bwd_chunk_dx reads
-    if cfg.dx_cb:
-        nbpc = Q // cfg.dx_block_q
-        calls.append(KernelCall(
-            chunk_cb_i64 if needs_int64(B, C, bufs.cb) else chunk_cb,
-            (nchunks * batch * ngroups, nbpc, nbpc),
-            (B, C, bufs.cb, Q, cfg.dx_block_q, cfg.dstate_pad)))
-
     # 4: dx, dz, partials of dD, ddt, da
     v_part = bufs.v_part if bufs.v_part is not None else bufs.ddt_part
     n_q = -(-seqlen // cfg.dx_block_q)
     d_mode = 0 if D is None else D.dim()
     int64 = needs_int64(x, B, C, z, dout, D, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
-                      bufs.dstates, bufs.dx, bufs.dz, bufs.da_part, bufs.ddt_part, bufs.dD_part,
-                      bufs.cb)
-    hb = dx_head_blocks(cfg, nheads, ngroups)
-    dx_args = (x, B, C, z if has_z else x, dout, D if D is not None else A, bufs.dt_buf,
-               bufs.cum_buf, seq_arg, bufs.states, bufs.dstates, bufs.dx,
-               bufs.dz if has_z else bufs.dx, bufs.da_part, bufs.ddt_part,
-               bufs.dD_part if D is not None else bufs.ddt_part)
-    if hb > 1:
-        # several heads of one group per program (grid axis 0: token blocks fastest, then
-        # batch x head blocks)
-        calls.append(KernelCall(
-            with_hints(bwd_chunk_dx_heads_i64 if int64 else bwd_chunk_dx_heads,
-                       cfg.dx_occupancy, cfg.dx_warps),
-            (n_q * batch * (nheads // hb), -(-headdim // cfg.dx_block_p), 1),
-            dx_args + (Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hb, d_mode, has_z,
-                       has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency)))
-    else:
-        calls.append(KernelCall(
-            with_hints(bwd_chunk_dx_i64 if int64 else bwd_chunk_dx, cfg.dx_occupancy,
-                       cfg.dx_warps),
-            (n_q * batch * nheads, -(-headdim // cfg.dx_block_p), 1),
-            dx_args + (v_part, bufs.cb if cfg.dx_cb else bufs.ddt_part, Q, cfg.dx_block_q,
-                       cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z, has_seq, dx_lowp,
-                       cfg.da_mode, cfg.dx_load_latency, bool(cfg.dx_cb))))
+                      bufs.dstates, bufs.dx, bufs.dz, bufs.da_part, bufs.ddt_part, bufs.dD_part)
+    calls.append(KernelCall(
+        with_hints(bwd_chunk_dx_i64 if int64 else bwd_chunk_dx, cfg.dx_occupancy, cfg.dx_warps),
+        (n_q * batch * nheads, -(-headdim // cfg.dx_block_p), 1),
+        (x, B, C, z if has_z else x, dout, D if D is not None else A, bufs.dt_buf, bufs.cum_buf,
+         seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
+         bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
+         v_part, Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z,
+         has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency)))
 
-    # 5: dB, dC (with a head split: their per-split partials, which reduce_head_splits adds)
-    split = bufs.db_part is not None
-    db_out, dc_out = (bufs.db_part, bufs.dc_part) if split else (bufs.dB, bufs.dC)
+    # 5: dB, dC
     int64 = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
-                      bufs.dstates, db_out, dc_out, bufs.da_part if cfg.bc_fused else None)
+                      bufs.dstates, bufs.dB, bufs.dC, bufs.da_part if cfg.bc_fused else None)
     if cfg.bc_fused:
-        splits = bufs.db_part.shape[0] if split else 1
         calls.append(KernelCall(
             with_hints(bwd_chunk_dbc_fused_i64 if int64 else bwd_chunk_dbc_fused, cfg.bc_occupancy,
                    cfg.bc_warps),
-            (nchunks * batch * ngroups, -(-dstate // cfg.bc_block_n), splits),
+            (nchunks * batch * ngroups, -(-dstate // cfg.bc_block_n), 1),
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
-             bufs.dstates, db_out, dc_out, bufs.da_part, Q, cfg.bc_block_p, cfg.bc_block_n,
-             hpg, has_z, has_seq, lowp, cfg.da_mode == 2, cfg.bc_load_latency, splits)))
+             bufs.dstates, bufs.dB, bufs.dC, bufs.da_part, Q, cfg.bc_block_p, cfg.bc_block_n,
+             hpg, has_z, has_seq, lowp, cfg.da_mode == 2, cfg.bc_load_latency)))
     else:
         n_qb = -(-seqlen // cfg.bc_block_q)
         calls.append(KernelCall(
@@ -415,16 +320,6 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          Q, cfg.dx_block_q, cfg.cumsum_block_h, dt_bias is not None, bool(dt_softplus),
          cfg.da_mode)))
     return calls
-
-
-def reduce_head_splits(bufs: BackwardBuffers):
-    """dB = sum_s db_part[s] and dC = sum_s dc_part[s] (s = 0, 1, ... in that order: one torch
-    sum over axis 0, deterministic, no atomics), cast to the gradients' dtypes; nothing without
-    a head split. Runs on the launches' stream after them (no synchronization)."""
-    if bufs.db_part is None:
-        return
-    bufs.dB.copy_(bufs.db_part.sum(dim=0))
-    bufs.dC.copy_(bufs.dc_part.sum(dim=0))
 
 
 def default_state_dtype(input_dtype, buf_dtype=torch.float32):
@@ -483,7 +378,6 @@ def run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z
     if on_buffers is not None:
         on_buffers(bufs)
     launch_fn(calls)
-    reduce_head_splits(bufs)
 
     grads = dict(x=bufs.dx, dt=bufs.ddt, B=bufs.dB, C=bufs.dC, z=bufs.dz)
     grads["A"] = bufs.dA_part.sum(dim=0)
