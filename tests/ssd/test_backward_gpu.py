@@ -34,7 +34,7 @@ from mamba2_cutile.reference import ssd_chunked_backward
 from mamba2_cutile.bench.problems import random_problem
 from support.gpu import SHAPES as GPU_SHAPES
 from support.gpu import log_result, mamba_refused, rel_err, require_mamba_ssm_scan
-from support.tolerances import (FLOAT64_SELF_TOL, MAMBA_FACTOR, SAME_MATH_TOL, base_tol,
+from support.tolerances import (FLOAT64_SELF_TOL, MAMBA_FACTOR, SAME_MATH_TOL,
                                 comparison_floor, grad_tol)
 
 pytestmark = pytest.mark.gpu
