@@ -644,8 +644,8 @@ def test_rows_plan_hints_and_fields():
     """Form 3's forward runs under the occupancy hint ctas_per_sm (default 8) unless
     occupancy is set or ctas_hint is 0, and only where that compiles without spills (16-bit,
     32-bit indexing: float32 and 64-bit variants run unhinted, their spans at 6 per SM); the
-    backward takes no automatic hint; the spans follow ctas_per_sm / bwd_ctas_per_sm; the
-    dispatcher's defaults."""
+    backward under bwd_ctas_per_sm (default 7) likewise, its span the same either way; the
+    spans follow ctas_per_sm / bwd_ctas_per_sm; the dispatcher's defaults."""
     from mamba2_cutile.kernels.causal_conv1d_bwd_rows import causal_conv1d_bwd_rows
     from mamba2_cutile.kernels.causal_conv1d_fwd_rows import causal_conv1d_fwd_rows
     from mamba2_cutile.runtime import with_hints

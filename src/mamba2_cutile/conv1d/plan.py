@@ -387,13 +387,15 @@ def rows_forward_occupancy(cfg, xp, op, width) -> tuple:
 
 def rows_backward_occupancy(cfg, xp, dop, dxp, width) -> int:
     """The backward's occupancy hint (0 = none): a set bwd_occupancy (or occupancy), else
-    under ctas_hint bwd_ctas_per_sm for the variants that compile without spills at that
-    budget: 16-bit x, 32-bit indexing, width <= 4, bwd_block_d <= 128 dividing dim (the
-    unchecked interior loads; a partial channel block's checks cost 8 bytes of stack),
-    bwd_rows <= 8, no row tile (sm_90, bf16, bias + SiLU + seq_idx + initial and final
-    states: 72 registers, 7 per SM, no stack; fp16 at width 4: 16 bytes). H200, bf16, width 4 (2026-12-02 conv1d waves sweep): 0.2019 -> 0.1936 ms at
-    (1, 16384, 5376), 0.2660 -> 0.2521 at (1, 65536, 1792), 0.8456 -> 0.7243 at (4, 8192,
-    10240) against 6 per SM unhinted. The automatic span fills bwd_ctas_per_sm per SM either
+    under ctas_hint bwd_ctas_per_sm for the lean variants: 16-bit x, 32-bit indexing,
+    width <= 4, bwd_block_d <= 128 dividing dim (the unchecked interior loads; a partial
+    channel block's checks cost 8 bytes of stack), bwd_rows <= 8, no row tile (sm_90, bf16,
+    bias + SiLU + seq_idx + initial and final states: 72 registers, 7 per SM, no stack).
+    fp16 at width 4 and bwd_prefetch=1 spill 16 bytes under the hint (untimed) but keep it:
+    unhinted, fp16 with every option takes 163 registers (3 per SM) and bf16 bias + SiLU with
+    bwd_prefetch 105 (4 per SM). H200, bf16, width 4 (2026-12-02 conv1d waves sweep): 0.2019
+    -> 0.1936 ms at (1, 16384, 5376), 0.2660 -> 0.2521 at (1, 65536, 1792), 0.8456 -> 0.7243
+    at (4, 8192, 10240) against 6 per SM unhinted. The automatic span fills bwd_ctas_per_sm per SM either
     way (the grid, and so the dweight partials, must not depend on the hint)."""
     if cfg.bwd_occupancy or cfg.occupancy:
         return cfg.bwd_occupancy or cfg.occupancy

@@ -146,12 +146,15 @@ def norm_shape_config(group_size: int) -> NormConfig:
     64% at 65536 rows); 2560: forward 105.3 us (56%), backward 187.6 -> 161.5 us (60%); 5120:
     occupancy 4 forward 295.7 -> 191.2 us (61%), backward occupancy 2 420.6 -> 312.7 us (62%).
     The padded kernels at these widths: 106.6, 138.9, 184.7, 215.6, 405.9, 510.5 us. Widths
-    above 5120 are untimed. sm_90 compiles: with the norm before the
-    gate no spills up to 4096 channels (forward 64 registers, backward 128); with the gate
-    first the forward spills 24 bytes at 1536 (128 with a bias), 16 at 3072; 16 bytes in the
-    forward at 5120, 24 in the backward at 7680. Twice the forward's rows no longer fit its
-    staging buffers at occupancy 4 (1536 x 8 rows: 81 KB of shared memory, and the compiler
-    drops the occupancy hint: 255 registers, one program per SM).
+    above 5120 are untimed. sm_90 compiles (bf16, `bench.resources`): with the norm before
+    the gate the forward has 64 registers and no stack up to 5120 channels but at 1536 (8
+    warps: 40 registers, 56 bytes), the backward no stack but at 2560 (four per SM: 64
+    registers, 16 bytes) and 7680 (168, 24); with the gate first (mamba_ssm's Mamba2 default;
+    these hints were timed with the norm first only) the forward spills 56 bytes at 1536 and
+    16 at 3072, the backward 8 at 1536 with a bias, 160 at 2560, 24 at 3072, 128 at 5120 and
+    176 at 7680. Twice the forward's rows no longer fit its staging buffers at occupancy 4
+    (1536 x 8 rows: 81 KB of shared memory, and the compiler drops the occupancy hint: 255
+    registers, one program per SM).
     """
     bg = next_pow2(group_size)
     chunk = group_chunk(group_size)
