@@ -458,6 +458,13 @@ def test_chunked_rule_values():
     assert [(c.bwd_block_m, c.bwd_occupancy, c.bwd_warps) for c in got.values()] == [
         (8, 2, 0), (1, 4, 4), (1, 4, 4), (1, 2, 8), (1, 1, 8), (1, 1, 8)]
     assert [c.bwd_ctas_per_sm for c in got.values()] == [2, 4, 4, 2, 2, 2]
+    # the gate-first order keeps the first chunked hints (the timed ones spill there)
+    first = {s: norm_shape_config(s, gate_first=True) for s in (1536, 2560, 5120)}
+    assert [(c.chunk, c.block_m, c.occupancy, c.warps) for c in first.values()] == [
+        (512, 4, 4, 0), (512, 2, 4, 0), (1024, 1, 2, 0)]
+    assert [(c.bwd_block_m, c.bwd_ctas_per_sm, c.bwd_occupancy, c.bwd_warps)
+            for c in first.values()] == [(2, 2, 2, 0), (1, 2, 2, 0), (1, 2, 1, 8)]
+    assert norm_shape_config(4096, gate_first=True) == norm_shape_config(4096)   # padded
 
 
 def test_sweep_configs_parse():

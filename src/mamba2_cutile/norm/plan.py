@@ -112,8 +112,9 @@ class NormConfig:
                              f"program per row block)")
 
 
-def norm_shape_config(group_size: int) -> NormConfig:
-    """The dispatcher's rule, from the group size alone (no search, no synchronization).
+def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
+    """The dispatcher's rule, from the group size and the gate order alone (no search, no
+    synchronization); `gate_first`: z given with norm_before_gate=False.
 
     Timed on the H200 (bf16, z gate, 16384 rows of 4096, one group and eight groups; every
     override of `bench.norm.sweep_space`, CUDA graph, L2 flushed;
@@ -152,12 +153,16 @@ def norm_shape_config(group_size: int) -> NormConfig:
     registers, 16 bytes) and 7680 (168, 24); with the gate first (mamba_ssm's Mamba2 default;
     these hints were timed with the norm first only) the forward spills 56 bytes at 1536 and
     16 at 3072, the backward 8 at 1536 with a bias, 160 at 2560, 24 at 3072, 128 at 5120 and
-    176 at 7680. Twice the forward's rows no longer fit its staging buffers at occupancy 4
-    (1536 x 8 rows: 81 KB of shared memory, and the compiler drops the occupancy hint: 255
-    registers, one program per SM).
+    176 at 7680. So the gate-first order keeps the chunked kernels' first hints
+    (`_chunked_first_hints`, no stack in the backward at these widths) until it is timed.
+    Twice the forward's rows no longer fit its staging buffers at occupancy 4 (1536 x 8 rows:
+    81 KB of shared memory, and the compiler drops the occupancy hint: 255 registers, one
+    program per SM).
     """
     bg = next_pow2(group_size)
     chunk = group_chunk(group_size)
+    if chunk and gate_first:
+        return _chunked_first_hints(group_size, chunk)
     if chunk:
         rows = prev_pow2(max(1, 4096 // group_size))
         wide_warps = 1024 < group_size < 2048     # the forward's 8 warps: timed at 1536
@@ -170,6 +175,19 @@ def norm_shape_config(group_size: int) -> NormConfig:
                           bwd_occupancy=4 if mid else 2 if group_size <= 5120 else 1,
                           bwd_warps=4 if mid else 8 if group_size > 4096 else 0, chunk=chunk)
     return padded_shape_config(group_size)
+
+
+def _chunked_first_hints(group_size: int, chunk: int) -> NormConfig:
+    """The chunked kernels' hints before the 2026-12-02 sweeps (the padded rule's, in
+    channels): what the gate-first order takes, untimed in either form."""
+    rows = prev_pow2(max(1, 4096 // group_size))
+    return NormConfig(block_g=next_pow2(group_size),
+                      block_m=prev_pow2(max(1, 8192 // group_size)),
+                      bwd_block_m=min(32, rows) if group_size < 2048 else 1,
+                      bwd_ctas_per_sm=2, occupancy=4 if group_size <= 4096 else 2,
+                      warps=8 if group_size >= 8192 else 0,
+                      bwd_occupancy=2 if group_size <= 4096 else 1,
+                      bwd_warps=8 if group_size > 4096 else 0, chunk=chunk)
 
 
 def padded_shape_config(group_size: int) -> NormConfig:
@@ -205,10 +223,10 @@ def group_chunk(group_size: int, max_chunk: int = 1024) -> int:
     return chunk
 
 
-def norm_config(group_size: int) -> NormConfig:
+def norm_config(group_size: int, gate_first: bool = False) -> NormConfig:
     """The config a launch uses: the shape rule, then `MAMBA2_CUTILE_NORM_CONFIG`
     ("field=value,..."), in the precedence of `mamba2_cutile.config`."""
-    return _config.with_env(norm_shape_config(group_size), ENV_NORM)
+    return _config.with_env(norm_shape_config(group_size, gate_first), ENV_NORM)
 
 
 def fwd_programs(rows: int, ngroups: int, cfg: NormConfig, sms: int = DEFAULT_SMS) -> int:
@@ -295,7 +313,8 @@ def rmsnorm_forward_cuda(x, weight, bias, z, eps, group_size, norm_before_gate, 
     """out (M, hidden) in x's dtype, rstd (G, M) float32 for rows x, z (M, hidden) on a GPU."""
     m, hidden = x.shape
     g = hidden // group_size
-    cfg = config if config is not None else norm_config(group_size)
+    cfg = config if config is not None else norm_config(
+        group_size, z is not None and not norm_before_gate)
     check_chunk(cfg, group_size)
     x = as_kernel_input(x)
     z = as_kernel_input(z)
@@ -318,7 +337,8 @@ def rmsnorm_backward_cuda(dout, x, weight, bias, z, rstd, group_size, norm_befor
     and dbias in the parameters' dtypes."""
     m, hidden = x.shape
     g = hidden // group_size
-    cfg = config if config is not None else norm_config(group_size)
+    cfg = config if config is not None else norm_config(
+        group_size, z is not None and not norm_before_gate)
     check_chunk(cfg, group_size)
     x, z, dout = as_kernel_input(x), as_kernel_input(z), as_kernel_input(dout)
     dx = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
@@ -355,7 +375,8 @@ def problem_plans(rows=16384, hidden=1536, group_size=None, dtype=torch.bfloat16
     g = hidden // gs
     if int64:
         rows = max(rows, -(-(2**31) // hidden) + 1)
-    cfg = config if config is not None else norm_shape_config(gs)
+    cfg = config if config is not None else norm_shape_config(
+        gs, has_z and not norm_before_gate)
     stride = row_stride or hidden
 
     def rows_of(dt):
