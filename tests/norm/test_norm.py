@@ -417,10 +417,18 @@ def test_sweep_loop_on_the_cpu_path(monkeypatch):
     assert all(r["rel_err_vs_rule"] == 0 for r in rows)
     assert seen == [bench._env_spec(r["overrides"]) for r in rows]
     assert os.environ["MAMBA2_CUTILE_NORM_CONFIG"] == "block_m=1"
+    # the gate-first order: its own rule as the candidates' base, the order in each row
+    seen.clear()
+    rows = bench.sweep_norm(shapes=shapes[:1], dtype=torch.float32, reps=1,
+                            norm_before_gate=False)
+    assert len(rows) == sum(map(len, bench.candidate_space(1536, gate_first=True)))
+    assert not any("error" in r for r in rows)
+    assert all(r["norm_before_gate"] is False and r["rel_err_vs_rule"] == 0 for r in rows)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    assert bench._warm((33, 1536, 1, "bwd", {"chunk": 0}, torch.float32)) is None
+    assert bench._warm((33, 1536, 1, "bwd", {"chunk": 0}, torch.float32, True)) is None
+    assert bench._warm((33, 1536, 1, "fwd", {}, torch.float32, False)) is None
     monkeypatch.setattr(bench, "make_inputs", lambda *a: 1 / 0)
-    assert "ZeroDivisionError" in bench._warm((33, 1536, 1, "fwd", {}, torch.float32))
+    assert "ZeroDivisionError" in bench._warm((33, 1536, 1, "fwd", {}, torch.float32, True))
 
 
 def test_shape_rule_values():

@@ -13,6 +13,7 @@ must read x and z again). Fractions are of 4.3 TB/s (`bench.roofline.HBM_BYTES_P
     python -m mamba2_cutile.bench.norm --sweep --space full # every sweep_space override
     python -m mamba2_cutile.bench.norm --sweep --sweep-shapes 16384x1536x1,16384x8192x8
     python -m mamba2_cutile.bench.norm --sweep --configs "fwd:warps=8;bwd:bwd_block_m=1,bwd_warps=8"
+    python -m mamba2_cutile.bench.norm --sweep --gate-first     # mamba_ssm Mamba2's gate order
     python -m mamba2_cutile.bench.norm --json out.json --gate-first --dtype fp32
 """
 
@@ -160,7 +161,7 @@ _BWD_FIELDS = ("bwd_block_m", "bwd_ctas_per_sm", "bwd_occupancy", "bwd_warps", "
                "chunk")
 
 
-def candidate_space(group_size):
+def candidate_space(group_size, gate_first=False):
     """(forward, backward) overrides of the candidate sweep at one group size: the padded
     kernels under their rule (`padded_shape_config`, as before the chunked kernels), the
     dispatcher's rule ({}), and steps away from it: rows per tile halved and doubled; a
@@ -176,7 +177,7 @@ def candidate_space(group_size):
     from ..norm.plan import (MAX_CHUNK, MAX_CHUNKS, MIN_CHUNK, norm_shape_config,
                              padded_shape_config)
 
-    rule, padded = norm_shape_config(group_size), padded_shape_config(group_size)
+    rule, padded = norm_shape_config(group_size, gate_first), padded_shape_config(group_size)
 
     def diff(cfg, names):
         return {k: getattr(cfg, k) for k in names if getattr(cfg, k) != getattr(rule, k)}
@@ -248,13 +249,13 @@ def parse_configs(text):
     return fwd, bwd
 
 
-def _space(space, group_size):
+def _space(space, group_size, gate_first=False):
     from ..norm.plan import norm_shape_config
     if isinstance(space, tuple):          # explicit (forward, backward) override lists
         return space
     if space == "full":
-        return sweep_space(norm_shape_config(group_size))
-    return candidate_space(group_size)
+        return sweep_space(norm_shape_config(group_size, gate_first))
+    return candidate_space(group_size, gate_first)
 
 
 def _env_spec(over):
@@ -262,22 +263,22 @@ def _env_spec(over):
     return ",".join(f"{k}={v}" for k, v in over.items()) or "default"
 
 
-def _sweep_call(kind, x, z, w, dout, gs):
+def _sweep_call(kind, x, z, w, dout, gs, nbg=True):
     from ..norm import rmsnorm_fn
     if kind == "fwd":
-        return lambda: rmsnorm_fn(x, w, None, z=z, group_size=gs)
-    return _ours_bwd(x, z, w, dout, gs, True)
+        return lambda: rmsnorm_fn(x, w, None, z=z, group_size=gs, norm_before_gate=nbg)
+    return _ours_bwd(x, z, w, dout, gs, nbg)
 
 
 def _warm(task):
     """Runs one sweep candidate once in this (worker) process, so that its kernels are compiled
     into the on-disk cuTile cache before the timing process launches them."""
     from ..norm.plan import ENV_NORM
-    tokens, hidden, ngroups, kind, over, dtype = task
+    tokens, hidden, ngroups, kind, over, dtype, nbg = task
     os.environ[ENV_NORM] = _env_spec(over)
     try:
         x, z, w, dout = make_inputs(tokens, hidden, dtype)
-        _sweep_call(kind, x, z, w, dout, hidden // ngroups)()
+        _sweep_call(kind, x, z, w, dout, hidden // ngroups, nbg)()
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - the timing process reports it for this candidate
         return f"{task[:5]}: {e!r}"[:300]
@@ -295,12 +296,14 @@ def warm_compile(tasks, jobs):
                 print("compile failed:", fut.result(), flush=True)
 
 
-def sweep_norm(shapes=None, dtype=torch.bfloat16, reps=30, space="candidates", jobs=0):
+def sweep_norm(shapes=None, dtype=torch.bfloat16, reps=30, space="candidates", jobs=0,
+               norm_before_gate=True):
     """Times the forward and the backward under each override of the sweep space ("candidates":
     `candidate_space`, at CANDIDATE_SHAPES by default; "full": `sweep_space` around the rule,
     at FULL_SWEEP_SHAPES) through MAMBA2_CUTILE_NORM_CONFIG, checks each result against the
     rule's, and returns rows {shape, pass, overrides, ms, GB/s}. `jobs` > 1 compiles the
-    candidates first in that many processes."""
+    candidates first in that many processes. `norm_before_gate`: the gate order timed (its
+    rule is the candidates' base: the gate-first order has its own hints)."""
     from ..norm.plan import ENV_NORM
     from .accuracy import rel_err
     from .timing import time_graph
@@ -308,28 +311,29 @@ def sweep_norm(shapes=None, dtype=torch.bfloat16, reps=30, space="candidates", j
     if shapes is None:
         shapes = CANDIDATE_SHAPES if space == "candidates" else FULL_SWEEP_SHAPES
     elem = torch.empty((), dtype=dtype).element_size()
+    nbg, gf = bool(norm_before_gate), not norm_before_gate
     saved = os.environ.get(ENV_NORM)
     rows = []
     try:
         if jobs > 1:
-            warm_compile([(t, h, g, kind, over, dtype) for t, h, g in shapes
-                          for kind, sp in zip(("fwd", "bwd"), _space(space, h // g))
+            warm_compile([(t, h, g, kind, over, dtype, nbg) for t, h, g in shapes
+                          for kind, sp in zip(("fwd", "bwd"), _space(space, h // g, gf))
                           for over in sp], jobs)
         for tokens, hidden, ngroups in shapes:
             gs = hidden // ngroups
             x, z, w, dout = make_inputs(tokens, hidden, dtype)
             fwd_b, bwd_b = norm_bytes(tokens, hidden, ngroups, elem)
             os.environ.pop(ENV_NORM, None)
-            want = _sweep_call("fwd", x, z, w, dout, gs)()
-            want_bwd = _sweep_call("bwd", x, z, w, dout, gs)()
-            fwd_space, bwd_space = _space(space, gs)
+            want = _sweep_call("fwd", x, z, w, dout, gs, nbg)()
+            want_bwd = _sweep_call("bwd", x, z, w, dout, gs, nbg)()
+            fwd_space, bwd_space = _space(space, gs, gf)
             for kind, sp, nbytes in (("fwd", fwd_space, fwd_b), ("bwd", bwd_space, bwd_b)):
                 for over in sp:
                     os.environ[ENV_NORM] = _env_spec(over)
                     row = dict(tokens=tokens, hidden=hidden, ngroups=ngroups, kind=kind,
-                               overrides=over)
+                               overrides=over, norm_before_gate=nbg)
                     try:
-                        call = _sweep_call(kind, x, z, w, dout, gs)
+                        call = _sweep_call(kind, x, z, w, dout, gs, nbg)
                         if kind == "fwd":
                             err = rel_err(call(), want)
                         else:
@@ -398,7 +402,8 @@ def main(argv=None):
     ap.add_argument("--shapes", choices=("default", "quick", "targets"), default="default")
     ap.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16")
     ap.add_argument("--no-z", action="store_true", help="plain RMSNorm (no gate)")
-    ap.add_argument("--gate-first", action="store_true", help="norm_before_gate=False")
+    ap.add_argument("--gate-first", action="store_true",
+                    help="norm_before_gate=False (with --sweep: around that order's rule)")
     ap.add_argument("--no-baseline", action="store_true", help="skip mamba_ssm")
     ap.add_argument("--sweep", action="store_true",
                     help="time config candidates (--space) beside the rule")
@@ -421,7 +426,8 @@ def main(argv=None):
     if args.sweep:
         space = parse_configs(args.configs) if args.configs else args.space
         rows = sweep_norm(args.sweep_shapes or (CANDIDATE_SHAPES if args.configs else None),
-                          dtype=dtype, reps=args.reps, space=space, jobs=args.jobs)
+                          dtype=dtype, reps=args.reps, space=space, jobs=args.jobs,
+                          norm_before_gate=not args.gate_first)
         print(format_rows(rows))
         print("fastest:")
         print(format_rows(best_of_sweep(rows)))
