@@ -676,6 +676,7 @@ def test_rows_plan_hints_and_fields():
     assert call.kernel is causal_conv1d_fwd_rows and call.args[8] == 448     # 6 per SM
     assert fwd(row_tile=1).kernel is causal_conv1d_fwd_rows
     assert fwd(rows=16).kernel is causal_conv1d_fwd_rows
+    assert fwd(warps=8).kernel is with_hints(causal_conv1d_fwd_rows, 0, 8)  # 5 per SM fit
     big = torch.empty(1, 2**21 + 3, 1536, device="meta", dtype=torch.bfloat16).transpose(1, 2)
     call = fwd(big, plan.empty_like_layout(big, True))
     from mamba2_cutile.kernels.causal_conv1d_fwd_rows import causal_conv1d_fwd_rows_i64

@@ -379,7 +379,8 @@ def rows_forward_occupancy(cfg, xp, op, width) -> tuple:
     if cfg.occupancy:
         return cfg.ctas_per_sm, cfg.occupancy
     lean = (xp.dtype in (torch.float16, torch.bfloat16) and not needs_int64(xp, op)
-            and width <= 4 and cfg.block_d <= 256 and cfg.rows <= 8 and not cfg.row_tile)
+            and width <= 4 and cfg.block_d <= 256 and cfg.rows <= 8 and not cfg.row_tile
+            and cfg.warps in (0, 4))            # 8 warps: 5 CTAs per SM fit, not 8
     if cfg.ctas_hint and lean:
         return cfg.ctas_per_sm, cfg.ctas_per_sm
     return min(cfg.ctas_per_sm, ROWS_FWD_CTAS_UNHINTED), 0
@@ -401,7 +402,8 @@ def rows_backward_occupancy(cfg, xp, dop, dxp, width) -> int:
         return cfg.bwd_occupancy or cfg.occupancy
     lean = (xp.dtype in (torch.float16, torch.bfloat16) and not needs_int64(xp, dop, dxp)
             and width <= 4 and cfg.bwd_block_d <= 128 and cfg.bwd_rows <= 8
-            and not cfg.bwd_row_tile and _unchecked(cfg, xp.shape[2], cfg.bwd_block_d))
+            and not cfg.bwd_row_tile and _unchecked(cfg, xp.shape[2], cfg.bwd_block_d)
+            and (cfg.bwd_warps or cfg.warps) in (0, 4))
     return cfg.bwd_ctas_per_sm if cfg.ctas_hint and lean else 0
 
 
