@@ -61,6 +61,19 @@ def parse_overrides(cls, spec: str, source: str) -> dict:
     return out
 
 
+def split_passes(text: str, source: str) -> tuple:
+    """"fwd:a=1,b=2;bwd:c=3;..." -> (forward specs, backward specs), each "field=value,..."
+    text for `parse_overrides` ("fwd:" alone is the default config); `source` names where the
+    text came from in errors."""
+    fwd, bwd = [], []
+    for item in filter(None, (i.strip() for i in text.split(";"))):
+        kind, sep, spec = item.partition(":")
+        if not sep or kind not in ("fwd", "bwd"):
+            raise ValueError(f"{source}: {item!r} is not fwd:<fields> or bwd:<fields>")
+        (fwd if kind == "fwd" else bwd).append(spec.strip())
+    return fwd, bwd
+
+
 def apply_overrides(cfg, overrides: dict, source: str):
     """`cfg` with `overrides` applied; the result validates itself. Errors name `source`."""
     if not overrides:

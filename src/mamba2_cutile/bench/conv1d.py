@@ -413,16 +413,8 @@ def _parse_shapes(text):
 
 def _parse_configs(text):
     """"fwd:a=1,b=2;bwd:c=3;..." -> (forward specs, backward specs); "fwd:" is the default."""
-    fwd, bwd = [], []
-    for item in text.split(";"):
-        item = item.strip()
-        if not item:
-            continue
-        mode, sep, spec = item.partition(":")
-        if not sep or mode not in ("fwd", "bwd"):
-            raise ValueError(f"--configs: {item!r} is not fwd:<fields> or bwd:<fields>")
-        (fwd if mode == "fwd" else bwd).append(spec.strip())
-    return fwd, bwd
+    from .. import config as _config
+    return _config.split_passes(text, "--configs")
 
 
 def main(argv=None):

@@ -233,20 +233,12 @@ def candidate_space(group_size, gate_first=False):
 
 def parse_configs(text):
     """"fwd:warps=8,occupancy=4;bwd:bwd_block_m=1;..." -> (forward, backward) override lists,
-    each led by the rule itself ({}); the fields are NormConfig's (checked when applied)."""
-    fwd, bwd = [{}], [{}]
-    for item in filter(None, (i.strip() for i in text.split(";"))):
-        kind, sep, spec = item.partition(":")
-        if not sep or kind not in ("fwd", "bwd"):
-            raise ValueError(f"--configs: {item!r} is not fwd:<fields> or bwd:<fields>")
-        over = {}
-        for kv in filter(None, spec.split(",")):
-            k, eq, v = kv.partition("=")
-            if not eq:
-                raise ValueError(f"--configs: {kv!r} is not field=value")
-            over[k.strip()] = int(v)
-        (fwd if kind == "fwd" else bwd).append(over)
-    return fwd, bwd
+    each led by the rule itself ({}); unknown NormConfig fields are refused here."""
+    from .. import config as _config
+    from ..norm.plan import NormConfig
+    fwd, bwd = _config.split_passes(text, "--configs")
+    return tuple([{}] + [_config.parse_overrides(NormConfig, spec, "--configs") for spec in specs]
+                 for specs in (fwd, bwd))
 
 
 def _space(space, group_size, gate_first=False):

@@ -56,7 +56,8 @@ class Conv1dConfig:
     forward program. bwd_*: the same for the backward (its programs also sum dweight/dbias
     partials over their bwd_tiles blocks). shift_tma: 1 lets the token-shifted loads use TMA
     (0: plain loads, which hit L1 for the overlapping taps). occupancy: hint for both (0: the
-    compiler's choice; for form 3's forward see ctas_hint). form: which kernels, 0 = `causal_conv1d_fwd` / `causal_conv1d_bwd`
+    compiler's choice; for form 3 see ctas_hint). form: which kernels, 0 =
+    `causal_conv1d_fwd` / `causal_conv1d_bwd`
     (every tap behind a head/x/zero branch; the backward keeps its 2W-1 input tiles), 1 = the
     streamed ones (`causal_conv1d_fwd_stream` / `causal_conv1d_bwd_stream`: branch-free taps
     in interior blocks, the backward's taps streamed through a W-tile window), 2 = form 1
@@ -170,13 +171,15 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
     Channel-last inputs up to width 4 take the row-streaming kernels (form 3: each x and dout
     row read once, the last width-1 rows carried in registers): 256-channel forward programs
     and 128-channel backward ones, 8 rows per step, no prefetch, spans chosen by `rows_span`
-    to fill whole waves of 8 (forward, under the occupancy-8 hint where it compiles without
-    spills, else 6) and 6 (backward) CTAs per SM.
+    to fill whole waves of 8 (forward) and 7 (backward) CTAs per SM, under the matching
+    occupancy hints where they compile without spills (else the forward's spans fill 6).
     Timed on the H200 (bf16, width 4, SiLU + bias, kernel alone in a CUDA graph, L2 flushed,
-    median of 10; benchmarks/results/2026-12-02-h200-conv1d-rows-sweep.txt): forward 0.259 ->
-    0.124 ms at (1, 16384, 5376) and 0.326 -> 0.158 ms at (1, 65536, 1792) against form 1
-    (32-34% -> 66-69% of 4.3 TB/s), backward 1.047 -> 0.207 ms and 1.388 -> 0.250 ms (12% ->
-    59-66%); prefetching, 4 or 16 rows per step, 8 warps and row tiles were slower. Wider
+    median of 10; benchmarks/results/2026-12-02-h200-conv1d-rows-sweep.txt and
+    ...-conv1d-waves-sweep.txt): forward 0.259 -> 0.108 ms at (1, 16384, 5376) and 0.326 ->
+    0.153 ms at (1, 65536, 1792) against form 1 (32-34% -> 71-76% of 4.3 TB/s), backward
+    1.047 -> 0.194 ms and 1.388 -> 0.252 ms (12% -> 64-65%); power-of-two spans of 512 tokens
+    gave 0.124 / 0.158 and 0.207 / 0.250 ms; prefetching, 4 or 16 rows per step, 8 warps and
+    row tiles were slower. Wider
     filters keep form 1 (streamed taps, 32 x 64 forward tiles: 0.404 -> 0.258 ms against form 0
     at (1, 16384, 5376), benchmarks/results/2026-12-01-h200-conv1d-form-sweep.txt), as form 3
     was timed at width 4 only; the tap-view forward (form 2) was slower than form 1. The
@@ -396,8 +399,8 @@ def rows_backward_occupancy(cfg, xp, dop, dxp, width) -> int:
     unhinted, fp16 with every option takes 163 registers (3 per SM) and bf16 bias + SiLU with
     bwd_prefetch 105 (4 per SM). H200, bf16, width 4 (2026-12-02 conv1d waves sweep): 0.2019
     -> 0.1936 ms at (1, 16384, 5376), 0.2660 -> 0.2521 at (1, 65536, 1792), 0.8456 -> 0.7243
-    at (4, 8192, 10240) against 6 per SM unhinted. The automatic span fills bwd_ctas_per_sm per SM either
-    way (the grid, and so the dweight partials, must not depend on the hint)."""
+    at (4, 8192, 10240) against 6 per SM unhinted. The automatic span fills bwd_ctas_per_sm
+    per SM either way (the grid, and so the dweight partials, must not depend on the hint)."""
     if cfg.bwd_occupancy or cfg.occupancy:
         return cfg.bwd_occupancy or cfg.occupancy
     lean = (xp.dtype in (torch.float16, torch.bfloat16) and not needs_int64(xp, dop, dxp)

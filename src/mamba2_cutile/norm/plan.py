@@ -24,7 +24,7 @@ and read no tensor values, so they are safe under CUDA-graph capture.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -154,32 +154,29 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
     these hints were timed with the norm first only) the forward spills 56 bytes at 1536 and
     16 at 3072, the backward 8 at 1536 with a bias, 160 at 2560, 24 at 3072, 128 at 5120 and
     176 at 7680. So the gate-first order keeps the chunked kernels' first hints
-    (`_chunked_first_hints`, no stack in the backward at these widths) until it is timed.
+    (`_chunked_base_config`, no stack in the backward at these widths) until it is timed.
     Twice the forward's rows no longer fit its staging buffers at occupancy 4 (1536 x 8 rows:
     81 KB of shared memory, and the compiler drops the occupancy hint: 255 registers, one
     program per SM).
     """
-    bg = next_pow2(group_size)
     chunk = group_chunk(group_size)
-    if chunk and gate_first:
-        return _chunked_first_hints(group_size, chunk)
-    if chunk:
-        rows = prev_pow2(max(1, 4096 // group_size))
-        wide_warps = 1024 < group_size < 2048     # the forward's 8 warps: timed at 1536
-        mid = 1024 < group_size <= 2560           # the backward's 4 per SM: timed at 1536, 2560
-        return NormConfig(block_g=bg, block_m=prev_pow2(max(1, 8192 // group_size)),
-                          bwd_block_m=min(32, rows) if group_size < 1024 else 1,
-                          bwd_ctas_per_sm=4 if mid else 2,
-                          occupancy=4 if group_size <= 5120 else 2,
-                          warps=8 if wide_warps or group_size >= 8192 else 0,
-                          bwd_occupancy=4 if mid else 2 if group_size <= 5120 else 1,
-                          bwd_warps=4 if mid else 8 if group_size > 4096 else 0, chunk=chunk)
-    return padded_shape_config(group_size)
+    if not chunk:
+        return padded_shape_config(group_size)
+    cfg = _chunked_base_config(group_size, chunk)
+    if gate_first:
+        return cfg
+    if 4096 < group_size <= 5120:           # timed at 5120
+        cfg = replace(cfg, occupancy=4, bwd_occupancy=2)
+    if 1024 < group_size < 2048:            # the forward's 8 warps: timed at 1536
+        cfg = replace(cfg, warps=8)
+    if 1024 < group_size <= 2560:           # the backward's 4 per SM: timed at 1536, 2560
+        cfg = replace(cfg, bwd_block_m=1, bwd_ctas_per_sm=4, bwd_occupancy=4, bwd_warps=4)
+    return cfg
 
 
-def _chunked_first_hints(group_size: int, chunk: int) -> NormConfig:
-    """The chunked kernels' hints before the 2026-12-02 sweeps (the padded rule's, in
-    channels): what the gate-first order takes, untimed in either form."""
+def _chunked_base_config(group_size: int, chunk: int) -> NormConfig:
+    """The chunked kernels' config before the 2026-12-02 sweeps (the padded rule's tiles, in
+    channels): what the gate-first order takes, and what the timed hints start from."""
     rows = prev_pow2(max(1, 4096 // group_size))
     return NormConfig(block_g=next_pow2(group_size),
                       block_m=prev_pow2(max(1, 8192 // group_size)),
