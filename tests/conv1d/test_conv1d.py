@@ -644,13 +644,13 @@ def test_rows_plan_hints_and_fields():
     """Form 3's forward runs under the occupancy hint ctas_per_sm (default 8) unless
     occupancy is set or ctas_hint is 0, and only where that compiles without spills (16-bit,
     32-bit indexing: float32 and 64-bit variants run unhinted, their spans at 6 per SM); the
-    backward under bwd_ctas_per_sm (default 7) likewise, its span the same either way; the
+    backward under bwd_ctas_per_sm (default 8) likewise, its span the same either way; the
     spans follow ctas_per_sm / bwd_ctas_per_sm; the dispatcher's defaults."""
     from mamba2_cutile.kernels.causal_conv1d_bwd_rows import causal_conv1d_bwd_rows
     from mamba2_cutile.kernels.causal_conv1d_fwd_rows import causal_conv1d_fwd_rows
     from mamba2_cutile.runtime import with_hints
     cfg = plan.conv1d_config(1, 5376, 16384, True)
-    assert (cfg.ctas_per_sm, cfg.bwd_ctas_per_sm, cfg.ctas_hint, cfg.span) == (8, 7, 1, 0)
+    assert (cfg.ctas_per_sm, cfg.bwd_ctas_per_sm, cfg.ctas_hint, cfg.span) == (8, 8, 1, 0)
     x = torch.empty(1, 16384, 5376 + 8, device="meta",
                     dtype=torch.bfloat16)[..., :5376].transpose(1, 2)
     wt = torch.empty(4, 5376, device="meta")
@@ -684,7 +684,7 @@ def test_rows_plan_hints_and_fields():
     assert fwd(x32, plan.empty_like_layout(x32, True), occupancy=8).kernel is \
         with_hints(causal_conv1d_fwd_rows, 8, 0)
     parts = plan.backward_grid(x, cfg)
-    assert parts == (42, 44, 1)                  # two waves of 7 x 132 slots: 1848 of 1848
+    assert parts == (42, 50, 1)                  # two waves of 8 x 132 slots: 2100 of 2112
 
     def bwd(x=x, out=out, **fields):
         c = dataclasses.replace(cfg, **fields)
@@ -694,16 +694,17 @@ def test_rows_plan_hints_and_fields():
                                   torch.empty(n, 5376, device="meta"), None, True, c)[0]
 
     call = bwd()
-    assert call.kernel is with_hints(causal_conv1d_bwd_rows, 7, 0) and call.args[12] == 376
+    assert call.kernel is with_hints(causal_conv1d_bwd_rows, 8, 0) and call.args[12] == 328
     assert bwd(ctas_hint=0).kernel is causal_conv1d_bwd_rows
     assert bwd(bwd_occupancy=5).kernel is with_hints(causal_conv1d_bwd_rows, 5, 0)
     # unhinted where it would spill (float32), with the same span: the grid (the dweight
     # partials) does not depend on the hint
     call = bwd(x32, plan.empty_like_layout(x32, True))
-    assert call.kernel is causal_conv1d_bwd_rows and call.args[12] == 376
+    assert call.kernel is causal_conv1d_bwd_rows and call.args[12] == 328
     assert bwd(bwd_rows=16).kernel is causal_conv1d_bwd_rows
     assert plan.backward_grid(x, dataclasses.replace(cfg, bwd_ctas_per_sm=6)) == (42, 37, 1)
     assert plan.backward_grid(x, dataclasses.replace(cfg, bwd_ctas_per_sm=5)) == (42, 47, 1)
+    assert plan.backward_grid(x, dataclasses.replace(cfg, bwd_ctas_per_sm=7)) == (42, 44, 1)
 
 
 def test_sweep_candidates_are_valid_configs():

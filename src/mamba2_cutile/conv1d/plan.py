@@ -74,8 +74,8 @@ class Conv1dConfig:
     at once, whose CTA slots (ctas_per_sm x SMs) the automatic span fills in whole waves
     (`rows_span`): 8 for the forward (the sm_90 compile needs 80 registers, 6 per SM, and 64
     under the occupancy-8 hint it gets by default at 16-bit inputs; unhinted variants fill
-    at most 6), 7 for the backward (82 registers unhinted, 6 per SM; 72 under the
-    occupancy-7 hint). ctas_hint (form 3): 1 gives the forward the hint
+    at most 6), 8 for the backward (82 registers unhinted, 6 per SM; 64 under the
+    occupancy-8 hint). ctas_hint (form 3): 1 gives the forward the hint
     occupancy=ctas_per_sm and the backward bwd_occupancy=bwd_ctas_per_sm when `occupancy` /
     `bwd_occupancy` is 0, where that compiles without spills (`rows_forward_occupancy`,
     `rows_backward_occupancy`: 16-bit, 32-bit indexing, the dispatcher's tiles; 0: no hint;
@@ -110,7 +110,7 @@ class Conv1dConfig:
     prefetch: int = 0
     bwd_prefetch: int = 0
     ctas_per_sm: int = 8
-    bwd_ctas_per_sm: int = 7
+    bwd_ctas_per_sm: int = 8
     ctas_hint: int = 1
 
     FIXED = ()
@@ -171,13 +171,14 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
     Channel-last inputs up to width 4 take the row-streaming kernels (form 3: each x and dout
     row read once, the last width-1 rows carried in registers): 256-channel forward programs
     and 128-channel backward ones, 8 rows per step, no prefetch, spans chosen by `rows_span`
-    to fill whole waves of 8 (forward) and 7 (backward) CTAs per SM, under the matching
+    to fill whole waves of 8 CTAs per SM (forward and backward), under the matching
     occupancy hints where they compile without spills (else the forward's spans fill 6).
     Timed on the H200 (bf16, width 4, SiLU + bias, kernel alone in a CUDA graph, L2 flushed,
     median of 10; benchmarks/results/2026-12-02-h200-conv1d-rows-sweep.txt and
     ...-conv1d-waves-sweep.txt): forward 0.259 -> 0.108 ms at (1, 16384, 5376) and 0.326 ->
     0.153 ms at (1, 65536, 1792) against form 1 (32-34% -> 71-76% of 4.3 TB/s), backward
-    1.047 -> 0.194 ms and 1.388 -> 0.252 ms (12% -> 64-65%); power-of-two spans of 512 tokens
+    1.047 -> 0.189 ms and 1.388 -> 0.247 ms (12% -> 65-66%; 70% at (4, 8192, 10240));
+    power-of-two spans of 512 tokens
     gave 0.124 / 0.158 and 0.207 / 0.250 ms; prefetching, 4 or 16 rows per step, 8 warps and
     row tiles were slower. Wider
     filters keep form 1 (streamed taps, 32 x 64 forward tiles: 0.404 -> 0.258 ms against form 0
@@ -393,13 +394,17 @@ def rows_backward_occupancy(cfg, xp, dop, dxp, width) -> int:
     """The backward's occupancy hint (0 = none): a set bwd_occupancy (or occupancy), else
     under ctas_hint bwd_ctas_per_sm for the lean variants: 16-bit x, 32-bit indexing,
     width <= 4, bwd_block_d <= 128 dividing dim (the unchecked interior loads; a partial
-    channel block's checks cost 8 bytes of stack), bwd_rows <= 8, no row tile (sm_90, bf16,
-    bias + SiLU + seq_idx + initial and final states: 72 registers, 7 per SM, no stack).
+    channel block's checks cost 8 bytes of stack), bwd_rows <= 8, no row tile (sm_90, bf16
+    and fp16, bias + SiLU: 64 registers at 8 per SM, no stack; with seq_idx, or with initial
+    and final states, 62-64 and no stack; with all three 64 and 24 bytes of stack, untimed).
     fp16 at width 4 and bwd_prefetch=1 spill 16 bytes under the hint (untimed) but keep it:
     unhinted, fp16 with every option takes 163 registers (3 per SM) and bf16 bias + SiLU with
     bwd_prefetch 105 (4 per SM). H200, bf16, width 4 (2026-12-02 conv1d waves sweep): 0.2019
     -> 0.1936 ms at (1, 16384, 5376), 0.2660 -> 0.2521 at (1, 65536, 1792), 0.8456 -> 0.7243
-    at (4, 8192, 10240) against 6 per SM unhinted. The automatic span fills bwd_ctas_per_sm
+    at (4, 8192, 10240) against 6 per SM unhinted; 8 per SM under the occupancy-8 hint 0.1921
+    -> 0.1891, 0.2517 -> 0.2473, 0.6893 -> 0.6695 ms against 7 (2026-12-02 conv1d backward
+    sweep, benchmarks/results/2026-12-02-h200-conv1d-bwd-ctas-norm-sweeps.txt). The
+    automatic span fills bwd_ctas_per_sm
     per SM either way (the grid, and so the dweight partials, must not depend on the hint)."""
     if cfg.bwd_occupancy or cfg.occupancy:
         return cfg.bwd_occupancy or cfg.occupancy

@@ -21,7 +21,7 @@ S = group_size, in float32:
 Rows past M load as zeros (x, dout and rstd alike), so they add nothing to dw and db; channels
 past S have w = 0 and x = 0, so they add nothing to c. Layout as the forward kernel's: x, z,
 dout, dx, dz (M, G, S); weight, bias (G, S); rstd (G, M); dw_part, db_part (P, G, S) float32.
-TMA=False: plain loads and stores of the row tiles, as in the forward kernel.
+TMA=False: every load and store plain (no TMA producer warps), as in the forward kernel.
 Grid: (P, G).
 """
 
@@ -55,12 +55,12 @@ def rmsnorm_gated_bwd_fn(
     zero = ct.PaddingMode.ZERO
     tile3 = (BLOCK_M, 1, BLOCK_G)
     tile2 = (BLOCK_M, BLOCK_G)
-    w = ct.load(weight, index=(group, 0), shape=(1, BLOCK_G),
-                padding_mode=zero).astype(ct.float32)
+    w = ct.load(weight, index=(group, 0), shape=(1, BLOCK_G), padding_mode=zero,
+                allow_tma=TMA).astype(ct.float32)
     b = w                           # replaced below when the bias enters y (read only then)
     if HAS_BIAS:
-        b = ct.load(bias, index=(group, 0), shape=(1, BLOCK_G),
-                    padding_mode=zero).astype(ct.float32)
+        b = ct.load(bias, index=(group, 0), shape=(1, BLOCK_G), padding_mode=zero,
+                    allow_tma=TMA).astype(ct.float32)
     dw_acc = ct.full((1, BLOCK_G), 0.0, dtype=ct.float32)
     db_acc = ct.full((1, BLOCK_G), 0.0, dtype=ct.float32)
     for row_blk in range(prog, row_blocks, nprogs):
@@ -68,8 +68,8 @@ def rmsnorm_gated_bwd_fn(
                      padding_mode=zero, allow_tma=TMA).reshape(tile2).astype(ct.float32)
         dy = ct.load(dout, index=(row_blk, group, 0), shape=tile3,
                      padding_mode=zero, allow_tma=TMA).reshape(tile2).astype(ct.float32)
-        r = ct.load(rstd, index=(group, row_blk), shape=(1, BLOCK_M),
-                    padding_mode=zero).reshape((BLOCK_M, 1))
+        r = ct.load(rstd, index=(group, row_blk), shape=(1, BLOCK_M), padding_mode=zero,
+                    allow_tma=TMA).reshape((BLOCK_M, 1))
         u = xt
         gate = xt                   # replaced below when HAS_Z (read only then)
         dgate = xt
@@ -105,9 +105,11 @@ def rmsnorm_gated_bwd_fn(
                 du = du * gate
         ct.store(dx, index=(row_blk, group, 0), tile=du.reshape(tile3).astype(dx.dtype),
                  allow_tma=TMA)
-    ct.store(dw_part, index=(prog, group, 0), tile=dw_acc.reshape((1, 1, BLOCK_G)))
+    ct.store(dw_part, index=(prog, group, 0), tile=dw_acc.reshape((1, 1, BLOCK_G)),
+             allow_tma=TMA)
     if HAS_BIAS:
-        ct.store(db_part, index=(prog, group, 0), tile=db_acc.reshape((1, 1, BLOCK_G)))
+        ct.store(db_part, index=(prog, group, 0), tile=db_acc.reshape((1, 1, BLOCK_G)),
+                 allow_tma=TMA)
 
 
 rmsnorm_gated_bwd = ct.kernel(rmsnorm_gated_bwd_fn)

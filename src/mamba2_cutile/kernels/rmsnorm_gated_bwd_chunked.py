@@ -27,7 +27,7 @@ block (L1/L2 hits) rather than held.
 
 Layout as `rmsnorm_gated_bwd`'s: x, z, dout, dx, dz (M, G, S); weight, bias (G, S); rstd (G, M);
 dw_part, db_part (P, G, S) float32. Rows past M load as zeros (x, dout and rstd alike), so they
-add nothing to dw and db. TMA=False: plain loads and stores of the row tiles.
+add nothing to dw and db. TMA=False: every load and store plain (no TMA producer warps).
 Grid: (P, G).
 """
 
@@ -67,8 +67,8 @@ def rmsnorm_gated_bwd_chunked_fn(
         if HAS_BIAS:
             db_acc += (ct.full((1, CHUNK), 0.0, dtype=ct.float32),)
     for row_blk in range(prog, row_blocks, nprogs):
-        r = ct.load(rstd, index=(group, row_blk), shape=(1, BLOCK_M),
-                    padding_mode=zero).reshape((BLOCK_M, 1))
+        r = ct.load(rstd, index=(group, row_blk), shape=(1, BLOCK_M), padding_mode=zero,
+                    allow_tma=TMA).reshape((BLOCK_M, 1))
         xhats = ()
         wdys = ()
         gates = ()
@@ -81,7 +81,8 @@ def rmsnorm_gated_bwd_chunked_fn(
                          allow_tma=TMA).reshape(tile2).astype(ct.float32)
             dy = ct.load(dout, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
                          allow_tma=TMA).reshape(tile2).astype(ct.float32)
-            w = ct.load(weight, index=(group, c), shape=(1, CHUNK)).astype(ct.float32)
+            w = ct.load(weight, index=(group, c), shape=(1, CHUNK),
+                        allow_tma=TMA).astype(ct.float32)
             u = xt
             gate = xt                   # replaced below when HAS_Z (read only then)
             dgate = xt
@@ -100,8 +101,8 @@ def rmsnorm_gated_bwd_chunked_fn(
                 if NORM_BEFORE_GATE:
                     y = xhat * w
                     if HAS_BIAS:
-                        y = y + ct.load(bias, index=(group, c),
-                                        shape=(1, CHUNK)).astype(ct.float32)
+                        y = y + ct.load(bias, index=(group, c), shape=(1, CHUNK),
+                                        allow_tma=TMA).astype(ct.float32)
                     ct.store(dz, index=(row_blk, group, c),
                              tile=(dy * y * dgate).reshape(tile3).astype(dz.dtype),
                              allow_tma=TMA)
@@ -127,9 +128,11 @@ def rmsnorm_gated_bwd_chunked_fn(
             ct.store(dx, index=(row_blk, group, c), tile=du.reshape(tile3).astype(dx.dtype),
                      allow_tma=TMA)
     for c in ct.static_iter(range(NCHUNK)):
-        ct.store(dw_part, index=(prog, group, c), tile=dw_acc[c].reshape((1, 1, CHUNK)))
+        ct.store(dw_part, index=(prog, group, c), tile=dw_acc[c].reshape((1, 1, CHUNK)),
+                 allow_tma=TMA)
         if HAS_BIAS:
-            ct.store(db_part, index=(prog, group, c), tile=db_acc[c].reshape((1, 1, CHUNK)))
+            ct.store(db_part, index=(prog, group, c), tile=db_acc[c].reshape((1, 1, CHUNK)),
+                     allow_tma=TMA)
 
 
 rmsnorm_gated_bwd_chunked = ct.kernel(rmsnorm_gated_bwd_chunked_fn)

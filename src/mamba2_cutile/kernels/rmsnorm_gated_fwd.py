@@ -14,8 +14,8 @@ Layout: x, z and out are (M, G, S) views of (M, hidden) rows (any row stride, un
 stride), weight and bias (G, S), rstd (G, M). A tile is (BLOCK_M, 1, BLOCK_G) with BLOCK_G the
 power of two >= S; the channels past S and the rows past M load as zeros, so they add nothing
 to the sum of squares, and their part of the store is dropped.
-TMA=False makes the row tiles plain loads and stores (no shared-memory staging: a choice for
-large groups, where the staging buffers limit the CTAs per SM).
+TMA=False makes every load and store plain (no shared-memory staging, and no TMA producer warps:
+a CTA is its worker warps alone, so twice as many fit on an SM).
 Grid: (cdiv(M, BLOCK_M), G).
 """
 
@@ -54,18 +54,18 @@ def rmsnorm_gated_fwd_fn(
             u = u * gate
     mean_sq = ct.sum(u * u, axis=1, keepdims=True) / size
     r = 1.0 / ct.sqrt(mean_sq + eps)                                    # (BLOCK_M, 1)
-    w = ct.load(weight, index=(group, 0), shape=(1, BLOCK_G),
-                padding_mode=zero).astype(ct.float32)
+    w = ct.load(weight, index=(group, 0), shape=(1, BLOCK_G), padding_mode=zero,
+                allow_tma=TMA).astype(ct.float32)
     y = u * r * w
     if HAS_BIAS:
-        y = y + ct.load(bias, index=(group, 0), shape=(1, BLOCK_G),
-                        padding_mode=zero).astype(ct.float32)
+        y = y + ct.load(bias, index=(group, 0), shape=(1, BLOCK_G), padding_mode=zero,
+                        allow_tma=TMA).astype(ct.float32)
     if HAS_Z:
         if NORM_BEFORE_GATE:
             y = y * gate
     ct.store(out, index=(row_blk, group, 0), tile=y.reshape(tile3).astype(out.dtype),
              allow_tma=TMA)
-    ct.store(rstd, index=(group, row_blk), tile=r.reshape((1, BLOCK_M)))
+    ct.store(rstd, index=(group, row_blk), tile=r.reshape((1, BLOCK_M)), allow_tma=TMA)
 
 
 rmsnorm_gated_fwd = ct.kernel(rmsnorm_gated_fwd_fn)

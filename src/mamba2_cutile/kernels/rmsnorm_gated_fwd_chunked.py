@@ -18,7 +18,7 @@ three eighths at 2560 = 5 * 512).
 
 Layout: x, z and out are (M, G, S) views of (M, hidden) rows (any row stride, unit channel
 stride), weight and bias (G, S), rstd (G, M). Rows past M load as zeros and are not stored.
-TMA=False makes the row tiles plain loads and stores.
+TMA=False makes every load and store plain (no TMA producer warps).
 Grid: (cdiv(M, BLOCK_M), G), one row block per program; PERSISTENT: (P, G) with P at most
 cdiv(M, BLOCK_M), program p walking the row blocks p, p + P, p + 2P, ... (fewer, longer-lived
 programs whose loop the compiler can pipeline).
@@ -56,17 +56,19 @@ def _normalize_rows(x, z, weight, bias, out, rstd, eps, row_blk, group,
         sum_sq = sum_sq + ct.sum(u * u, axis=1, keepdims=True)
     r = 1.0 / ct.sqrt(sum_sq / (NCHUNK * CHUNK) + eps)                   # (BLOCK_M, 1)
     for c in ct.static_iter(range(NCHUNK)):
-        w = ct.load(weight, index=(group, c), shape=(1, CHUNK)).astype(ct.float32)
+        w = ct.load(weight, index=(group, c), shape=(1, CHUNK),
+                    allow_tma=TMA).astype(ct.float32)
         y = held[c].astype(ct.float32) * r * w
         if HAS_BIAS:
-            y = y + ct.load(bias, index=(group, c), shape=(1, CHUNK)).astype(ct.float32)
+            y = y + ct.load(bias, index=(group, c), shape=(1, CHUNK),
+                            allow_tma=TMA).astype(ct.float32)
         if HAS_Z and NORM_BEFORE_GATE:
             zt = ct.load(z, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
                          allow_tma=TMA).reshape(tile2).astype(ct.float32)
             y = y * (zt / (1.0 + ct.exp(-zt)))
         ct.store(out, index=(row_blk, group, c), tile=y.reshape(tile3).astype(out.dtype),
                  allow_tma=TMA)
-    ct.store(rstd, index=(group, row_blk), tile=r.reshape((1, BLOCK_M)))
+    ct.store(rstd, index=(group, row_blk), tile=r.reshape((1, BLOCK_M)), allow_tma=TMA)
 
 
 def rmsnorm_gated_fwd_chunked_fn(
