@@ -3,13 +3,15 @@ output before t, on the CPU path, on the forward kernels' source (float64 emulat
 on the kernels themselves (GPU).
 
 On the GPU, chunk_scan's plain tile is not causal by itself (masked entries are zeros
-multiplied in, 0 * NaN = NaN). With `scan_causal=1` (MAMBA2_CUTILE_CONFIG; off by default, as
-it costs 18% on clean input at the seed problem) the forward's second chunk_scan launch
-recomputes, in a sanitizing form, exactly the tiles whose outputs hold a non-finite value
-(kernels/chunk_scan.py); decay_cumsum and chunk_state_pass keep the decay finite and other
-sequences' garbage out by selects in every mode. The kernel tests below run scan_causal=1 on
-the kernels' source (emulated) and on the GPU (the decay limits in both modes);
-`test_emulated_default_not_causal` records that the default mode is not causal.
+multiplied in, 0 * NaN = NaN). With `scan_causal` 1, 2 or 3 (MAMBA2_CUTILE_CONFIG; off by
+default: 1 costs 18% on clean input at the seed problem, 2 and 3 are not timed yet) the
+forward's second chunk_scan launch recomputes, in a sanitizing form, the tiles whose outputs
+hold a non-finite value (1: counted per tile, same grid) or whose accumulator's sum (2) or row
+sums (3) are not finite (a program per FIX_SPAN tiles) (kernels/chunk_scan.py); decay_cumsum
+and chunk_state_pass keep the decay finite and other sequences' garbage out by selects in
+every mode. The kernel tests below run the causal modes on the kernels' source (emulated) and
+on the GPU (the decay limits in every mode); `test_emulated_default_not_causal` records that
+the default mode is not causal.
 
 The contract checked for every bad input (one entry of x, B, C, z or dt, raw or through
 dt_bias + softplus, at the middle, first or last token of a chunk, with and without seq_idx,
@@ -235,7 +237,8 @@ def emulated_run(Q, block_q, causal=1):
     from mamba2_cutile.ssd import forward
     from support.emulator import emulate_launch
 
-    def run(args, kw):
+    def run(args, kw, launches=None):
+        """The plan's launches (the first `launches` of them), emulated: (out, final)."""
         x, dt, A, B, C = (args[k] for k in ("x", "dt", "A", "B", "C"))
         b, l, h, p = x.shape
         n = B.shape[3]
@@ -254,7 +257,9 @@ def emulated_run(Q, block_q, causal=1):
                                      dt_buf, cum_buf, states, final, out, cfg)
         if seq is not None:              # the run starts are written by kernel 1: poison them
             calls[0].args[8].fill_(-(2**30))
-        emulate_launch(calls)
+        if causal:                       # chunk_scan's flags too: every one must be written
+            calls[2].args[-2].fill_(NAN)
+        emulate_launch(calls[:launches])
         return out, final
     return run
 
@@ -268,18 +273,54 @@ EMULATED = [  # (input, value, where, seq, Q, block_q): every input, place and c
 ]
 
 
-@pytest.mark.parametrize("name, value, where, seq, Q, block_q", EMULATED,
-                         ids=[f"{e[0]}={e[1]}-{e[2]}-{'seq' if e[3] else 'noseq'}-Q{e[4]}"
-                              f"-bq{e[5]}" for e in EMULATED])
-def test_emulated_kernels_causal(name, value, where, seq, Q, block_q):
-    """The forward plan's launches with scan_causal=1 (decay_cumsum, chunk_state_pass and
-    chunk_scan twice) on the emulated ct: query blocks of the whole chunk and of part of it
-    (the key-block loop)."""
+#: scan_causal 1 and 2 on every case above; 3 (per-row sums) differs from 2 only in the
+#: flags' width: every input once
+EMULATED_CAUSAL = ([pytest.param(*e, c, id=f"{e[0]}={e[1]}-{e[2]}-{'seq' if e[3] else 'noseq'}"
+                                 f"-Q{e[4]}-bq{e[5]}-causal{c}")
+                    for c in (1, 2) for e in EMULATED]
+                   + [pytest.param(*EMULATED[i], 3, id=f"{EMULATED[i][0]}-causal3")
+                      for i in (1, 2, 4, 5, 6)])
+
+
+@pytest.mark.parametrize("name, value, where, seq, Q, block_q, causal", EMULATED_CAUSAL)
+def test_emulated_kernels_causal(name, value, where, seq, Q, block_q, causal):
+    """The forward plan's launches with scan_causal=1, 2 or 3 (decay_cumsum, chunk_state_pass
+    and chunk_scan twice) on the emulated ct: query blocks of the whole chunk and of part of
+    it (the key-block loop)."""
     t = where_in_chunk(Q, where)
     args, kw = make_problem(Q, t, seq, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
                             n=7)
-    check_contract(emulated_run(Q, block_q), args, kw, name, value, t, Q, EMU_TOL,
+    check_contract(emulated_run(Q, block_q, causal), args, kw, name, value, t, Q, EMU_TOL,
                    strict_nonfinite=False)
+
+
+@pytest.mark.parametrize("causal", [2, 3])
+@pytest.mark.parametrize("seq", [False, True], ids=["no_seq", "seq_idx"])
+def test_emulated_fix_pass_spans(seq, causal):
+    """scan_causal 2/3 with more tiles than one FIX_SPAN program reads (b=2, h=4, 16-token
+    query blocks: 88 tiles, 2 spans, the second partial), a bad x in a tile of the second
+    span (batch row 1, head 3): it is recomputed, the earlier outputs equal a clean run's, and
+    the fix pass changes nothing on clean input."""
+    from mamba2_cutile.kernels.chunk_scan import FIX_SPAN
+
+    Q, block_q = 64, 16
+    t = where_in_chunk(Q, "mid")
+    args, kw = make_problem(Q, t, seq, softplus=True, dtype=F64, b=2, h=4, p=8, n=7)
+    run = emulated_run(Q, block_q, causal)
+    y_clean, h_clean = run(args, kw)
+    n_q = -(-args["x"].shape[1] // block_q)
+    assert FIX_SPAN < 2 * 4 * n_q < 2 * FIX_SPAN
+    assert ((1 * 4 + 3) * n_q + t // block_q) // FIX_SPAN == 1     # the bad tile's span
+    bad = {**args, "x": args["x"].clone()}
+    bad["x"][1, t, 3, 1] = NAN
+    y, h = run(bad, kw)
+    assert torch.equal(y[0], y_clean[0]) and torch.equal(y[1, :, :3], y_clean[1, :, :3])
+    assert torch.equal(y[1, :t], y_clean[1, :t]), "an output before the bad token changed"
+    y_ref, h_ref, _ = ssd_recurrence(**as_reference(bad), **as_reference(kw))
+    assert rel_err_finite(y, y_ref) <= EMU_TOL and rel_err_finite(h, h_ref) <= EMU_TOL
+    # on clean input the plain launch alone already gives every output
+    y_plain, _ = run(args, kw, launches=-1)
+    assert torch.equal(y_plain, y_clean)
 
 
 def test_emulated_default_not_causal():
@@ -293,14 +334,14 @@ def test_emulated_default_not_causal():
     assert not torch.isfinite(y[0, Q:t]).all()
 
 
-@pytest.mark.parametrize("causal", [0, 1], ids=["default", "scan_causal"])
+@pytest.mark.parametrize("causal", [0, 1, 2, 3], ids=["default", "causal1", "causal2", "causal3"])
 @pytest.mark.parametrize("seq, Q, block_q", [(False, 64, 64), (True, 64, 32)])
 def test_emulated_kernels_decay_limits(seq, Q, block_q, causal):
     args, kw = make_problem(Q, Q, seq, softplus=True, dtype=F64)
     check_decay_limits(emulated_run(Q, block_q, causal), args, kw, EMU_TOL)
 
 
-@pytest.mark.parametrize("causal", [0, 1], ids=["default", "scan_causal"])
+@pytest.mark.parametrize("causal", [0, 1, 2, 3], ids=["default", "causal1", "causal2", "causal3"])
 def test_emulated_kernels_dt_zero_with_A_minus_inf(causal):
     check_decay_limits(emulated_run(64, 32, causal), *dt_zero_problem(dtype=F64), EMU_TOL)
 
@@ -309,10 +350,11 @@ def test_emulated_kernels_dt_zero_with_A_minus_inf(causal):
 # GPU: the kernels themselves
 # ----------------------------------------------------------------------------------------------
 
-def gpu_run(Q, causal=True):
+def gpu_run(Q, causal=1):
+    """The public function under MAMBA2_CUTILE_CONFIG=scan_causal=`causal` (0: the default)."""
     def run(args, kw):
         saved = os.environ.get(ENV_FORWARD)
-        os.environ[ENV_FORWARD] = "scan_causal=1" if causal else "default"
+        os.environ[ENV_FORWARD] = f"scan_causal={causal}" if causal else "default"
         try:
             y, h = mamba_chunk_scan_combined(**args, chunk_size=Q, return_final_states=True,
                                              **kw)
@@ -339,25 +381,34 @@ GPU_CASES = ([pytest.param(torch.bfloat16, Q, w, id=f"bf16-Q{Q}-{w}")
              + [pytest.param(torch.float32, 128, "mid", id="fp32-Q128-mid")])
 
 
+CAUSAL_MODES = pytest.mark.parametrize("causal", [1, 2, 3], ids=["causal1", "causal2", "causal3"])
+
+
 @pytest.mark.gpu
+@CAUSAL_MODES
 @pytest.mark.parametrize("dtype, Q, where", GPU_CASES)
 @pytest.mark.parametrize("seq", [False, True], ids=["no_seq", "seq_idx"])
 @pytest.mark.parametrize("name, value", BAD, ids=[f"{n}={v}" for n, v in BAD])
-def test_gpu_kernels_causal(name, value, seq, dtype, Q, where):
-    """Every bad input, place and chunk size in bf16; fp32 (the tf32 MMA path) at one."""
+def test_gpu_kernels_causal(name, value, seq, dtype, Q, where, causal):
+    """Every bad input, place and chunk size in bf16; fp32 (the tf32 MMA path) at one; each
+    causal form (`-k causal2` selects one)."""
     from support.gpu import log_result
     from support.tolerances import forward_tol
 
     t = where_in_chunk(Q, where)
     args, kw = _gpu_problem(Q, t, seq, name != "dt_raw", dtype)
-    e_y, e_h = check_contract(gpu_run(Q), args, kw, name, value, t, Q, forward_tol(dtype),
-                              strict_nonfinite=False)
+    e_y, e_h = check_contract(gpu_run(Q, causal), args, kw, name, value, t, Q,
+                              forward_tol(dtype), strict_nonfinite=False)
     log_result(f"out err {e_y:.2e}, final-state err {e_h:.2e} (finite entries), "
                f"tol {forward_tol(dtype):.0e}")
 
 
+MODES = pytest.mark.parametrize("causal", [0, 1, 2, 3],
+                                ids=["default", "causal1", "causal2", "causal3"])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True], ids=["default", "scan_causal"])
+@MODES
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("Q", [64, 128, 256])
 @pytest.mark.parametrize("seq", [False, True], ids=["no_seq", "seq_idx"])
@@ -372,7 +423,7 @@ def test_gpu_kernels_decay_limits(seq, Q, dtype, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True], ids=["default", "scan_causal"])
+@MODES
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_kernels_dt_zero_with_A_minus_inf(dtype, causal):
     from support.gpu import log_result
@@ -387,13 +438,14 @@ def test_gpu_kernels_dt_zero_with_A_minus_inf(dtype, causal):
 
 
 @pytest.mark.gpu
-def test_gpu_garbage_padding_seed_problem():
+@CAUSAL_MODES
+def test_gpu_garbage_padding_seed_problem(causal):
     """The seed problem (B=4 T=16K H=8 P=64 N=128, chunk 128, bf16) with the last 1000 tokens
-    of batch row 0 overwritten by NaN/Inf garbage in x, B, C and dt, with scan_causal=1 (the
-    garbage starts inside a query block, where the default mode lets it reach the block's
-    earlier rows): the real tokens' outputs equal a clean run's, and the clean run still
-    matches the float64 recurrence. Also logs the forward time on the clean and on the garbage
-    inputs (CUDA events, median of 20)."""
+    of batch row 0 overwritten by NaN/Inf garbage in x, B, C and dt, with scan_causal 1, 2 or
+    3 (the garbage starts inside a query block, where the default mode lets it reach the
+    block's earlier rows): the real tokens' outputs equal a clean run's, and the clean run
+    still matches the float64 recurrence. Also logs the forward time on the clean and on the
+    garbage inputs (CUDA events, median of 20: eager, launch gaps included)."""
     from support.gpu import log_result, rel_err
     from support.tolerances import forward_tol
 
@@ -409,10 +461,10 @@ def test_gpu_garbage_padding_seed_problem():
         tail.copy_(torch.where(torch.rand_like(tail, dtype=torch.float32) < 0.5,
                                torch.full_like(tail, NAN), torch.full_like(tail, INF)))
 
-    causal = gpu_run(Q)
+    run = gpu_run(Q, causal)
 
     def fwd(i):
-        return causal(i, kw)
+        return run(i, kw)
 
     y_clean, _ = fwd(inp)
     y_bad, _ = fwd(bad)
@@ -436,5 +488,5 @@ def test_gpu_garbage_padding_seed_problem():
 
     fwd(inp)
     t_clean, t_bad = timed(inp), timed(bad)
-    log_result(f"seed problem: clean {t_clean:.3f} ms, garbage tail {t_bad:.3f} ms, "
-               f"clean err vs recurrence (first 2048 tokens of row 0) {e:.2e}")
+    log_result(f"seed problem, scan_causal={causal}: clean {t_clean:.3f} ms, garbage tail "
+               f"{t_bad:.3f} ms, clean err vs recurrence (first 2048 tokens of row 0) {e:.2e}")

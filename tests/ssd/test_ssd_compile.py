@@ -32,26 +32,37 @@ def test_launch_compiles(arch, family, name, index):
 
 
 def test_plans_have_their_launches():
-    """Each forward plan holds the 3 forward launches (with scan_causal=1 a fourth, chunk_scan's
-    flagged-tile pass), each backward plan the 6 backward ones (2 recompute + 4 backward
-    kernels)."""
+    """Each forward plan holds the 3 forward launches (with scan_causal 1, 2 or 3 a fourth,
+    chunk_scan's flagged-tile pass), each backward plan the 6 backward ones (2 recompute + 4
+    backward kernels)."""
+    from mamba2_cutile.kernels.chunk_scan import FIX_SPAN
+
     for name, problem in variants.forward_variants():
         calls = plans.forward_problem_plan(**problem)
         assert [variants.kernel_name(c) for c in calls] == [
             "decay_cumsum", "chunk_state_pass", "chunk_scan"], name
         assert calls[2].args[-1] == 0, name
-        causal = plans.forward_problem_plan(
-            **dict(problem, overrides=dict(problem.get("overrides") or {}, scan_causal=1)))
-        assert [variants.kernel_name(c) for c in causal[2:]] == ["chunk_scan", "chunk_scan"]
-        assert causal[2].args[-1] == 1 and causal[3].args[-1] == 2, name
+        for causal, checks in ((1, (1, 2)), (2, (3, 4)), (3, (5, 6))):
+            plan = plans.forward_problem_plan(
+                **dict(problem, overrides=dict(problem.get("overrides") or {},
+                                               scan_causal=causal)))
+            assert [variants.kernel_name(c) for c in plan[2:]] == ["chunk_scan", "chunk_scan"]
+            assert (plan[2].args[-1], plan[3].args[-1]) == checks, name
+            if causal == 1:
+                assert plan[3].grid == plan[2].grid, name
+            else:          # a program per FIX_SPAN tiles, flags one row per tile
+                flags = plan[2].args[-2]
+                assert flags.shape[1] == (1 if causal == 2 else plan[2].args[11]), name
+                assert plan[3].grid == (-(-flags.shape[0] // FIX_SPAN), 1, 1), name
     for name, problem in variants.backward_variants():
         assert len(plans.backward_problem_plan(**problem)) == 6, name
 
 
+@pytest.mark.parametrize("causal", [1, 2, 3])
 @pytest.mark.parametrize("chunk_size", [64, pytest.param(256, marks=pytest.mark.slow)])
-def test_causal_scan_compiles(chunk_size):
-    """scan_causal=1's two chunk_scan launches (the counting one and the flagged-tile pass),
+def test_causal_scan_compiles(chunk_size, causal):
+    """scan_causal's two chunk_scan launches (the flagging one and the flagged-tile pass),
     all options, for sm_90."""
-    calls = plans.forward_problem_plan(chunk_size=chunk_size, overrides={"scan_causal": 1})
+    calls = plans.forward_problem_plan(chunk_size=chunk_size, overrides={"scan_causal": causal})
     for call in calls[2:]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0

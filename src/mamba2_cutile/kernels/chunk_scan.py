@@ -15,7 +15,8 @@ exponents are masked *before* exp2 so no inf is ever formed.
 Non-finite inputs. The plain tile above is not causal under NaN/Inf: the masked entries are
 zeros multiplied in, and 0 * NaN is NaN, so a bad x, B or dt at token t reaches the rows
 before t of its query block. Causal forms of the three kernels on every tile cost 20-51% (X
-through registers before the MMA), so CHECK splits the work over two launches of this kernel:
+through registers before the MMA), so CHECK splits the work over two launches of this kernel,
+a flagging one and a pass over the flagged tiles:
 
 - CHECK=1: the plain tile, plus one number per tile in `flags`: how many of its outputs are
   non-finite (every contamination shows there as a NaN). Clean input pays a compare and a sum
@@ -29,7 +30,25 @@ through registers before the MMA), so CHECK splits the work over two launches of
   non-finite, (i, p) with M_ij and x_jp bad for some j ((M @ bad) > 0, a second small MMA);
   with seq_idx the carried state is selected away on rows whose run began in the chunk. Rows
   before t then equal those of a run with a finite value at t (same products, same order).
+- CHECK=3 / 5 (scan_causal 2 / 3): the plain tile, plus the sum of its accumulator (before
+  D x and the gate, which touch their own row only) into `flags`: one sum per tile (3) or one
+  per query row (5). A sum is non-finite iff a term is (or it overflows: then the flagged tile
+  is recomputed for nothing, to the same values), and each contamination above leaves a NaN in
+  the accumulator. Row sums first: a flat ct.sum over the tile compiled to 3x the
+  instructions. SASS instructions added to the plain kernel (sm_90, the seed problem's tuned
+  config, 64-token query blocks): +248 for CHECK=1's count, +88 for 3, +64 for 5, which needs
+  no exchange between warps (no extra barrier) at the price of BLOCK_Q floats per tile.
+- CHECK=4 / 6 (their second launch): a program per FIX_SPAN tiles loads their sums at once and
+  returns when all are finite (at the seed problem 128 programs, one wave, where CHECK=2 ran
+  8192 early exits in 31 waves); else it recomputes its tiles with a non-finite sum in the
+  SANITIZE form, one after the other.
 CHECK=0: the plain tile alone.
+
+Recomputing a flagged tile in the flagging program itself (one launch, a branch on the sum)
+was tried: loads under a branch on a computed value cost the kernel its warp-specialized
+pipeline (sm_90, seed problem with every option: 128 threads and 221 registers instead of
+256 and 128, no producer warps), for the clean tiles too; the same branch without loads kept
+it.
 
 Tiles: C, B (BLOCK_Q, BLOCK_N), walking NP = the padded dstate in BLOCK_N steps; X (BLOCK_Q,
 BLOCK_P); h_c (BLOCK_P, BLOCK_N). Grid: (cdiv(L, BLOCK_Q) * B * H, cdiv(P, BLOCK_P)), query blocks fastest
@@ -130,34 +149,15 @@ def _diag_tile_mma(
     return cb, acc
 
 
-def _scan_tile(
-    x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh,
-    Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
-    NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int], D_MODE: ct.Constant[int],
-    HAS_Z: ct.Constant[bool], HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
-    LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], flags, CHECK: ct.Constant[int],
-    SANITIZE: ct.Constant[bool],
+def _tile_acc(
+    x, b, c, dt, cum, states, qblk, p_tile, batch, head, group, chunk, first_blk, g_q, row,
+    state_scale, start_q, Q: ct.Constant[int], BLOCK_Q: ct.Constant[int],
+    BLOCK_P: ct.Constant[int], NP: ct.Constant[int], HAS_SEQ: ct.Constant[bool], LAT,
+    LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], SANITIZE: ct.Constant[bool],
 ):
-    """One output tile: BLOCK_Q tokens (query block `qblk`) x BLOCK_P channels of one head
-    (CHECK=1: and its count of non-finite outputs into `flags`)."""
-    nheads = x.shape[2]
-    batch = bh // nheads
-    head = bh % nheads
-    group = head // HEADS_PER_GROUP
-    blocks_per_chunk = Q // BLOCK_Q
-    chunk = qblk // blocks_per_chunk
-    first_blk = chunk * blocks_per_chunk          # first key block of this chunk
+    """The tile's carried-state and masked (C B^T) X terms, fp32, before D x and the gate
+    (SANITIZE: in the causal form, module docstring)."""
     ZERO = ct.PaddingMode.ZERO
-    LAT = None if LOAD_LATENCY == 0 else LOAD_LATENCY   # 0: the compiler decides
-
-    g_q = ct.load(cum, index=(batch, head, qblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
-    row = qblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)   # token index of each query
-    state_scale = ct.exp2(g_q)
-    start_q = row
-    if HAS_SEQ:
-        start_q = ct.load(seq_start, index=(batch, qblk),
-                          shape=(1, BLOCK_Q)).reshape((BLOCK_Q,))
-
     # dstate is walked in BLOCK_N tiles: with several tiles the loop lets the compiler
     # prefetch the next C/B/h tiles while the current MMAs run. cdiv(N, BLOCK_N), not
     # NP // BLOCK_N: a tile wholly past dstate would be an out-of-bounds load.
@@ -215,6 +215,56 @@ def _scan_tile(
                             cb)
             acc = _add_key_block(acc, cb, kblk, qblk, g_q, row, start_q, x, dt, cum, batch,
                                  head, p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT, SANITIZE)
+    return acc
+
+
+def _finite(t):
+    """Whether the sum of the fp32 tile `t` is finite (False for NaN too)."""
+    return ct.abs(ct.sum(t)) < float("inf")
+
+
+def _scan_tile(
+    x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh,
+    Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
+    NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int], D_MODE: ct.Constant[int],
+    HAS_Z: ct.Constant[bool], HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
+    LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], flags, CHECK: ct.Constant[int],
+    SANITIZE: ct.Constant[bool],
+):
+    """One output tile: BLOCK_Q tokens (query block `qblk`) x BLOCK_P channels of one head
+    (CHECK=1: and its count of non-finite outputs into `flags`; CHECK 3 / 5: the sum / the row
+    sums of its accumulator)."""
+    nheads = x.shape[2]
+    batch = bh // nheads
+    head = bh % nheads
+    group = head // HEADS_PER_GROUP
+    blocks_per_chunk = Q // BLOCK_Q
+    chunk = qblk // blocks_per_chunk
+    first_blk = chunk * blocks_per_chunk          # first key block of this chunk
+    ZERO = ct.PaddingMode.ZERO
+    LAT = None if LOAD_LATENCY == 0 else LOAD_LATENCY   # 0: the compiler decides
+
+    g_q = ct.load(cum, index=(batch, head, qblk), shape=(1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
+    row = qblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)   # token index of each query
+    state_scale = ct.exp2(g_q)
+    start_q = row
+    if HAS_SEQ:
+        start_q = ct.load(seq_start, index=(batch, qblk),
+                          shape=(1, BLOCK_Q)).reshape((BLOCK_Q,))
+    acc = _tile_acc(x, b, c, dt, cum, states, qblk, p_tile, batch, head, group, chunk,
+                    first_blk, g_q, row, state_scale, start_q, Q, BLOCK_Q, BLOCK_P, NP, HAS_SEQ,
+                    LAT, LOWP, BLOCK_N, SANITIZE)
+    if CHECK == 3 or CHECK == 5:
+        # before D x and the gate (their own row only); row sums first: a flat ct.sum of the
+        # tile compiled to 54 shuffles against 9 (module docstring)
+        n_q = ct.cdiv(x.shape[1], BLOCK_Q)
+        n_p = ct.cdiv(x.shape[3], BLOCK_P)
+        tile_id = (bh * n_q + qblk) * n_p + p_tile
+        rows = ct.sum(acc, axis=1)
+        if CHECK == 3:
+            ct.store(flags, index=(tile_id, 0), tile=ct.sum(rows).reshape((1, 1)))
+        else:
+            ct.store(flags, index=(tile_id, 0), tile=rows.reshape((1, BLOCK_Q)))
 
     xq = ct.load(x, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
                  padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P)).astype(ct.float32)
@@ -242,7 +292,8 @@ def _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, b
                  HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
                  LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], flags,
                  CHECK: ct.Constant[int]):
-    """CHECK 0/1: the plain tile; CHECK 2: the flagged tile again, sanitized."""
+    """CHECK 0, 1, 3, 5: the plain tile (and its flags); CHECK 2: the flagged tile again,
+    sanitized."""
     if CHECK == 2:
         bad = ct.load(flags, index=(bh, qblk, p_tile), shape=(1, 1, 1)).reshape(())
         if bad > 0.0:
@@ -253,6 +304,40 @@ def _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, b
         _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh, Q,
                    BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
                    LOAD_LATENCY, LOWP, BLOCK_N, flags, CHECK, False)
+
+
+#: tiles whose flags one program of the CHECK 4 / 6 pass reads at once (a power of two): its
+#: grid is cdiv(tiles, FIX_SPAN), so that on clean input it is one short wave (128 programs at
+#: the seed problem's 8192 tiles of 64 tokens), where CHECK=2's program per tile ran 31 waves
+#: of early exits at 2 CTAs per SM
+FIX_SPAN = 64
+
+
+def _fix_span(x, b, c, z, D, dt, cum, seq_start, states, out, span,
+              Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
+              NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
+              D_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool],
+              HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
+              LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], flags,
+              W: ct.Constant[int]):
+    """CHECK 4 and 6: the tiles FIX_SPAN * span .. + FIX_SPAN - 1 (in flag order) whose sums
+    (W of them each: 1 or BLOCK_Q) are not all finite, again in the causal form; one load
+    and a sum when all are finite."""
+    n_tiles = flags.shape[0]
+    sums = ct.load(flags, index=(span, 0), shape=(FIX_SPAN, W),
+                   padding_mode=ct.PaddingMode.ZERO)
+    if not _finite(sums):
+        n_q = ct.cdiv(x.shape[1], BLOCK_Q)
+        n_p = ct.cdiv(x.shape[3], BLOCK_P)
+        for i in range(FIX_SPAN):
+            t = span * FIX_SPAN + i
+            if t < n_tiles:
+                if not _finite(ct.load(flags, index=(t, 0), shape=(1, W))):
+                    rest = t // n_p
+                    _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, out, rest % n_q,
+                               t % n_p, rest // n_q, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP,
+                               D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N, flags, 0,
+                               True)
 
 
 def chunk_scan_fn(
@@ -280,14 +365,22 @@ def chunk_scan_fn(
     LOWP: ct.Constant[bool],      # the (C B^T) X MMA in the input dtype instead of tf32
     HEAD_MAJOR: ct.Constant[bool],
     BLOCK_N: ct.Constant[int],    # dstate tile (divides NP)
-    flags,       # (B * H, cdiv(L, BLOCK_Q), cdiv(P, BLOCK_P)) float32 (read/written per CHECK)
-    CHECK: ct.Constant[int],      # 0 plain, 1 plain + flags, 2 flagged tiles again, sanitized
+    flags,       # float32, read/written per CHECK: (B * H, cdiv(L, BLOCK_Q), cdiv(P, BLOCK_P))
+                 # for 1 and 2; (B * H * cdiv(L, BLOCK_Q) * cdiv(P, BLOCK_P), W) for 3 to 6,
+                 # W = 1 (3, 4) or BLOCK_Q (5, 6)
+    CHECK: ct.Constant[int],      # 0 plain, 1 plain + count, 2 counted tiles again, sanitized;
+                                  # 3/5 plain + tile/row sums, 4/6 the FIX_SPAN pass over them
 ):
     # Query blocks run to cdiv(L, BLOCK_Q) only: a block past the last token would load
     # tiles lying entirely outside x, which is undefined.
     n_q = ct.cdiv(x.shape[1], BLOCK_Q)
     n_bh = x.shape[0] * x.shape[2]
-    if PERSISTENT:
+    if CHECK == 4 or CHECK == 6:
+        # its own grid, (cdiv(tiles, FIX_SPAN),): PERSISTENT and HEAD_MAJOR do not apply
+        _fix_span(x, b, c, z, D, dt, cum, seq_start, states, out, ct.bid(0), Q, BLOCK_Q,
+                  BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP,
+                  BLOCK_N, flags, 1 if CHECK == 4 else BLOCK_Q)
+    elif PERSISTENT:
         # a fixed grid walks the tiles, so the loads of the next tile overlap this one's math
         n_p = ct.cdiv(x.shape[3], BLOCK_P)
         for t in range(ct.bid(0), n_q * n_p * n_bh, ct.num_blocks(0)):

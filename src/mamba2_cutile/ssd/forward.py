@@ -1,12 +1,12 @@
 """The forward pass of the chunked SSD on CUDA tensors: its config, its plan of launches (three
-kernels; chunk_scan twice with scan_causal=1), and the launcher.
+kernels; chunk_scan twice with scan_causal 1, 2 or 3), and the launcher.
 
 | launch | kernel | what |
 | --- | --- | --- |
 | 1 | `decay_cumsum` | dt' = clamp(softplus(dt + bias)) and the per-chunk cumsum of A dt' in log2 space |
 | 2 | `chunk_state_pass` | the chunk entry states, one sequential pass over chunks |
-| 3 | `chunk_scan` | the output: carried-state term, masked decayed C B^T times X, D x, z gate (with `scan_causal=1`, and per tile the count of non-finite outputs) |
-| 4 | `chunk_scan` | (`scan_causal=1` only) the tiles counted non-zero, again in the causal form: a NaN/Inf input never changes an earlier output |
+| 3 | `chunk_scan` | the output: carried-state term, masked decayed C B^T times X, D x, z gate (with `scan_causal=1`, and per tile the count of non-finite outputs; 2 / 3: the sum / the row sums of the accumulator) |
+| 4 | `chunk_scan` | (`scan_causal` 1, 2 or 3 only) the tiles counted non-zero (1; same grid) or summed non-finite (2, 3; a program per `FIX_SPAN` tiles), again in the causal form: a NaN/Inf input never changes an earlier output |
 
 A plan is built from tensors (real CUDA tensors at run time, or `meta` tensors when compiling on
 a CPU), so the CPU compile check exercises exactly the argument lists the GPU path launches.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import config as _config
-from ..kernels.chunk_scan import chunk_scan, chunk_scan_i64
+from ..kernels.chunk_scan import FIX_SPAN, chunk_scan, chunk_scan_i64
 from ..kernels.chunk_state_pass import chunk_state_pass, chunk_state_pass_i64
 from ..kernels.decay_cumsum import decay_cumsum, decay_cumsum_i64
 from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, dt_clamp_bounds,
@@ -53,13 +53,19 @@ class ForwardConfig:
     state_scale_x: int = -1         # 1: chunk_state_pass weights X, 0: B, -1: the smaller
     scan_block_n: int = 0           # dstate tile of chunk_scan's K loop (0: all of dstate_pad)
     state_fresh_acc: int = 0        # 1: chunk_state_pass MMA into a fresh accumulator, then add
-    scan_causal: int = 0            # 1: a NaN/Inf never reaches an earlier output: chunk_scan
-                                    # counts each tile's non-finite outputs and a second launch
-                                    # recomputes the flagged tiles in a sanitizing form
-                                    # (kernels/chunk_scan.py). Off by default: on clean input it
-                                    # made the seed problem's forward 0.251 -> 0.297 ms on the
+    scan_causal: int = 0            # a NaN/Inf never reaches an earlier output
+                                    # (kernels/chunk_scan.py): 1: chunk_scan counts each tile's
+                                    # non-finite outputs and a second launch over the same grid
+                                    # recomputes the counted tiles in a sanitizing form; on clean
+                                    # input the seed problem's forward 0.251 -> 0.297 ms on the
                                     # H200 (the count +0.017 ms, the second launch 0.032 ms;
                                     # benchmarks/results/2026-12-02-h200-forward-sweep-causal.jsonl)
+                                    # 2: the same with a sum per tile (row sums first: a third of
+                                    # the count's instructions) and a second launch of a program
+                                    # per FIX_SPAN tiles (one short wave: 128 programs, not 8192,
+                                    # at the seed problem); 3: as 2 with a sum per query row
+                                    # stored (no exchange between warps; BLOCK_Q floats a tile).
+                                    # 2 and 3 are not timed yet. Off by default
 
     FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
 
@@ -75,8 +81,9 @@ class ForwardConfig:
             c.check_range(self, name, 0, 32)
         c.check_range(self, "scan_persistent", 0, 16)
         c.check_range(self, "state_scale_x", -1, 1)
-        for name in ("state_fresh_acc", "scan_lowp", "scan_head_major", "scan_causal"):
+        for name in ("state_fresh_acc", "scan_lowp", "scan_head_major"):
             c.check_choice(self, name, (0, 1))
+        c.check_choice(self, "scan_causal", (0, 1, 2, 3))
         c.check_choice(self, "scan_warps", (0, 4, 8))
         if self.scan_block_q > self.chunk_size:
             raise ValueError(f"ForwardConfig: scan_block_q={self.scan_block_q} is larger than "
@@ -169,11 +176,14 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     int64 = needs_int64(x, dt, B, C, z, seq_idx, seq_start, init, dt_buf, cum_buf, states, out)
     n_q = -(-seqlen // cfg.scan_block_q)       # query blocks holding at least one token
     p_tiles = -(-headdim // cfg.scan_block_p)
-    # chunk_scan's count of non-finite outputs per tile (scan_causal; a stand-in otherwise)
-    flags = torch.empty((batch * nheads, n_q, p_tiles) if cfg.scan_causal else (1, 1, 1),
-                        dtype=torch.float32, device=x.device)
+    # chunk_scan's flags: scan_causal=1 counts per tile (in its grid's shape); 2 and 3 sums in
+    # flag order, one per tile (2) or one per query row (3); a stand-in otherwise
+    n_tiles = batch * nheads * n_q * p_tiles
+    flags_shape = {1: (batch * nheads, n_q, p_tiles), 2: (n_tiles, 1),
+                   3: (n_tiles, cfg.scan_block_q)}
+    flags = torch.empty(flags_shape.get(cfg.scan_causal, (1, 1, 1)), dtype=torch.float32,
+                        device=x.device)
     if cfg.scan_persistent:
-        n_tiles = n_q * p_tiles * batch * nheads
         scan_grid = (min(n_tiles, cfg.scan_persistent * num_sms(x)), 1, 1)
     else:
         scan_grid = (n_q * batch * nheads, p_tiles, 1)
@@ -203,13 +213,17 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              bool(cfg.scan_lowp) and x.dtype != torch.float32,
              bool(cfg.scan_head_major),
              min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad), flags,
-             1 if cfg.scan_causal else 0),
+             (0, 1, 3, 5)[cfg.scan_causal]),
         ),
     ]
-    if cfg.scan_causal:
+    scan = calls[-1]
+    if cfg.scan_causal == 1:
         # the same grid again: tiles with non-finite outputs are recomputed causally
-        scan = calls[-1]
         calls.append(KernelCall(scan.kernel, scan.grid, scan.args[:-1] + (2,)))
+    elif cfg.scan_causal >= 2:
+        # a program per FIX_SPAN tiles: those whose sums are not finite, causally
+        calls.append(KernelCall(scan.kernel, (-(-n_tiles // FIX_SPAN), 1, 1),
+                                scan.args[:-1] + (2 * cfg.scan_causal,)))
     return calls
 
 
