@@ -724,3 +724,27 @@ def test_sweep_candidates_are_valid_configs():
             for c in fwd} == {6, 7, 8}
     assert {dataclasses.replace(base, **bench._parse_fields(c)).bwd_ctas_per_sm
             for c in bwd} == {5, 6, 7, 8, 12}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
+@pytest.mark.parametrize("form", [0, 1, 2, 3])
+def test_long_sequence_grid_fits(layout, form):
+    """The grid's token axis stays within CUDA's 65535 (a 2^21-token sequence is 65537 blocks
+    of 32 tokens): more token blocks per program (forms 0-2) or longer spans (form 3), the
+    forward's and the backward's partial rows alike; a set span that cannot fit is refused."""
+    for l in (2**21 + 5, 40_000_000):
+        d = 64
+        if layout == "channel_last":
+            x = torch.empty(1, l, d, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+        else:
+            x = torch.empty(1, d, l, dtype=torch.bfloat16, device="meta")
+        cl = plan.is_channel_last(x)
+        cfg = dataclasses.replace(plan.conv1d_config(1, d, l, cl), form=form)
+        call = plan.forward_plan(x, torch.empty(4, d, device="meta"), None, None, None,
+                                 plan.empty_like_layout(x, cl), None, True, cfg)[0]
+        assert max(call.grid[1:]) <= plan.MAX_GRID_Y
+        assert max(plan.backward_grid(x, cfg)[1:]) <= plan.MAX_GRID_Y
+    with pytest.raises(ValueError, match="span=64"):
+        plan.fit_grid(plan.Conv1dConfig(form=3, span=64, bwd_span=0), 40_000_000)
+    with pytest.raises(ValueError, match="seqlen"):
+        plan.fit_grid(plan.Conv1dConfig(), 2**40)

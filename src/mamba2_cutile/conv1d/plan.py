@@ -11,7 +11,7 @@ allocated in x's layout family: channel-last x gives out = empty(batch, seqlen, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -305,6 +305,7 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
     cl = is_channel_last(x)
     if cfg is None:
         cfg = conv1d_config(b, d, l, cl, num_sms(x), w)
+    cfg = fit_grid(cfg, l)
     xp, op = physical(x, cl), physical(out, cl)
     if cfg.form == 2 and cl and l >= w:
         return [_taps_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final,
@@ -335,6 +336,30 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
 #: form 3's longest automatic span (the halo re-read, (W-1)/span, stays under 0.6% above it)
 #: and its shortest (4.7% at width 4)
 ROWS_SPAN_MAX, ROWS_SPAN_MIN = 512, 64
+#: CUDA's limit on a grid's second (and third) dimension: the token axis of every conv1d grid
+MAX_GRID_Y = 65535
+
+
+def fit_grid(cfg: Conv1dConfig, seqlen: int) -> Conv1dConfig:
+    """cfg with enough token blocks per program (tiles, bwd_tiles: forms 0-2) that the grid's
+    token axis stays within MAX_GRID_Y programs (a 2^21-token sequence is 65537 blocks of
+    32); form 3's automatic spans grow by themselves (`rows_span`). Raises ValueError where
+    even the most blocks per program (64) or a set span cannot."""
+    changes = {}
+    for tiles, block_l in (("tiles", "block_l"), ("bwd_tiles", "bwd_block_l")):
+        need = -(-(-(-seqlen // getattr(cfg, block_l))) // MAX_GRID_Y)
+        if need > getattr(cfg, tiles):
+            if need > 64:
+                raise ValueError(
+                    f"x: seqlen={seqlen} is too long for the conv1d grid at {block_l}="
+                    f"{getattr(cfg, block_l)} (at most {64 * MAX_GRID_Y} blocks)")
+            changes[tiles] = need
+    for span in ("span", "bwd_span"):
+        v = getattr(cfg, span)
+        if v and -(-seqlen // v) > MAX_GRID_Y:
+            raise ValueError(f"Conv1dConfig: {span}={v} cuts seqlen={seqlen} into more than "
+                             f"{MAX_GRID_Y} spans (the grid's limit): use a longer span or 0")
+    return replace(cfg, **changes) if changes else cfg
 
 
 def rows_span(span, rows, batch, dim, seqlen, block_d, sms, ctas_per_sm) -> int:
@@ -363,7 +388,9 @@ def rows_span(span, rows, batch, dim, seqlen, block_d, sms, ctas_per_sm) -> int:
     waves = -(-(blocks * k_min) // slots)
     k = max(k_min, waves * slots // blocks)
     span = -(-(-(-seqlen // k)) // rows) * rows
-    return max(span, -(-ROWS_SPAN_MIN // rows) * rows)
+    # past 512 * 65535 tokens the spans grow beyond 512 (the grid's token axis limit)
+    longest = -(-(-(-seqlen // MAX_GRID_Y)) // rows) * rows
+    return max(span, -(-ROWS_SPAN_MIN // rows) * rows, longest)
 
 
 #: CTAs per SM of form 3's forward without an occupancy hint (sm_90 CPU compile, bf16, bias +
@@ -490,6 +517,7 @@ def _taps_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final, s
 def backward_grid(x, cfg):
     """The backward's grid; its axis 1 times batch is the number of dw/dbias partial rows."""
     b, d, l = x.shape
+    cfg = fit_grid(cfg, l)
     if cfg.form == 3 and is_channel_last(x):
         span = rows_spans(cfg, b, d, l, num_sms(x))[1]
         return (-(-d // cfg.bwd_block_d), -(-l // span), b)
@@ -506,6 +534,7 @@ def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, 
     cl = is_channel_last(x)
     if cfg is None:
         cfg = conv1d_config(b, d, l, cl, num_sms(x), w)
+    cfg = fit_grid(cfg, l)
     xp, dop, dxp = physical(x, cl), physical(dout, cl), physical(dx, cl)
     if cfg.form == 3 and cl:
         return [_rows_backward_call(xp, weight_t, bias, initial_states, seq_idx, dop, dfinal,
