@@ -440,6 +440,9 @@ def test_shape_rule_values():
     got = {gs: norm_shape_config(gs) for gs in (256, 512, 2048, 4096, 8192, 1000)}
     assert [(c.block_g, c.block_m, c.occupancy) for c in got.values()] == [
         (256, 16, 4), (512, 8, 4), (2048, 2, 4), (4096, 2, 4), (8192, 1, 2), (1024, 4, 4)]
+    # groups of 1024: one row at occupancy 8 (timed at 8 x 1024); 1000 keeps its padded rule
+    c = norm_shape_config(1024)
+    assert (c.block_m, c.occupancy, c.warps, c.bwd_block_m) == (1, 8, 4, 4)
     assert [(c.bwd_block_m, c.bwd_occupancy, c.bwd_ctas_per_sm) for c in got.values()] == [
         (16, 2, 2), (8, 2, 2), (1, 2, 2), (1, 2, 2), (1, 1, 2), (4, 2, 2)]
     assert got[8192].warps == 8 and got[8192].bwd_warps == 8 and got[4096].warps == 0
@@ -452,7 +455,8 @@ def test_chunked_rule_values():
     and widths above 10240, keep the padded kernels; forward rows per tile the power of two
     <= 8192 / S, the backward's <= 4096 / S below 2048 channels; the hints timed at 1536, 2560
     and 5120 channels (8 warps forward at 1536; four backward programs per SM at occupancy 4
-    from 1024 to 2560; occupancy 4 / 2 at 5120)."""
+    from 1024 to 2560; occupancy 4 / 2 at 5120; two forward rows at occupancy 6, 4 warps at
+    2560), and the gate-first order's own (timed at 1536, 2560, 5120)."""
     from mamba2_cutile.norm.plan import group_chunk, norm_shape_config
     chunks = {s: group_chunk(s) for s in (1536, 2560, 3072, 5120, 7680, 10240, 15360, 320,
                                           1000, 1030, 37, 1, 4096, 64 * 33)}
@@ -461,17 +465,17 @@ def test_chunked_rule_values():
                       64 * 33: 0}
     got = {s: norm_shape_config(s) for s in (320, 1536, 2560, 5120, 7680, 10240)}
     assert [(c.chunk, c.block_m, c.occupancy, c.warps) for c in got.values()] == [
-        (64, 16, 4, 0), (512, 4, 4, 8), (512, 2, 4, 0), (1024, 1, 4, 0), (512, 1, 2, 0),
+        (64, 16, 4, 0), (512, 4, 4, 8), (512, 2, 6, 4), (1024, 1, 4, 0), (512, 1, 2, 0),
         (1024, 1, 2, 8)]
     assert [(c.bwd_block_m, c.bwd_occupancy, c.bwd_warps) for c in got.values()] == [
         (8, 2, 0), (1, 4, 4), (1, 4, 4), (1, 2, 8), (1, 1, 8), (1, 1, 8)]
     assert [c.bwd_ctas_per_sm for c in got.values()] == [2, 4, 4, 2, 2, 2]
-    # the gate-first order keeps the first chunked hints (the timed ones spill there)
-    first = {s: norm_shape_config(s, gate_first=True) for s in (1536, 2560, 5120)}
+    # the gate-first order's own hints, timed in that order (its 5120 backward keeps the base)
+    first = {s: norm_shape_config(s, gate_first=True) for s in (1536, 2560, 5120, 7680)}
     assert [(c.chunk, c.block_m, c.occupancy, c.warps) for c in first.values()] == [
-        (512, 4, 4, 0), (512, 2, 4, 0), (1024, 1, 2, 0)]
+        (512, 2, 6, 4), (512, 2, 6, 4), (1024, 1, 6, 4), (512, 1, 2, 0)]
     assert [(c.bwd_block_m, c.bwd_ctas_per_sm, c.bwd_occupancy, c.bwd_warps)
-            for c in first.values()] == [(2, 2, 2, 0), (1, 2, 2, 0), (1, 2, 1, 8)]
+            for c in first.values()] == [(1, 3, 3, 4), (1, 3, 3, 4), (1, 2, 1, 8), (1, 2, 1, 8)]
     assert norm_shape_config(4096, gate_first=True) == norm_shape_config(4096)   # padded
 
 

@@ -63,8 +63,8 @@ PROBLEMS = [
     ("bf16-h1536-z-gate-first-bias", dict(hidden=1536, dtype=BF, norm_before_gate=False,
                                           has_bias=True)),
     ("bf16-h1000-z-nbg", dict(hidden=1000, dtype=BF)),
-    # the gate-first order (mamba_ssm's Mamba2 default) at the layer widths 2560 and 5120: it
-    # keeps the chunked kernels' first hints, whose backward has no stack there
+    # the gate-first order (mamba_ssm's Mamba2 default) at the layer widths 2560 and 5120, under
+    # its own hints
     ("bf16-h2560-z-gate-first", dict(hidden=2560, dtype=BF, norm_before_gate=False)),
     ("bf16-h5120-z-gate-first", dict(hidden=5120, dtype=BF, norm_before_gate=False)),
     # fp32 chunks of a large group: the staging buffers fill the shared memory (228 KB)
@@ -95,10 +95,13 @@ def _launches():
 
 #: stack bytes per thread (sm_90, tileiras 13.4) of rule configs timed faster on the H200 than
 #: their spill-free alternatives: the forward's 8 warps at 1536 channels (66.3 -> 56.3 us), the
-#: backward's four programs per SM at occupancy 4 at 2560 (187.6 -> 161.5 us; 2026-12-02 sweeps)
-#: (and the 64-bit backward under the same hints, untimed: 16 bytes)
+#: backward's four programs per SM at occupancy 4 at 2560 (187.6 -> 161.5 us), two forward rows
+#: at occupancy 6 at 2560 (105.1 -> 99.0 us; 2026-12-02 sweeps) (and the 64-bit backward under
+#: the same hints, untimed: 16 bytes); gate first: three backward programs per SM at 2560
+#: (200.7 -> 185.0 us)
 STACK_TIMED = {("bf16-h1536-z-nbg", "fwd"): 56, ("bf16-h2560-z-nbg", "bwd"): 16,
-               ("bf16-h1536-int64", "bwd"): 16}
+               ("bf16-h2560-z-nbg", "fwd"): 88, ("bf16-h1536-int64", "bwd"): 16,
+               ("bf16-h2560-z-gate-first", "bwd"): 32}
 
 
 @pytest.mark.parametrize("name, kind", _launches())
@@ -127,7 +130,8 @@ def test_launch_compiles(name, kind):
         assert res["stack"] <= STACK_TIMED.get((name, kind), 0), res
     if "config" not in problem and chunked and gate_first and kind == "bwd" and \
             not problem.get("has_bias") and problem["dtype"] == BF:
-        assert res["stack"] == 0, res     # the gate-first backward under its own hints
+        # the gate-first backward under its own hints
+        assert res["stack"] <= STACK_TIMED.get((name, kind), 0), res
 
 
 def test_int64_problem_uses_the_64_bit_variant():

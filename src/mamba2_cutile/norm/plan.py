@@ -154,21 +154,43 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
     these hints were timed with the norm first only) the forward spills 56 bytes at 1536 and
     16 at 3072, the backward 8 at 1536 with a bias, 160 at 2560, 24 at 3072, 128 at 5120 and
     176 at 7680. So the gate-first order keeps the chunked kernels' first hints
-    (`_chunked_base_config`, no stack in the backward at these widths) until it is timed.
+    (`_chunked_base_config`, no stack in the backward at these widths) but where timed in
+    that order (2026-12-02, `bench.norm --sweep --gate-first`, 16384 rows, bf16,
+    benchmarks/results/2026-12-02-h200-conv1d-bwd-ctas-norm-sweeps.txt): from 1024 to 2560
+    channels forward two rows, 4 warps, occupancy 6 (1536: 64.6 -> 62.5 us, 2560: 109.6 ->
+    100.4), backward one row, three programs per SM, occupancy 3, 4 warps (127.6 -> 103.4
+    us, 200.7 -> 185.0); at 5120 the forward one row, 4 warps, occupancy 6 (299.1 -> 190.6
+    us; its backward keeps the base, nothing timed was faster). These spill (sm_90 compile)
+    24 / 80 bytes in the forward at 1536 / 2560, 32 in the backward at 2560, 72 in the forward
+    at 5120, and were timed faster all the same. With the norm first, the same forward hints
+    at 2560 (105.1 -> 99.0 us; 88 bytes of stack). Groups of 1024 (padded) take one row per
+    tile at occupancy 8, 4 warps (8 x 1024: 312.1 -> 292.3 us norm first, 311.0 -> 299.8 gate
+    first; 32 registers, no stack). Fully plain kernels (tma=0, no TMA producer warps since
+    that date) were slower at every width but the gate-first backward at 1536 (107.4 us).
     Twice the forward's rows no longer fit its staging buffers at occupancy 4 (1536 x 8 rows:
     81 KB of shared memory, and the compiler drops the occupancy hint: 255 registers, one
     program per SM).
     """
     chunk = group_chunk(group_size)
     if not chunk:
-        return padded_shape_config(group_size)
+        cfg = padded_shape_config(group_size)
+        if group_size == 1024:              # one row at occupancy 8: timed at 8 x 1024
+            cfg = replace(cfg, block_m=1, warps=4, occupancy=8)
+        return cfg
     cfg = _chunked_base_config(group_size, chunk)
     if gate_first:
+        if 1024 < group_size <= 2560:       # timed at 1536, 2560
+            cfg = replace(cfg, block_m=2, warps=4, occupancy=6, bwd_block_m=1,
+                          bwd_ctas_per_sm=3, bwd_occupancy=3, bwd_warps=4)
+        if 4096 < group_size <= 5120:       # timed at 5120 (forward only)
+            cfg = replace(cfg, block_m=1, warps=4, occupancy=6)
         return cfg
     if 4096 < group_size <= 5120:           # timed at 5120
         cfg = replace(cfg, occupancy=4, bwd_occupancy=2)
     if 1024 < group_size < 2048:            # the forward's 8 warps: timed at 1536
         cfg = replace(cfg, warps=8)
+    if 2048 < group_size <= 2560:           # timed at 2560
+        cfg = replace(cfg, block_m=2, warps=4, occupancy=6)
     if 1024 < group_size <= 2560:           # the backward's 4 per SM: timed at 1536, 2560
         cfg = replace(cfg, bwd_block_m=1, bwd_ctas_per_sm=4, bwd_occupancy=4, bwd_warps=4)
     return cfg
