@@ -730,21 +730,45 @@ def test_sweep_candidates_are_valid_configs():
 @pytest.mark.parametrize("form", [0, 1, 2, 3])
 def test_long_sequence_grid_fits(layout, form):
     """The grid's token axis stays within CUDA's 65535 (a 2^21-token sequence is 65537 blocks
-    of 32 tokens): more token blocks per program (forms 0-2) or longer spans (form 3), the
-    forward's and the backward's partial rows alike; a set span that cannot fit is refused."""
-    for l in (2**21 + 5, 40_000_000):
-        d = 64
+    of 32 tokens) and still covers every token: more token blocks per program (forms 0-2, the
+    forward's and the backward's own) or longer spans (form 3), in the launches and in the
+    backward's partial rows alike; only the launch's own fields are fitted (a 70M-token
+    channel-last x runs on form 3's spans); a set span that cannot fit is refused."""
+    d, w = 64, 4
+    for l in (2**21 + 5, 40_000_000, 70_000_000):
         if layout == "channel_last":
             x = torch.empty(1, l, d, dtype=torch.bfloat16, device="meta").transpose(1, 2)
         else:
             x = torch.empty(1, d, l, dtype=torch.bfloat16, device="meta")
         cl = plan.is_channel_last(x)
+        rows = form == 3 and cl
         cfg = dataclasses.replace(plan.conv1d_config(1, d, l, cl), form=form)
-        call = plan.forward_plan(x, torch.empty(4, d, device="meta"), None, None, None,
-                                 plan.empty_like_layout(x, cl), None, True, cfg)[0]
-        assert max(call.grid[1:]) <= plan.MAX_GRID_Y
-        assert max(plan.backward_grid(x, cfg)[1:]) <= plan.MAX_GRID_Y
+        if l > 64 * plan.MAX_GRID_Y * cfg.bwd_block_l and not rows:
+            with pytest.raises(ValueError, match="seqlen"):
+                plan.backward_grid(x, cfg)
+            continue
+        wt = torch.empty(w, d, device="meta")
+        out = plan.empty_like_layout(x, cl)
+        fwd = plan.forward_plan(x, wt, None, None, None, out, None, True, cfg)[0]
+        grid = plan.backward_grid(x, cfg)
+        parts = grid[1]
+        bwd = plan.backward_plan(x, wt, None, None, None, out, None, out,
+                                 torch.empty(parts, w, d, device="meta"),
+                                 torch.empty(parts, d, device="meta"), None, True, cfg)[0]
+        assert tuple(bwd.grid) == tuple(grid)
+        for call in (fwd, bwd):
+            assert max(call.grid[1:]) <= plan.MAX_GRID_Y
+        if rows:                                       # span argument x programs >= seqlen
+            assert fwd.args[8] * fwd.grid[1] >= l and bwd.args[12] * bwd.grid[1] >= l
+        else:                                          # block_l x tiles x programs >= seqlen
+            fc, bc = plan.fit_grid(cfg, l, False, False), plan.fit_grid(cfg, l, False, True)
+            assert fc.block_l * fc.tiles * fwd.grid[1] >= l - (w - 1) * (form == 2 and cl)
+            assert bc.bwd_block_l * bc.bwd_tiles * bwd.grid[1] >= l
+            ints = [[a for a in c.args if type(a) is int] for c in (fwd, bwd)]
+            assert fc.tiles in ints[0] and bc.bwd_tiles in ints[1]
     with pytest.raises(ValueError, match="span=64"):
-        plan.fit_grid(plan.Conv1dConfig(form=3, span=64, bwd_span=0), 40_000_000)
+        plan.fit_grid(plan.Conv1dConfig(form=3, span=64), 40_000_000, True, False)
+    with pytest.raises(ValueError, match="bwd_span=64"):
+        plan.fit_grid(plan.Conv1dConfig(form=3, bwd_span=64), 40_000_000, True, True)
     with pytest.raises(ValueError, match="seqlen"):
-        plan.fit_grid(plan.Conv1dConfig(), 2**40)
+        plan.fit_grid(plan.Conv1dConfig(), 2**40, False, False)

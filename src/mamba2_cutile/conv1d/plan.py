@@ -305,7 +305,7 @@ def forward_plan(x, weight_t, bias, initial_states, seq_idx, out, final, silu,
     cl = is_channel_last(x)
     if cfg is None:
         cfg = conv1d_config(b, d, l, cl, num_sms(x), w)
-    cfg = fit_grid(cfg, l)
+    cfg = fit_grid(cfg, l, cfg.form == 3 and cl, backward=False)
     xp, op = physical(x, cl), physical(out, cl)
     if cfg.form == 2 and cl and l >= w:
         return [_taps_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final,
@@ -340,26 +340,27 @@ ROWS_SPAN_MAX, ROWS_SPAN_MIN = 512, 64
 MAX_GRID_Y = 65535
 
 
-def fit_grid(cfg: Conv1dConfig, seqlen: int) -> Conv1dConfig:
-    """cfg with enough token blocks per program (tiles, bwd_tiles: forms 0-2) that the grid's
-    token axis stays within MAX_GRID_Y programs (a 2^21-token sequence is 65537 blocks of
-    32); form 3's automatic spans grow by themselves (`rows_span`). Raises ValueError where
-    even the most blocks per program (64) or a set span cannot."""
-    changes = {}
-    for tiles, block_l in (("tiles", "block_l"), ("bwd_tiles", "bwd_block_l")):
-        need = -(-(-(-seqlen // getattr(cfg, block_l))) // MAX_GRID_Y)
-        if need > getattr(cfg, tiles):
-            if need > 64:
-                raise ValueError(
-                    f"x: seqlen={seqlen} is too long for the conv1d grid at {block_l}="
-                    f"{getattr(cfg, block_l)} (at most {64 * MAX_GRID_Y} blocks)")
-            changes[tiles] = need
-    for span in ("span", "bwd_span"):
+def fit_grid(cfg: Conv1dConfig, seqlen: int, rows: bool, backward: bool) -> Conv1dConfig:
+    """cfg with a grid whose token axis stays within MAX_GRID_Y programs (a 2^21-token sequence
+    is 65537 blocks of 32), for the launch at hand: `rows` (form 3, channel-last x) checks a
+    set span / bwd_span (the automatic spans grow by themselves, `rows_span`); otherwise
+    tiles (forward) or bwd_tiles (`backward`) grow to enough token blocks per program.
+    Raises ValueError where a set span, or even 64 blocks per program, cannot fit."""
+    if rows:
+        span = "bwd_span" if backward else "span"
         v = getattr(cfg, span)
         if v and -(-seqlen // v) > MAX_GRID_Y:
             raise ValueError(f"Conv1dConfig: {span}={v} cuts seqlen={seqlen} into more than "
                              f"{MAX_GRID_Y} spans (the grid's limit): use a longer span or 0")
-    return replace(cfg, **changes) if changes else cfg
+        return cfg
+    tiles, block_l = ("bwd_tiles", "bwd_block_l") if backward else ("tiles", "block_l")
+    need = -(-(-(-seqlen // getattr(cfg, block_l))) // MAX_GRID_Y)
+    if need <= getattr(cfg, tiles):
+        return cfg
+    if need > 64:
+        raise ValueError(f"x: seqlen={seqlen} is too long for the conv1d grid at {block_l}="
+                         f"{getattr(cfg, block_l)} (at most {64 * MAX_GRID_Y} blocks)")
+    return replace(cfg, **{tiles: need})
 
 
 def rows_span(span, rows, batch, dim, seqlen, block_d, sms, ctas_per_sm) -> int:
@@ -517,8 +518,9 @@ def _taps_forward_call(xp, op, weight_t, bias, initial_states, seq_idx, final, s
 def backward_grid(x, cfg):
     """The backward's grid; its axis 1 times batch is the number of dw/dbias partial rows."""
     b, d, l = x.shape
-    cfg = fit_grid(cfg, l)
-    if cfg.form == 3 and is_channel_last(x):
+    rows = cfg.form == 3 and is_channel_last(x)
+    cfg = fit_grid(cfg, l, rows, backward=True)
+    if rows:
         span = rows_spans(cfg, b, d, l, num_sms(x))[1]
         return (-(-d // cfg.bwd_block_d), -(-l // span), b)
     return (-(-d // cfg.bwd_block_d), -(-(-(-l // cfg.bwd_block_l)) // cfg.bwd_tiles), b)
@@ -534,7 +536,7 @@ def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, 
     cl = is_channel_last(x)
     if cfg is None:
         cfg = conv1d_config(b, d, l, cl, num_sms(x), w)
-    cfg = fit_grid(cfg, l)
+    cfg = fit_grid(cfg, l, cfg.form == 3 and cl, backward=True)
     xp, dop, dxp = physical(x, cl), physical(dout, cl), physical(dx, cl)
     if cfg.form == 3 and cl:
         return [_rows_backward_call(xp, weight_t, bias, initial_states, seq_idx, dop, dfinal,
