@@ -114,7 +114,7 @@ FAST = [
     ("bwd3-bf16-cl-bias-silu-256-r8", lambda: backward_call(opts=("bias", "silu"), d=1536,
                                                             **ROWS)),
     # the dispatcher's form 3 (automatic spans; the forward under the occupancy-8 hint:
-    # 64 registers, 8 CTAs/SM; the backward under the occupancy-7 hint: 72, 7/SM) and the
+    # 64 registers, 8 CTAs/SM; the backward under the occupancy-8 hint: 64, 8/SM) and the
     # forward without the hint
     ("fwd3-bf16-cl-bias-silu-default", lambda: forward_call(opts=("bias", "silu"), d=5376)),
     ("fwd3-bf16-cl-bias-silu-nohint", lambda: forward_call(opts=("bias", "silu"), d=5376,

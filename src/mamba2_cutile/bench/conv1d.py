@@ -226,9 +226,9 @@ WAVES_FWD_CANDIDATES = [
     "form=3,span=376,occupancy=7",          # [72, 7/SM] 924, 1225
 ]
 WAVES_BWD_CANDIDATES = [
-    # (the default "" is bwd_ctas_per_sm 7 under the occupancy-7 hint: [72, 7/SM] span 376:
-    # 1848 of 1848 slots, 504: 1834 of 1848; timed 2026-12-02 as
-    # "bwd_ctas_per_sm=7,bwd_occupancy=7", the fastest at all three sweep shapes)
+    # (the default "" is bwd_ctas_per_sm 8 under the occupancy-8 hint: [64, 8/SM] span 328 at
+    # (1, 16384, 5376); 7 under the occupancy-7 hint, [72, 7/SM] span 376: 1848 of 1848 slots,
+    # was the default until the 2026-12-02 backward sweep timed 8 faster at all three shapes)
     "form=3,bwd_ctas_per_sm=6,ctas_hint=0",         # [82, 6/SM] the earlier default: 448, 392
     "form=3,bwd_ctas_per_sm=5",                     # [72, 5 of 7/SM] 352: 1974 of 1980
     "form=3,bwd_ctas_per_sm=7,ctas_hint=0",         # [82, 6/SM] 376: 1848 of 1848

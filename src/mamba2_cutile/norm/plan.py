@@ -144,12 +144,13 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
     benchmarks/results/2026-12-02-h200-norm-sweep-chunked.txt and ...-norm-sweep-combinations
     .txt), against the chunked rule before these hints: 1536 channels forward 66.3 -> 56.3
     us with 8 warps (62% of 4.3 TB/s; 69% at 65536 rows), backward 127.8 -> 103.1 us (57%;
-    64% at 65536 rows); 2560: forward 105.3 us (56%), backward 187.6 -> 161.5 us (60%); 5120:
+    64% at 65536 rows); 2560: forward 105.3 us (56%; 99.0 under the later hints below),
+    backward 187.6 -> 161.5 us (60%); 5120:
     occupancy 4 forward 295.7 -> 191.2 us (61%), backward occupancy 2 420.6 -> 312.7 us (62%).
     The padded kernels at these widths: 106.6, 138.9, 184.7, 215.6, 405.9, 510.5 us. Widths
     above 5120 are untimed. sm_90 compiles (bf16, `bench.resources`): with the norm before
     the gate the forward has 64 registers and no stack up to 5120 channels but at 1536 (8
-    warps: 40 registers, 56 bytes), the backward no stack but at 2560 (four per SM: 64
+    warps: 40 registers, 56 bytes) and, under the later hints, 2560 (88 bytes), the backward no stack but at 2560 (four per SM: 64
     registers, 16 bytes) and 7680 (168, 24); with the gate first (mamba_ssm's Mamba2 default;
     these hints were timed with the norm first only) the forward spills 56 bytes at 1536 and
     16 at 3072, the backward 8 at 1536 with a bias, 160 at 2560, 24 at 3072, 128 at 5120 and
@@ -166,7 +167,9 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
     at 2560 (105.1 -> 99.0 us; 88 bytes of stack). Groups of 1024 (padded) take one row per
     tile at occupancy 8, 4 warps (8 x 1024: 312.1 -> 292.3 us norm first, 311.0 -> 299.8 gate
     first; 32 registers, no stack). Fully plain kernels (tma=0, no TMA producer warps since
-    that date) were slower at every width but the gate-first backward at 1536 (107.4 us).
+    that date) were behind these hints at every width; against the older rule they were
+    ahead only at the gate-first backward at 1536 (107.4 us), the gate-first forward at 5120
+    (247.6) and, within 2%, the norm-first backward at 1536 (100.5 against 102.5).
     Twice the forward's rows no longer fit its staging buffers at occupancy 4 (1536 x 8 rows:
     81 KB of shared memory, and the compiler drops the occupancy hint: 255 registers, one
     program per SM).
