@@ -439,6 +439,25 @@ def _emulated_forward_backward(layout, w, silu, opts, tiles, form, d=40, l=37):
         assert (g - r).abs().max() < TOL_EMU
 
 
+
+@pytest.mark.parametrize("form", sorted(plan.FORMS))
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
+def test_kernels_emulated_fitted_grid(layout, form, monkeypatch):
+    """The grids `fit_grid` makes for sequences past 65535 token blocks, emulated at a grid
+    limit of 2 programs: forms 0-2 walk 7 token blocks of 8 per program (fitted tiles and
+    bwd_tiles), form 3 takes two 64-token spans; forward and backward against float64."""
+    monkeypatch.setattr(plan, "MAX_GRID_Y", 2)
+    x = torch.empty(2, 101, 40, device="meta").transpose(1, 2) if layout == "channel_last" \
+        else torch.empty(2, 40, 101, device="meta")
+    rows = form == 3 and plan.is_channel_last(x)
+    cfg = dataclasses.replace(EMU_CFG, form=form)
+    assert plan.backward_grid(x, cfg)[1] <= 2
+    if not rows:
+        assert plan.fit_grid(cfg, 101, False, False).tiles == 7
+        assert plan.fit_grid(cfg, 101, False, True).bwd_tiles == 7
+    _emulated_forward_backward(layout, 4, True, "all", "default" if rows else "small", form,
+                               l=101)
+
 @pytest.mark.parametrize("state_layout", ["contiguous", "channel_last"])
 @pytest.mark.parametrize("circular", [False, True])
 @pytest.mark.parametrize("k", [1, 3, 9])
