@@ -233,6 +233,40 @@ def test_int64_indexing(form):
     assert err <= TOL_OUT[torch.bfloat16]
 
 
+
+@pytest.mark.parametrize("layout", ["channel_last", "contiguous"])
+def test_long_sequence_forward_backward(layout):
+    """A sequence past 512 x 65535 tokens (x of 2^31+ elements, 4.3 GB in bf16), the default
+    config: the grid's token axis stays within CUDA's 65535 (form 3's spans grow past 512
+    tokens channel-last; forms 0 / 1 walk more token blocks per program contiguous), forward
+    and backward against F.conv1d + SiLU in float32 on the same inputs."""
+    import torch.nn.functional as F
+
+    from mamba2_cutile.conv1d import plan
+    b, d, w = 1, 64, 4
+    l = 512 * plan.MAX_GRID_Y + 1000
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = _x(b, d, l, torch.bfloat16, layout, gen)
+    weight = (torch.randn(d, w, device="cuda", generator=gen) / w ** 0.5).to(torch.bfloat16)
+    bias = torch.randn(d, device="cuda", generator=gen).to(torch.bfloat16)
+    # detach keeps x's strides (the channel-last slice stays one; a clone would be contiguous)
+    leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
+    assert plan.is_channel_last(leaves[0]) == (layout == "channel_last")
+    out = causal_conv1d_fn(*leaves, activation="silu")
+    dout = torch.randn(b, d, l, device="cuda", generator=gen).to(torch.bfloat16)
+    got = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().float().requires_grad_() for t in (x, weight, bias)]
+    xr, wr, br = ref_leaves
+    ref = F.silu(F.conv1d(F.pad(xr, (w - 1, 0)), wr[:, None, :], br, groups=d))
+    want = torch.autograd.grad(ref, ref_leaves, dout.float())
+    err = rel_err(out, ref)
+    log_result(f"{layout} out {err:.3e}")
+    assert err <= TOL_OUT[torch.bfloat16]
+    for name, g, r in zip(("dx", "dweight", "dbias"), got, want):
+        err = rel_err(g, r)
+        log_result(f"{layout} {name} {err:.3e}")
+        assert err <= TOL_GRAD[torch.bfloat16]
+
 def _baseline():
     if os.environ.get("MAMBA2_TEST_COMPARE_MAMBA", "1") == "0":
         pytest.skip("MAMBA2_TEST_COMPARE_MAMBA=0: the baseline comparison is off")
