@@ -3,7 +3,7 @@
     python3 scripts/gpu_tests.py [--budget 300] [--workers 4] [--groups conv1d,norm] [--out DIR]
 
 The GPU tests are compile-bound (each kernel variant compiles on first use), so a whole suite
-does not fit a short session: each group runs as `pytest -v -m gpu -n WORKERS` with the time
+does not fit a short time limit: each group runs as `pytest -v -m gpu -n WORKERS` with the time
 limit `--budget` seconds, stopped by SIGINT at its limit (pytest then still reports what ran).
 Every group writes DIR/<group>.txt; the summary lists per group the tests passed, failed,
 errored and skipped, the failures by name, and how many of the group's tests did not run, so a
