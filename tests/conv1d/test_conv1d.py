@@ -745,12 +745,6 @@ def test_sweep_candidates_are_valid_configs():
             for c in bwd} == {5, 6, 7, 8, 12}
 
 
-def _kernel_arg(call, name):
-    """The value a planned launch passes for the kernel parameter `name`."""
-    fn = call.kernel._annotated_function.pyfunc
-    return call.args[fn.__code__.co_varnames[:fn.__code__.co_argcount].index(name)]
-
-
 @pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
 @pytest.mark.parametrize("form", [0, 1, 2, 3])
 def test_long_sequence_grid_fits(layout, form):
@@ -759,6 +753,7 @@ def test_long_sequence_grid_fits(layout, form):
     forward's and the backward's own) or longer spans (form 3), in the launches and in the
     backward's partial rows alike; only the launch's own fields are fitted (a 70M-token
     channel-last x runs on form 3's spans); a set span that cannot fit is refused."""
+    from support.variants import kernel_arg
     d, w = 64, 4
     for l in (2**21 + 5, 40_000_000, 70_000_000):
         if layout == "channel_last":
@@ -789,8 +784,8 @@ def test_long_sequence_grid_fits(layout, form):
             fc, bc = plan.fit_grid(cfg, l, False, False), plan.fit_grid(cfg, l, False, True)
             assert fc.block_l * fc.tiles * fwd.grid[1] >= l - (w - 1) * (form == 2 and cl)
             assert bc.bwd_block_l * bc.bwd_tiles * bwd.grid[1] >= l
-            assert _kernel_arg(fwd, "TILES") == fc.tiles
-            assert _kernel_arg(bwd, "TILES") == bc.bwd_tiles
+            assert kernel_arg(fwd, "TILES") == fc.tiles
+            assert kernel_arg(bwd, "TILES") == bc.bwd_tiles
     with pytest.raises(ValueError, match="span=64"):
         plan.fit_grid(plan.Conv1dConfig(form=3, span=64), 40_000_000, True, False)
     with pytest.raises(ValueError, match="bwd_span=64"):

@@ -282,6 +282,7 @@ def test_persistent_forward_grid():
     from dataclasses import replace
 
     from mamba2_cutile.norm.plan import fwd_programs, norm_shape_config, problem_plans
+    from support.variants import kernel_arg
     cfg = replace(norm_shape_config(1536), block_m=2)
     assert fwd_programs(16384, 1, cfg, 132) == 8192
     per = replace(cfg, fwd_ctas_per_sm=4)
@@ -289,9 +290,9 @@ def test_persistent_forward_grid():
     assert fwd_programs(16384, 8, per, 132) == 66
     assert fwd_programs(5, 1, per, 132) == 3
     fwd, _ = problem_plans(rows=16384, hidden=1536, config=per)
-    assert fwd[0].grid == (528, 1, 1) and fwd[0].args[-1] is True
+    assert fwd[0].grid == (528, 1, 1) and kernel_arg(fwd[0], "PERSISTENT") is True
     fwd, _ = problem_plans(rows=16384, hidden=1536, config=cfg)
-    assert fwd[0].grid == (8192, 1, 1) and fwd[0].args[-1] is False
+    assert fwd[0].grid == (8192, 1, 1) and kernel_arg(fwd[0], "PERSISTENT") is False
 
 
 def test_chunk_must_divide_the_group():

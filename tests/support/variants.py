@@ -153,6 +153,12 @@ PROVIDERS = {
 }
 
 
+def kernel_arg(call, name):
+    """The value a planned launch passes for the kernel parameter `name`."""
+    fn = call.kernel._annotated_function.pyfunc
+    return call.args[fn.__code__.co_varnames[:fn.__code__.co_argcount].index(name)]
+
+
 def kernel_name(call) -> str:
     return call.kernel._annotated_function.pyfunc.__name__.removesuffix("_fn")
 

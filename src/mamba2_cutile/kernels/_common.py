@@ -1,10 +1,24 @@
-"""Helpers shared by the kernels: MMA operand dtypes and 64-bit kernel variants."""
+"""Helpers shared by the kernels: the sigmoid, MMA operand dtypes and 64-bit kernel
+variants."""
 
 import types
 
 import cuda.tile as ct
 
 LOG2E = 1.4426950408889634
+
+
+def sigmoid(p, APPROX: ct.Constant[bool]):
+    """1 / (1 + exp(-p)) of a float32 tile. APPROX: through the approximate exp2 and
+    reciprocal (two MUFU operations, relative error ~2^-21; for 16-bit inputs and outputs,
+    whose rounding is 2^-8 .. 2^-11), where the IEEE division and expf cost ~15 instructions
+    more per element. Both give 0 for p -> -inf, 1 for p -> +inf, NaN for NaN."""
+    if APPROX:
+        e = ct.exp2(p * -LOG2E, flush_to_zero=True)
+        s = ct.truediv(1.0, 1.0 + e, rounding_mode=ct.RoundingMode.APPROX, flush_to_zero=True)
+    else:
+        s = 1.0 / (1.0 + ct.exp(-p))
+    return s
 
 
 def mma_operand(tile, like):

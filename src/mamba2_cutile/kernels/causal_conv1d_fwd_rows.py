@@ -52,6 +52,7 @@ W-1 rows before s0 are read again (the halo; W-1 rows per span: 0.6% at 512, 4.7
 import cuda.tile as ct
 
 from ._common import int64_variant
+from ._common import sigmoid as _sigmoid
 from .causal_conv1d_common import raw_slice_tile, weight_rows_plain
 
 
@@ -146,15 +147,9 @@ def shift(carried, new, WIDTH: ct.Constant[int]):
 
 
 def sigmoid(p, SILU: ct.Constant[int]):
-    """1 / (1 + exp(-p)): IEEE float32 at SILU = 1; at SILU = 2 through the approximate
-    exp2 and reciprocal (two MUFU operations, relative error ~2^-21, where the IEEE division
-    and expf cost ~15 instructions more per element)."""
-    if SILU == 2:
-        e = ct.exp2(p * -1.4426950408889634, flush_to_zero=True)
-        s = ct.truediv(1.0, 1.0 + e, rounding_mode=ct.RoundingMode.APPROX, flush_to_zero=True)
-    else:
-        s = 1.0 / (1.0 + ct.exp(-p))
-    return s
+    """1 / (1 + exp(-p)): IEEE float32 at SILU = 1, the approximate form at SILU = 2
+    (`_common.sigmoid`)."""
+    return _sigmoid(p, SILU == 2)
 
 
 def _activate(acc, idt, HAS_SEQ: ct.Constant[bool], SILU: ct.Constant[int]):

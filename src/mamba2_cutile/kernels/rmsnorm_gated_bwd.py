@@ -22,12 +22,13 @@ Rows past M load as zeros (x, dout and rstd alike), so they add nothing to dw an
 past S have w = 0 and x = 0, so they add nothing to c. Layout as the forward kernel's: x, z,
 dout, dx, dz (M, G, S); weight, bias (G, S); rstd (G, M); dw_part, db_part (P, G, S) float32.
 TMA=False: every load and store plain (no TMA producer warps), as in the forward kernel.
+APPROX: the sigmoid's approximate form (`_common.sigmoid`; for 16-bit z and x).
 Grid: (P, G).
 """
 
 import cuda.tile as ct
 
-from ._common import int64_variant
+from ._common import int64_variant, sigmoid
 
 
 def rmsnorm_gated_bwd_fn(
@@ -47,6 +48,7 @@ def rmsnorm_gated_bwd_fn(
     HAS_BIAS: ct.Constant[bool],
     NORM_BEFORE_GATE: ct.Constant[bool],
     TMA: ct.Constant[bool],
+    APPROX: ct.Constant[bool],
 ):
     prog, group = ct.bid(0), ct.bid(1)
     nprogs = ct.num_blocks(0)
@@ -76,7 +78,7 @@ def rmsnorm_gated_bwd_fn(
         if HAS_Z:
             zt = ct.load(z, index=(row_blk, group, 0), shape=tile3,
                          padding_mode=zero, allow_tma=TMA).reshape(tile2).astype(ct.float32)
-            sg = 1.0 / (1.0 + ct.exp(-zt))
+            sg = sigmoid(zt, APPROX)
             gate = zt * sg
             dgate = sg * (1.0 + zt * (1.0 - sg))
             if not NORM_BEFORE_GATE:

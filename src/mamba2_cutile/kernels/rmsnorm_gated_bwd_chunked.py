@@ -28,12 +28,13 @@ block (L1/L2 hits) rather than held.
 Layout as `rmsnorm_gated_bwd`'s: x, z, dout, dx, dz (M, G, S); weight, bias (G, S); rstd (G, M);
 dw_part, db_part (P, G, S) float32. Rows past M load as zeros (x, dout and rstd alike), so they
 add nothing to dw and db. TMA=False: every load and store plain (no TMA producer warps).
+APPROX: the sigmoid's approximate form (`_common.sigmoid`; for 16-bit z and x).
 Grid: (P, G).
 """
 
 import cuda.tile as ct
 
-from ._common import int64_variant
+from ._common import int64_variant, sigmoid
 
 
 def rmsnorm_gated_bwd_chunked_fn(
@@ -54,6 +55,7 @@ def rmsnorm_gated_bwd_chunked_fn(
     HAS_BIAS: ct.Constant[bool],
     NORM_BEFORE_GATE: ct.Constant[bool],
     TMA: ct.Constant[bool],
+    APPROX: ct.Constant[bool],
 ):
     prog, group = ct.bid(0), ct.bid(1)
     nprogs = ct.num_blocks(0)
@@ -89,7 +91,7 @@ def rmsnorm_gated_bwd_chunked_fn(
             if HAS_Z:
                 zt = ct.load(z, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
                              allow_tma=TMA).reshape(tile2).astype(ct.float32)
-                sg = 1.0 / (1.0 + ct.exp(-zt))
+                sg = sigmoid(zt, APPROX)
                 gate = zt * sg
                 dgate = sg * (1.0 + zt * (1.0 - sg))
                 if not NORM_BEFORE_GATE:

@@ -14,6 +14,7 @@ Layout: x, z and out are (M, G, S) views of (M, hidden) rows (any row stride, un
 stride), weight and bias (G, S), rstd (G, M). A tile is (BLOCK_M, 1, BLOCK_G) with BLOCK_G the
 power of two >= S; the channels past S and the rows past M load as zeros, so they add nothing
 to the sum of squares, and their part of the store is dropped.
+APPROX: the sigmoid's approximate form (`_common.sigmoid`; for 16-bit z and x).
 TMA=False makes every load and store plain (no shared-memory staging, and no TMA producer warps:
 a CTA is its worker warps alone, so twice as many fit on an SM).
 Grid: (cdiv(M, BLOCK_M), G).
@@ -21,7 +22,7 @@ Grid: (cdiv(M, BLOCK_M), G).
 
 import cuda.tile as ct
 
-from ._common import int64_variant
+from ._common import int64_variant, sigmoid
 
 
 def rmsnorm_gated_fwd_fn(
@@ -38,6 +39,7 @@ def rmsnorm_gated_fwd_fn(
     HAS_BIAS: ct.Constant[bool],
     NORM_BEFORE_GATE: ct.Constant[bool],
     TMA: ct.Constant[bool],
+    APPROX: ct.Constant[bool],
 ):
     row_blk, group = ct.bid(0), ct.bid(1)
     size = x.shape[2]
@@ -49,7 +51,7 @@ def rmsnorm_gated_fwd_fn(
     if HAS_Z:
         zt = ct.load(z, index=(row_blk, group, 0), shape=tile3, padding_mode=zero,
                      allow_tma=TMA).reshape(tile2).astype(ct.float32)
-        gate = zt / (1.0 + ct.exp(-zt))
+        gate = zt * sigmoid(zt, APPROX)
         if not NORM_BEFORE_GATE:
             u = u * gate
     mean_sq = ct.sum(u * u, axis=1, keepdims=True) / size

@@ -18,6 +18,7 @@ three eighths at 2560 = 5 * 512).
 
 Layout: x, z and out are (M, G, S) views of (M, hidden) rows (any row stride, unit channel
 stride), weight and bias (G, S), rstd (G, M). Rows past M load as zeros and are not stored.
+APPROX: the sigmoid's approximate form (`_common.sigmoid`; for 16-bit z and x).
 TMA=False makes every load and store plain (no TMA producer warps).
 Grid: (cdiv(M, BLOCK_M), G), one row block per program; PERSISTENT: (P, G) with P at most
 cdiv(M, BLOCK_M), program p walking the row blocks p, p + P, p + 2P, ... (fewer, longer-lived
@@ -26,14 +27,14 @@ programs whose loop the compiler can pipeline).
 
 import cuda.tile as ct
 
-from ._common import int64_variant
+from ._common import int64_variant, sigmoid
 
 
 def _normalize_rows(x, z, weight, bias, out, rstd, eps, row_blk, group,
                     BLOCK_M: ct.Constant[int], CHUNK: ct.Constant[int],
                     NCHUNK: ct.Constant[int], HAS_Z: ct.Constant[bool],
                     HAS_BIAS: ct.Constant[bool], NORM_BEFORE_GATE: ct.Constant[bool],
-                    TMA: ct.Constant[bool]):
+                    TMA: ct.Constant[bool], APPROX: ct.Constant[bool]):
     """Row block `row_blk` of channel group `group`: out and rstd."""
     zero = ct.PaddingMode.ZERO
     tile3, tile2 = (BLOCK_M, 1, CHUNK), (BLOCK_M, CHUNK)
@@ -49,7 +50,7 @@ def _normalize_rows(x, z, weight, bias, out, rstd, eps, row_blk, group,
         if HAS_Z and not NORM_BEFORE_GATE:
             zt = ct.load(z, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
                          allow_tma=TMA).reshape(tile2).astype(ct.float32)
-            u = u * (zt / (1.0 + ct.exp(-zt)))
+            u = u * (zt * sigmoid(zt, APPROX))
             held += (u,)
         else:
             held += (xt,)
@@ -65,7 +66,7 @@ def _normalize_rows(x, z, weight, bias, out, rstd, eps, row_blk, group,
         if HAS_Z and NORM_BEFORE_GATE:
             zt = ct.load(z, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
                          allow_tma=TMA).reshape(tile2).astype(ct.float32)
-            y = y * (zt / (1.0 + ct.exp(-zt)))
+            y = y * (zt * sigmoid(zt, APPROX))
         ct.store(out, index=(row_blk, group, c), tile=y.reshape(tile3).astype(out.dtype),
                  allow_tma=TMA)
     ct.store(rstd, index=(group, row_blk), tile=r.reshape((1, BLOCK_M)), allow_tma=TMA)
@@ -87,15 +88,16 @@ def rmsnorm_gated_fwd_chunked_fn(
     NORM_BEFORE_GATE: ct.Constant[bool],
     TMA: ct.Constant[bool],
     PERSISTENT: ct.Constant[bool],
+    APPROX: ct.Constant[bool],
 ):
     prog, group = ct.bid(0), ct.bid(1)
     if PERSISTENT:
         for row_blk in range(prog, ct.cdiv(x.shape[0], BLOCK_M), ct.num_blocks(0)):
             _normalize_rows(x, z, weight, bias, out, rstd, eps, row_blk, group, BLOCK_M,
-                            CHUNK, NCHUNK, HAS_Z, HAS_BIAS, NORM_BEFORE_GATE, TMA)
+                            CHUNK, NCHUNK, HAS_Z, HAS_BIAS, NORM_BEFORE_GATE, TMA, APPROX)
     else:
         _normalize_rows(x, z, weight, bias, out, rstd, eps, prog, group, BLOCK_M, CHUNK,
-                        NCHUNK, HAS_Z, HAS_BIAS, NORM_BEFORE_GATE, TMA)
+                        NCHUNK, HAS_Z, HAS_BIAS, NORM_BEFORE_GATE, TMA, APPROX)
 
 
 rmsnorm_gated_fwd_chunked = ct.kernel(rmsnorm_gated_fwd_chunked_fn)

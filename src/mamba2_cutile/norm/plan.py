@@ -70,6 +70,9 @@ class NormConfig:
     fwd_ctas_per_sm: 0 gives the forward one program per row block; n > 0 (chunked kernels
     only) a persistent grid of about n programs per SM over all groups, each walking its share
     of the row blocks.
+    approx: 1 computes the gate's sigmoid through the approximate exp2 and reciprocal when x
+    and z are both 16-bit (relative error ~2^-21, under their rounding); 0, and any float32 x
+    or z, the IEEE division and expf.
     """
     block_g: int
     block_m: int
@@ -83,6 +86,7 @@ class NormConfig:
     bwd_tma: int = 1
     chunk: int = 0
     fwd_ctas_per_sm: int = 0
+    approx: int = 1
 
     FIXED = ("block_g",)
 
@@ -100,6 +104,7 @@ class NormConfig:
         c.check_choice(self, "bwd_warps", (0, 4, 8))
         c.check_choice(self, "tma", (0, 1))
         c.check_choice(self, "bwd_tma", (0, 1))
+        c.check_choice(self, "approx", (0, 1))
         v = self.chunk
         if not isinstance(v, int) or v < 0 or v & (v - 1) or 0 < v < MIN_CHUNK \
                 or v > MAX_CHUNK:
@@ -177,14 +182,18 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
     chunk = group_chunk(group_size)
     if not chunk:
         cfg = padded_shape_config(group_size)
-        if group_size == 1024:              # one row at occupancy 8: timed at 8 x 1024
-            cfg = replace(cfg, block_m=1, warps=4, occupancy=8)
+        if group_size == 1024:              # two rows at occupancy 8: timed at 8 x 1024
+            cfg = replace(cfg, block_m=2, warps=4, occupancy=8)
         return cfg
     cfg = _chunked_base_config(group_size, chunk)
     if gate_first:
         if 1024 < group_size <= 2560:       # timed at 1536, 2560
             cfg = replace(cfg, block_m=2, warps=4, occupancy=6, bwd_block_m=1,
                           bwd_ctas_per_sm=3, bwd_occupancy=3, bwd_warps=4)
+        if group_size < 2048:               # occupancy 8: timed at 1536
+            cfg = replace(cfg, occupancy=8)
+        if 2560 < group_size <= 3072:       # timed at 3072 (forward only)
+            cfg = replace(cfg, block_m=1, warps=4, occupancy=8)
         if 4096 < group_size <= 5120:       # timed at 5120 (forward only)
             cfg = replace(cfg, block_m=1, warps=4, occupancy=6)
         return cfg
@@ -289,6 +298,13 @@ def _tiling(cfg: NormConfig, group_size: int):
     return (cfg.chunk, group_size // cfg.chunk) if cfg.chunk else (cfg.block_g,)
 
 
+def _approx(cfg: NormConfig, x3, z3) -> bool:
+    """The kernels' APPROX: the approximate sigmoid where the config allows it and x and z
+    are both 16-bit (a float32 x or z keeps the IEEE form)."""
+    half = (torch.float16, torch.bfloat16)
+    return bool(cfg.approx) and x3.dtype in half and (z3 is None or z3.dtype in half)
+
+
 def forward_plan(x3, z3, w2, b2, out3, rstd, eps, norm_before_gate, cfg: NormConfig,
                  sms: int = DEFAULT_SMS):
     """The forward launch. x3, z3, out3 (M, G, S); w2, b2 (G, S); rstd (G, M) float32; absent
@@ -304,7 +320,7 @@ def forward_plan(x3, z3, w2, b2, out3, rstd, eps, norm_before_gate, cfg: NormCon
         with_hints(kernel, cfg.occupancy, cfg.warps), (fwd_programs(m, g, cfg, sms), g, 1),
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, out3, rstd,
          float(eps), cfg.block_m, *_tiling(cfg, s), z3 is not None, b2 is not None,
-         bool(norm_before_gate), bool(cfg.tma), *persistent))]
+         bool(norm_before_gate), bool(cfg.tma), *persistent, _approx(cfg, x3, z3)))]
 
 
 def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_before_gate,
@@ -322,7 +338,7 @@ def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, rstd, dout3, dx3,
          dz3 if dz3 is not None else dx3, dw_part, db_part if db_part is not None else dw_part,
          cfg.bwd_block_m, *_tiling(cfg, s), z3 is not None, b2 is not None,
-         bool(norm_before_gate), bool(cfg.bwd_tma)))]
+         bool(norm_before_gate), bool(cfg.bwd_tma), _approx(cfg, x3, z3)))]
 
 
 def _params(weight, bias, ngroups, group_size):
