@@ -66,7 +66,7 @@ def main(argv=None):
     procs = {}
     for name in names:
         cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-m", "gpu", "-p", "no:cacheprovider",
-               "-n", str(args.workers), *GROUPS[name]] + (["-k", args.k] if args.k else [])
+               "-n", str(args.workers), "--dist", "loadgroup", *GROUPS[name]] + (["-k", args.k] if args.k else [])
         log = open(os.path.join(args.out, f"{name}.txt"), "w")
         procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True), log, time.time())

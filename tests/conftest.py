@@ -15,7 +15,11 @@ def _xdist_group(item):
     worker, and those of the forward another: mamba_ssm autotunes its Triton kernels (about a
     minute per backward kernel shape on an H200) once per process, so spreading them over many
     workers would repeat that on each (use --dist loadgroup). The decode comparisons need no autotune
-    and stay ungrouped."""
+    and stay ungrouped. The conv1d tests of 2^31+-element tensors (4.3 GB a bf16 tensor, several
+    per test) share one worker too, so that no two of them fill the GPU's memory at once."""
+    if item.nodeid.startswith("tests/conv1d/test_conv1d_gpu.py::") and item.name.startswith(
+            ("test_int64_indexing", "test_long_sequence", "test_row_streaming_int64")):
+        return "conv1d-2g-elements"
     if not item.name.startswith("test_against_mamba_ssm"):
         return None
     if item.nodeid.startswith("tests/ssd/test_backward_gpu.py::"):
