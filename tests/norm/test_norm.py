@@ -441,9 +441,12 @@ def test_shape_rule_values():
     got = {gs: norm_shape_config(gs) for gs in (256, 512, 2048, 4096, 8192, 1000)}
     assert [(c.block_g, c.block_m, c.occupancy) for c in got.values()] == [
         (256, 16, 4), (512, 8, 4), (2048, 2, 4), (4096, 2, 4), (8192, 1, 2), (1024, 4, 4)]
-    # groups of 1024: one row at occupancy 8 (timed at 8 x 1024); 1000 keeps its padded rule
+    # groups of 1024: occupancy 8 (timed at 8 x 1024), one row with the norm first, two with
+    # the gate first; 1000 keeps its padded rule
     c = norm_shape_config(1024)
     assert (c.block_m, c.occupancy, c.warps, c.bwd_block_m) == (1, 8, 4, 4)
+    c = norm_shape_config(1024, gate_first=True)
+    assert (c.block_m, c.occupancy, c.warps, c.bwd_block_m) == (2, 8, 4, 4)
     assert [(c.bwd_block_m, c.bwd_occupancy, c.bwd_ctas_per_sm) for c in got.values()] == [
         (16, 2, 2), (8, 2, 2), (1, 2, 2), (1, 2, 2), (1, 1, 2), (4, 2, 2)]
     assert got[8192].warps == 8 and got[8192].bwd_warps == 8 and got[4096].warps == 0
@@ -472,11 +475,14 @@ def test_chunked_rule_values():
         (8, 2, 0), (1, 4, 4), (1, 4, 4), (1, 2, 8), (1, 1, 8), (1, 1, 8)]
     assert [c.bwd_ctas_per_sm for c in got.values()] == [2, 4, 4, 2, 2, 2]
     # the gate-first order's own hints, timed in that order (its 5120 backward keeps the base)
-    first = {s: norm_shape_config(s, gate_first=True) for s in (1536, 2560, 5120, 7680)}
+    # (and, with the approximate sigmoid, occupancy 8 at 1536 and one row at occupancy 8 at 3072)
+    first = {s: norm_shape_config(s, gate_first=True) for s in (1536, 2560, 3072, 5120, 7680)}
     assert [(c.chunk, c.block_m, c.occupancy, c.warps) for c in first.values()] == [
-        (512, 2, 6, 4), (512, 2, 6, 4), (1024, 1, 6, 4), (512, 1, 2, 0)]
+        (512, 2, 8, 4), (512, 2, 6, 4), (1024, 1, 8, 4), (1024, 1, 6, 4), (512, 1, 2, 0)]
     assert [(c.bwd_block_m, c.bwd_ctas_per_sm, c.bwd_occupancy, c.bwd_warps)
-            for c in first.values()] == [(1, 3, 3, 4), (1, 3, 3, 4), (1, 2, 1, 8), (1, 2, 1, 8)]
+            for c in first.values()] == [(1, 3, 3, 4), (1, 3, 3, 4), (1, 2, 2, 0), (1, 2, 1, 8),
+                                         (1, 2, 1, 8)]
+    assert all(c.approx == 1 for c in first.values())
     assert norm_shape_config(4096, gate_first=True) == norm_shape_config(4096)   # padded
 
 
@@ -490,3 +496,23 @@ def test_sweep_configs_parse():
     for bad in ("warps=8", "fwd:warps", "up:warps=8"):
         with pytest.raises(ValueError, match="--configs"):
             parse_configs(bad)
+
+
+def test_approximate_sigmoid_only_for_16bit_inputs():
+    """The kernels' APPROX (the gate's sigmoid through the approximate exp2 and reciprocal) is
+    on for 16-bit x and z under the default config, off for a float32 x or z and under
+    approx=0, in the forward and the backward launch alike."""
+    from dataclasses import replace
+
+    from mamba2_cutile.norm.plan import norm_shape_config, problem_plans
+    from support.variants import kernel_arg
+    bf, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    cases = [(dict(dtype=bf), True), (dict(dtype=f16), True), (dict(dtype=f32), False),
+             (dict(dtype=bf, z_dtype=f32), False),
+             (dict(dtype=bf, config=replace(norm_shape_config(1536), approx=0)), False)]
+    for kw, want in cases:
+        fwd, bwd = problem_plans(rows=64, hidden=1536, **kw)
+        assert kernel_arg(fwd[0], "APPROX") is want, kw
+        assert kernel_arg(bwd[0], "APPROX") is want, kw
+    with pytest.raises(ValueError, match="approx"):
+        replace(norm_shape_config(1536), approx=2)

@@ -178,12 +178,30 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
     Twice the forward's rows no longer fit its staging buffers at occupancy 4 (1536 x 8 rows:
     81 KB of shared memory, and the compiler drops the occupancy hint: 255 registers, one
     program per SM).
+
+    The gate's sigmoid (`NormConfig.approx`, 16-bit x and z) through the approximate exp2 and
+    reciprocal in place of the IEEE division and expf, timed on the H200 (16384 rows, bf16,
+    same run, benchmarks/results/2026-12-02-h200-norm-approx-sigmoid-sweeps.txt), IEEE ->
+    approximate under the same hints: gate first, forward 65.1 -> 50.5 us (1536), 105.8 ->
+    79.1 (2560), 135.0 -> 103.9 (3072), 200.0 -> 161.0 (5120), 314.1 -> 265.2 (8 x 1024);
+    backward 103.9 -> 89.3, 185.0 -> 156.0, 181.8 -> 142.3, 438.3 -> 344.7, 429.3 -> 385.7;
+    norm first, forward 59.0 -> 45.5, 103.8 -> 74.5, 136.4 -> 110.6, 195.1 -> 147.0, 308.1 ->
+    260.1, backward 103.1 -> 90.4, 161.4 -> 137.1, 174.8 -> 138.0, 313.3 -> 261.0, 421.2 ->
+    383.8. The kernels had been issue-bound as much as memory-bound (ncu of the 1536
+    backward: 45% of DRAM bandwidth, 56% of SM throughput). With it, in the gate-first order
+    (...-norm-approx-backward-sweep.txt): 1536 channels forward at occupancy 8 (49.9 -> 48.0
+    us, 73%; 173.6 us = 81% at 65536 rows), 3072 one row at occupancy 8 (103.9 -> 96.7 us),
+    groups of 1024 two rows at occupancy 8 (265.3 -> 232.3 us, 81%; with the norm first
+    the one-row rule stays: the sweep of two rows there was cut). No backward hint beat the rule at 1536, 2560 or 5120 (two or
+    four programs per SM, two rows, 8 warps, plain loads at 8 per SM, occupancy 2: 1-60%
+    slower).
     """
     chunk = group_chunk(group_size)
     if not chunk:
         cfg = padded_shape_config(group_size)
-        if group_size == 1024:              # two rows at occupancy 8: timed at 8 x 1024
-            cfg = replace(cfg, block_m=2, warps=4, occupancy=8)
+        if group_size == 1024:              # occupancy 8: timed at 8 x 1024; two rows gate
+            # first (265.3 -> 232.3 us), one row with the norm first (two untimed there)
+            cfg = replace(cfg, block_m=2 if gate_first else 1, warps=4, occupancy=8)
         return cfg
     cfg = _chunked_base_config(group_size, chunk)
     if gate_first:
