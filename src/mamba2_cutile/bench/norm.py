@@ -282,10 +282,20 @@ def warm_compile(tasks, jobs):
     one process and takes seconds per kernel; the timing process then finds them cached)."""
     import concurrent.futures as cf
     import multiprocessing as mp
-    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+    pool = cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"))
+    try:
         for fut in cf.as_completed([pool.submit(_warm, t) for t in tasks]):
             if fut.result():
                 print("compile failed:", fut.result(), flush=True)
+    except BaseException:
+        # an interrupt (a time limit's SIGINT reaches this process only) must not wait for
+        # every queued compile, as leaving the `with` block would
+        workers = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for w in workers:
+            w.terminate()
+        raise
+    pool.shutdown()
 
 
 def sweep_norm(shapes=None, dtype=torch.bfloat16, reps=30, space="candidates", jobs=0,
