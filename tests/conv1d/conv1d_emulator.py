@@ -4,7 +4,6 @@ use: `Array.slice`, `ct.static_iter`, loads and stores with an axis `order` (and
 `gather`, `cat`, `truediv` and `exp2` with their options (exact in float64). Runs the
 kernels' own source on CPU tensors, one program at a time."""
 
-import types
 
 import torch
 
@@ -93,10 +92,6 @@ CT.scatter = _scatter
 CT.gather = _gather
 CT.static_iter = lambda it: it
 CT.cat = staticmethod(lambda tiles, axis: _tile(torch.cat(tuple(tiles), axis)))
-CT.truediv = staticmethod(lambda x, y, rounding_mode=None, flush_to_zero=False: x / y)
-CT.RoundingMode = types.SimpleNamespace(APPROX="approx", RN="nearest_even")
-_plain_exp2 = emulator.FakeCT.exp2
-CT.exp2 = staticmethod(lambda x, flush_to_zero=False: _plain_exp2(x))
 
 
 def run_calls(calls):

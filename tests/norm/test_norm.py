@@ -461,7 +461,7 @@ def test_chunked_rule_values():
     and 5120 channels (8 warps forward at 1536; four backward programs per SM at occupancy 4
     from 1024 to 2560; occupancy 4 / 2 at 5120; two forward rows at occupancy 6, 4 warps at
     2560), and the gate-first order's own (timed at 1536, 2560, 5120)."""
-    from mamba2_cutile.norm.plan import group_chunk, norm_shape_config
+    from mamba2_cutile.norm.plan import _chunked_base_config, group_chunk, norm_shape_config
     chunks = {s: group_chunk(s) for s in (1536, 2560, 3072, 5120, 7680, 10240, 15360, 320,
                                           1000, 1030, 37, 1, 4096, 64 * 33)}
     assert chunks == {1536: 512, 2560: 512, 3072: 1024, 5120: 1024, 7680: 512, 10240: 1024,
@@ -483,6 +483,8 @@ def test_chunked_rule_values():
             for c in first.values()] == [(1, 3, 3, 4), (1, 3, 3, 4), (1, 2, 2, 0), (1, 2, 1, 8),
                                          (1, 2, 1, 8)]
     assert all(c.approx == 1 for c in first.values())
+    # below 1024 channels the gate-first order keeps the base hints (nothing timed there)
+    assert norm_shape_config(768, gate_first=True) == _chunked_base_config(768, 256)
     assert norm_shape_config(4096, gate_first=True) == norm_shape_config(4096)   # padded
 
 

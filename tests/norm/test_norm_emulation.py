@@ -85,6 +85,21 @@ CASES = [(13, 24, 8, dict(block_m=4, bwd_block_m=2)),
 @pytest.mark.parametrize("has_z, nbg", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_kernels_match_definition(m, hidden, gs, over, has_z, nbg, has_bias):
+    _check_kernels(m, hidden, gs, over, has_z, nbg, has_bias)
+
+
+@pytest.mark.parametrize("m, hidden, gs, over", [CASES[0], CASES[5], CASES[9], CASES[10]])
+@pytest.mark.parametrize("nbg", [True, False])
+def test_approximate_sigmoid_branch(m, hidden, gs, over, nbg, monkeypatch):
+    """The kernels' APPROX branch (the sigmoid through exp2 and a reciprocal; the plan takes
+    it for 16-bit x and z, which the float64 emulation is not) against the same definition:
+    in float64 the two forms agree to rounding, so this checks the branch's math and wiring."""
+    from mamba2_cutile.norm import plan
+    monkeypatch.setattr(plan, "_approx", lambda cfg, x3, z3: True)
+    _check_kernels(m, hidden, gs, over, True, nbg, True)
+
+
+def _check_kernels(m, hidden, gs, over, has_z, nbg, has_bias):
     x, w, b, z = _problem(m, hidden, has_z, has_bias)
     rule = norm_shape_config(gs)
     cfg = replace(rule, **over) if rule.chunk else replace(rule, **{"chunk": 0, **over})

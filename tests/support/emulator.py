@@ -133,10 +133,17 @@ class FakeCT(types.SimpleNamespace):
         own[tuple(dst)] = self.program
         array[tuple(dst)] = torch.Tensor(tile)[tuple(src)].to(array.dtype)
 
-    # math
+    # math (rounding modes and flush-to-zero are accepted and ignored: float64 stands for
+    # both the IEEE and the approximate forms)
+    RoundingMode = types.SimpleNamespace(APPROX="approx", RN="nearest_even", FULL="full")
+
     @staticmethod
-    def exp2(x):
+    def exp2(x, flush_to_zero=False):
         return torch.exp2(x)
+
+    @staticmethod
+    def truediv(x, y, rounding_mode=None, flush_to_zero=False):
+        return x / y
 
     @staticmethod
     def exp(x):

@@ -192,9 +192,9 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
     (...-norm-approx-backward-sweep.txt): 1536 channels forward at occupancy 8 (49.9 -> 48.0
     us, 73%; 173.6 us = 81% at 65536 rows), 3072 one row at occupancy 8 (103.9 -> 96.7 us),
     groups of 1024 two rows at occupancy 8 (265.3 -> 232.3 us, 81%; with the norm first
-    the one-row rule stays: the sweep of two rows there was cut). No backward hint beat the rule at 1536, 2560 or 5120 (two or
-    four programs per SM, two rows, 8 warps, plain loads at 8 per SM, occupancy 2: 1-60%
-    slower).
+    the one-row rule stays: the sweep of two rows there was cut). No backward hint beat the rule by more than noise at 1536,
+    2560 or 5120 (two or four programs per SM, two rows, plain loads at 8 per SM, occupancy 2:
+    5-300% slower; 8 warps level at 5120, 342.5 against 344.2 us, slower elsewhere).
     """
     chunk = group_chunk(group_size)
     if not chunk:
@@ -208,7 +208,7 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
         if 1024 < group_size <= 2560:       # timed at 1536, 2560
             cfg = replace(cfg, block_m=2, warps=4, occupancy=6, bwd_block_m=1,
                           bwd_ctas_per_sm=3, bwd_occupancy=3, bwd_warps=4)
-        if group_size < 2048:               # occupancy 8: timed at 1536
+        if 1024 < group_size < 2048:        # occupancy 8: timed at 1536
             cfg = replace(cfg, occupancy=8)
         if 2560 < group_size <= 3072:       # timed at 3072 (forward only)
             cfg = replace(cfg, block_m=1, warps=4, occupancy=8)
