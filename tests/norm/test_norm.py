@@ -518,3 +518,5 @@ def test_approximate_sigmoid_only_for_16bit_inputs():
         assert kernel_arg(bwd[0], "APPROX") is want, kw
     with pytest.raises(ValueError, match="approx"):
         replace(norm_shape_config(1536), approx=2)
+    with pytest.raises(ValueError, match="bwd_regate"):
+        replace(norm_shape_config(4096), bwd_regate=1)       # padded: no chunks to re-read

@@ -69,6 +69,10 @@ PROBLEMS = [
     ("bf16-h5120-z-gate-first", dict(hidden=5120, dtype=BF, norm_before_gate=False)),
     ("bf16-h8192-g8-z-gate-first", dict(hidden=8192, group_size=1024, dtype=BF,
                                         norm_before_gate=False)),
+    # the gate-first backward's second pass reloading x and z (bwd_regate), at occupancy 2
+    ("bf16-h5120-z-gate-first-regate", dict(hidden=5120, dtype=BF, norm_before_gate=False,
+                                            config=replace(norm_shape_config(5120, True),
+                                                           bwd_regate=1, bwd_occupancy=2))),
     # fp32 chunks of a large group: the staging buffers fill the shared memory (228 KB)
     ("fp32-h7680-z-gate-first-bias", dict(hidden=7680, dtype=F32, norm_before_gate=False,
                                           has_bias=True)),

@@ -99,6 +99,14 @@ def test_approximate_sigmoid_branch(m, hidden, gs, over, nbg, monkeypatch):
     _check_kernels(m, hidden, gs, over, True, nbg, True)
 
 
+@pytest.mark.parametrize("m, hidden, gs, over", [c for c in CASES if c[3].get("chunk")])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_regate_backward(m, hidden, gs, over, has_bias):
+    """bwd_regate=1 (gate first, chunked): the backward's second pass reloads x and z and
+    recomputes the gate, against the same definition."""
+    _check_kernels(m, hidden, gs, {**over, "bwd_regate": 1}, True, False, has_bias)
+
+
 def _check_kernels(m, hidden, gs, over, has_z, nbg, has_bias):
     x, w, b, z = _problem(m, hidden, has_z, has_bias)
     rule = norm_shape_config(gs)

@@ -29,6 +29,8 @@ Layout as `rmsnorm_gated_bwd`'s: x, z, dout, dx, dz (M, G, S); weight, bias (G, 
 dw_part, db_part (P, G, S) float32. Rows past M load as zeros (x, dout and rstd alike), so they
 add nothing to dw and db. TMA=False: every load and store plain (no TMA producer warps).
 APPROX: the sigmoid's approximate form (`_common.sigmoid`; for 16-bit z and x).
+REGATE (gate first): pass 2 reloads x and z and recomputes the gate and x gate' instead of
+holding them per chunk (two fewer register tiles per chunk, two more L2 reads per element).
 Grid: (P, G).
 """
 
@@ -56,6 +58,7 @@ def rmsnorm_gated_bwd_chunked_fn(
     NORM_BEFORE_GATE: ct.Constant[bool],
     TMA: ct.Constant[bool],
     APPROX: ct.Constant[bool],
+    REGATE: ct.Constant[bool],
 ):
     prog, group = ct.bid(0), ct.bid(1)
     nprogs = ct.num_blocks(0)
@@ -96,8 +99,9 @@ def rmsnorm_gated_bwd_chunked_fn(
                 dgate = sg * (1.0 + zt * (1.0 - sg))
                 if not NORM_BEFORE_GATE:
                     u = xt * gate
-                    gates += (gate,)
-                    x_dgates += (xt * dgate,)
+                    if not REGATE:
+                        gates += (gate,)
+                        x_dgates += (xt * dgate,)
             xhat = u * r
             if HAS_Z:
                 if NORM_BEFORE_GATE:
@@ -123,10 +127,25 @@ def rmsnorm_gated_bwd_chunked_fn(
             du = (wdys[c] - xhats[c] * mean_dot) * r
             if HAS_Z:
                 if not NORM_BEFORE_GATE:
+                    if REGATE:
+                        # x and z again (L2 hits: the row block was read in pass 1) in place
+                        # of two held tiles per chunk
+                        xt = ct.load(x, index=(row_blk, group, c), shape=tile3,
+                                     padding_mode=zero,
+                                     allow_tma=TMA).reshape(tile2).astype(ct.float32)
+                        zt = ct.load(z, index=(row_blk, group, c), shape=tile3,
+                                     padding_mode=zero,
+                                     allow_tma=TMA).reshape(tile2).astype(ct.float32)
+                        sg = sigmoid(zt, APPROX)
+                        gate = zt * sg
+                        x_dgate = xt * (sg * (1.0 + zt * (1.0 - sg)))
+                    else:
+                        gate = gates[c]
+                        x_dgate = x_dgates[c]
                     ct.store(dz, index=(row_blk, group, c),
-                             tile=(du * x_dgates[c]).reshape(tile3).astype(dz.dtype),
+                             tile=(du * x_dgate).reshape(tile3).astype(dz.dtype),
                              allow_tma=TMA)
-                    du = du * gates[c]
+                    du = du * gate
             ct.store(dx, index=(row_blk, group, c), tile=du.reshape(tile3).astype(dx.dtype),
                      allow_tma=TMA)
     for c in ct.static_iter(range(NCHUNK)):

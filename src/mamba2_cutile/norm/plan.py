@@ -73,6 +73,8 @@ class NormConfig:
     approx: 1 computes the gate's sigmoid through the approximate exp2 and reciprocal when x
     and z are both 16-bit (relative error ~2^-21, under their rounding); 0, and any float32 x
     or z, the IEEE division and expf.
+    bwd_regate: 1 (chunked kernels, gate first) makes the backward's second pass reload x and
+    z and recompute the gate instead of holding it per chunk (fewer registers; untimed).
     """
     block_g: int
     block_m: int
@@ -87,6 +89,7 @@ class NormConfig:
     chunk: int = 0
     fwd_ctas_per_sm: int = 0
     approx: int = 1
+    bwd_regate: int = 0
 
     FIXED = ("block_g",)
 
@@ -105,6 +108,10 @@ class NormConfig:
         c.check_choice(self, "tma", (0, 1))
         c.check_choice(self, "bwd_tma", (0, 1))
         c.check_choice(self, "approx", (0, 1))
+        c.check_choice(self, "bwd_regate", (0, 1))
+        if self.bwd_regate and not self.chunk:
+            raise ValueError(f"NormConfig: bwd_regate={self.bwd_regate} needs the chunked "
+                             f"kernels (chunk > 0)")
         v = self.chunk
         if not isinstance(v, int) or v < 0 or v & (v - 1) or 0 < v < MIN_CHUNK \
                 or v > MAX_CHUNK:
@@ -356,7 +363,8 @@ def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, rstd, dout3, dx3,
          dz3 if dz3 is not None else dx3, dw_part, db_part if db_part is not None else dw_part,
          cfg.bwd_block_m, *_tiling(cfg, s), z3 is not None, b2 is not None,
-         bool(norm_before_gate), bool(cfg.bwd_tma), _approx(cfg, x3, z3)))]
+         bool(norm_before_gate), bool(cfg.bwd_tma), _approx(cfg, x3, z3),
+         *((bool(cfg.bwd_regate),) if cfg.chunk else ())))]
 
 
 def _params(weight, bias, ngroups, group_size):
