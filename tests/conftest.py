@@ -29,7 +29,10 @@ def _xdist_group(item):
     return None
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    # first: xdist's worker hook turns xdist_group marks into node-id suffixes (--dist
+    # loadgroup) in this same hook, and marks added after it are ignored
     for item in items:
         group = _xdist_group(item)
         if group:

@@ -234,6 +234,17 @@ def test_int64_indexing(form):
 
 
 
+def _windowed_rel_err(a, ref, step) -> float:
+    """rel_err over the last axis in windows of `step` (max|a - ref| / max|ref|): the float64
+    copies of a 2^31-element tensor alone would take 34 GB."""
+    n = ref.shape[-1]
+    num = max(((a[..., s:s + step].double() - ref[..., s:s + step].double()).abs().max().item()
+               for s in range(0, n, step)), default=0.0)
+    den = max((ref[..., s:s + step].double().abs().max().item() for s in range(0, n, step)),
+              default=0.0)
+    return num / max(den, 1e-30)
+
+
 @pytest.mark.parametrize("layout", ["channel_last", "contiguous"])
 def test_long_sequence_forward_backward(layout):
     """A sequence past 512 x 65535 tokens (x of 2^31+ elements, 4.3 GB in bf16), the default
@@ -274,11 +285,11 @@ def test_long_sequence_forward_backward(layout):
         want[0][..., lo:e] += gx
         want[1] += gw
         want[2] += gb
-    err = rel_err(out, ref)
+    err = _windowed_rel_err(out, ref, step)
     log_result(f"{layout} out {err:.3e}")
     assert err <= TOL_OUT[torch.bfloat16]
     for name, g, r in zip(("dx", "dweight", "dbias"), got, want):
-        err = rel_err(g, r)
+        err = _windowed_rel_err(g, r, step)
         log_result(f"{layout} {name} {err:.3e}")
         assert err <= TOL_GRAD[torch.bfloat16]
 

@@ -520,3 +520,20 @@ def test_approximate_sigmoid_only_for_16bit_inputs():
         replace(norm_shape_config(1536), approx=2)
     with pytest.raises(ValueError, match="bwd_regate"):
         replace(norm_shape_config(4096), bwd_regate=1)       # padded: no chunks to re-read
+
+
+def test_backward_latency_hint_reaches_both_kernels():
+    """NormConfig.bwd_latency is the backward kernels' LATENCY (padded and chunked alike; 0,
+    the default, leaves the compiler's choice), and a hint outside 0..10 is refused."""
+    from dataclasses import replace
+
+    from mamba2_cutile.norm.plan import norm_shape_config, problem_plans
+    from support.variants import kernel_arg
+    for hidden in (4096, 1536):                       # padded, chunked (3 x 512)
+        base = norm_shape_config(hidden)
+        _, bwd = problem_plans(rows=64, hidden=hidden)
+        assert kernel_arg(bwd[0], "LATENCY") == 0
+        _, bwd = problem_plans(rows=64, hidden=hidden, config=replace(base, bwd_latency=4))
+        assert kernel_arg(bwd[0], "LATENCY") == 4, hidden
+    with pytest.raises(ValueError, match="bwd_latency"):
+        replace(norm_shape_config(1536), bwd_latency=11)

@@ -23,6 +23,8 @@ past S have w = 0 and x = 0, so they add nothing to c. Layout as the forward ker
 dout, dx, dz (M, G, S); weight, bias (G, S); rstd (G, M); dw_part, db_part (P, G, S) float32.
 TMA=False: every load and store plain (no TMA producer warps), as in the forward kernel.
 APPROX: the sigmoid's approximate form (`_common.sigmoid`; for 16-bit z and x).
+LATENCY: the row loads' latency hint (1-10; 0: none), which sets how far ahead the compiler
+issues them across row blocks.
 Grid: (P, G).
 """
 
@@ -49,7 +51,9 @@ def rmsnorm_gated_bwd_fn(
     NORM_BEFORE_GATE: ct.Constant[bool],
     TMA: ct.Constant[bool],
     APPROX: ct.Constant[bool],
+    LATENCY: ct.Constant[int],
 ):
+    LAT = LATENCY if LATENCY else None          # 0: the compiler's choice
     prog, group = ct.bid(0), ct.bid(1)
     nprogs = ct.num_blocks(0)
     size = x.shape[2]
@@ -66,18 +70,18 @@ def rmsnorm_gated_bwd_fn(
     dw_acc = ct.full((1, BLOCK_G), 0.0, dtype=ct.float32)
     db_acc = ct.full((1, BLOCK_G), 0.0, dtype=ct.float32)
     for row_blk in range(prog, row_blocks, nprogs):
-        xt = ct.load(x, index=(row_blk, group, 0), shape=tile3,
-                     padding_mode=zero, allow_tma=TMA).reshape(tile2).astype(ct.float32)
-        dy = ct.load(dout, index=(row_blk, group, 0), shape=tile3,
-                     padding_mode=zero, allow_tma=TMA).reshape(tile2).astype(ct.float32)
+        xt = ct.load(x, index=(row_blk, group, 0), shape=tile3, padding_mode=zero,
+                     allow_tma=TMA, latency=LAT).reshape(tile2).astype(ct.float32)
+        dy = ct.load(dout, index=(row_blk, group, 0), shape=tile3, padding_mode=zero,
+                     allow_tma=TMA, latency=LAT).reshape(tile2).astype(ct.float32)
         r = ct.load(rstd, index=(group, row_blk), shape=(1, BLOCK_M), padding_mode=zero,
-                    allow_tma=TMA).reshape((BLOCK_M, 1))
+                    allow_tma=TMA, latency=LAT).reshape((BLOCK_M, 1))
         u = xt
         gate = xt                   # replaced below when HAS_Z (read only then)
         dgate = xt
         if HAS_Z:
-            zt = ct.load(z, index=(row_blk, group, 0), shape=tile3,
-                         padding_mode=zero, allow_tma=TMA).reshape(tile2).astype(ct.float32)
+            zt = ct.load(z, index=(row_blk, group, 0), shape=tile3, padding_mode=zero,
+                         allow_tma=TMA, latency=LAT).reshape(tile2).astype(ct.float32)
             sg = sigmoid(zt, APPROX)
             gate = zt * sg
             dgate = sg * (1.0 + zt * (1.0 - sg))

@@ -31,6 +31,8 @@ add nothing to dw and db. TMA=False: every load and store plain (no TMA producer
 APPROX: the sigmoid's approximate form (`_common.sigmoid`; for 16-bit z and x).
 REGATE (gate first): pass 2 reloads x and z and recomputes the gate and x gate' instead of
 holding them per chunk (two fewer register tiles per chunk, two more L2 reads per element).
+LATENCY: the row loads' latency hint (1-10; 0: none), which sets how far ahead the compiler
+issues them across row blocks.
 Grid: (P, G).
 """
 
@@ -59,7 +61,9 @@ def rmsnorm_gated_bwd_chunked_fn(
     TMA: ct.Constant[bool],
     APPROX: ct.Constant[bool],
     REGATE: ct.Constant[bool],
+    LATENCY: ct.Constant[int],
 ):
+    LAT = LATENCY if LATENCY else None          # 0: the compiler's choice
     prog, group = ct.bid(0), ct.bid(1)
     nprogs = ct.num_blocks(0)
     row_blocks = ct.cdiv(x.shape[0], BLOCK_M)
@@ -73,7 +77,7 @@ def rmsnorm_gated_bwd_chunked_fn(
             db_acc += (ct.full((1, CHUNK), 0.0, dtype=ct.float32),)
     for row_blk in range(prog, row_blocks, nprogs):
         r = ct.load(rstd, index=(group, row_blk), shape=(1, BLOCK_M), padding_mode=zero,
-                    allow_tma=TMA).reshape((BLOCK_M, 1))
+                    allow_tma=TMA, latency=LAT).reshape((BLOCK_M, 1))
         xhats = ()
         wdys = ()
         gates = ()
@@ -83,9 +87,9 @@ def rmsnorm_gated_bwd_chunked_fn(
         dot = ct.full((BLOCK_M, 1), 0.0, dtype=ct.float32)
         for c in ct.static_iter(range(NCHUNK)):
             xt = ct.load(x, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
-                         allow_tma=TMA).reshape(tile2).astype(ct.float32)
+                         allow_tma=TMA, latency=LAT).reshape(tile2).astype(ct.float32)
             dy = ct.load(dout, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
-                         allow_tma=TMA).reshape(tile2).astype(ct.float32)
+                         allow_tma=TMA, latency=LAT).reshape(tile2).astype(ct.float32)
             w = ct.load(weight, index=(group, c), shape=(1, CHUNK),
                         allow_tma=TMA).astype(ct.float32)
             u = xt
@@ -93,7 +97,7 @@ def rmsnorm_gated_bwd_chunked_fn(
             dgate = xt
             if HAS_Z:
                 zt = ct.load(z, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
-                             allow_tma=TMA).reshape(tile2).astype(ct.float32)
+                             allow_tma=TMA, latency=LAT).reshape(tile2).astype(ct.float32)
                 sg = sigmoid(zt, APPROX)
                 gate = zt * sg
                 dgate = sg * (1.0 + zt * (1.0 - sg))

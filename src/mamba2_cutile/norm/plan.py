@@ -75,6 +75,7 @@ class NormConfig:
     or z, the IEEE division and expf.
     bwd_regate: 1 (chunked kernels, gate first) makes the backward's second pass reload x and
     z and recompute the gate instead of holding it per chunk (fewer registers; untimed).
+    bwd_latency: the backward's row-load latency hint (1-10; 0: none, the compiler's choice).
     """
     block_g: int
     block_m: int
@@ -90,6 +91,7 @@ class NormConfig:
     fwd_ctas_per_sm: int = 0
     approx: int = 1
     bwd_regate: int = 0
+    bwd_latency: int = 0
 
     FIXED = ("block_g",)
 
@@ -109,6 +111,7 @@ class NormConfig:
         c.check_choice(self, "bwd_tma", (0, 1))
         c.check_choice(self, "approx", (0, 1))
         c.check_choice(self, "bwd_regate", (0, 1))
+        c.check_range(self, "bwd_latency", 0, 10)
         if self.bwd_regate and not self.chunk:
             raise ValueError(f"NormConfig: bwd_regate={self.bwd_regate} needs the chunked "
                              f"kernels (chunk > 0)")
@@ -364,7 +367,7 @@ def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_
          dz3 if dz3 is not None else dx3, dw_part, db_part if db_part is not None else dw_part,
          cfg.bwd_block_m, *_tiling(cfg, s), z3 is not None, b2 is not None,
          bool(norm_before_gate), bool(cfg.bwd_tma), _approx(cfg, x3, z3),
-         *((bool(cfg.bwd_regate),) if cfg.chunk else ())))]
+         *((bool(cfg.bwd_regate),) if cfg.chunk else ()), int(cfg.bwd_latency)))]
 
 
 def _params(weight, bias, ngroups, group_size):
