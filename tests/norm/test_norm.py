@@ -474,7 +474,8 @@ def test_chunked_rule_values():
     assert [(c.bwd_block_m, c.bwd_occupancy, c.bwd_warps) for c in got.values()] == [
         (8, 2, 0), (1, 4, 4), (1, 4, 4), (1, 2, 8), (1, 1, 8), (1, 1, 8)]
     assert [c.bwd_ctas_per_sm for c in got.values()] == [2, 4, 4, 2, 2, 2]
-    # the gate-first order's own hints, timed in that order (its 5120 backward keeps the base)
+    # the gate-first order's own hints, timed in that order (its 5120 backward keeps the base
+    # tiles)
     # (and, with the approximate sigmoid, occupancy 8 at 1536 and one row at occupancy 8 at 3072)
     first = {s: norm_shape_config(s, gate_first=True) for s in (1536, 2560, 3072, 5120, 7680)}
     assert [(c.chunk, c.block_m, c.occupancy, c.warps) for c in first.values()] == [
@@ -483,6 +484,8 @@ def test_chunked_rule_values():
             for c in first.values()] == [(1, 3, 3, 4), (1, 3, 3, 4), (1, 2, 2, 0), (1, 2, 1, 8),
                                          (1, 2, 1, 8)]
     assert all(c.approx == 1 for c in first.values())
+    # the backward's load latency hint: timed faster only at 5120
+    assert [c.bwd_latency for c in first.values()] == [0, 0, 0, 4, 0]
     # below 1024 channels the gate-first order keeps the base hints (nothing timed there)
     assert norm_shape_config(768, gate_first=True) == _chunked_base_config(768, 256)
     assert norm_shape_config(4096, gate_first=True) == norm_shape_config(4096)   # padded

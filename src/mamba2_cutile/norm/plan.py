@@ -204,7 +204,12 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
     groups of 1024 two rows at occupancy 8 (265.3 -> 232.3 us, 81%; with the norm first
     the one-row rule stays: the sweep of two rows there was cut). No backward hint beat the rule by more than noise at 1536,
     2560 or 5120 (two or four programs per SM, two rows, plain loads at 8 per SM, occupancy 2:
-    5-300% slower; 8 warps level at 5120, 342.5 against 344.2 us, slower elsewhere).
+    5-300% slower; 8 warps level at 5120, 342.5 against 344.2 us, slower elsewhere). The
+    backward's load latency hint (`bwd_latency`, 2026-12-02 night,
+    benchmarks/results/2026-12-02-h200-norm-bwd-latency-regate-sweep.txt, gate first): 4 at
+    5120 (342.3 -> 324.4 us, 60%), level at 1536 and 2560. The second pass's reloads
+    (`bwd_regate`) were slower at every width and hint timed (1536 88.9 -> 109-132 us, 2560
+    155 -> 170-210, 5120 331 at occupancy 2 against 342 unhinted, 678 at 4 per SM).
     """
     chunk = group_chunk(group_size)
     if not chunk:
@@ -222,8 +227,9 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
             cfg = replace(cfg, occupancy=8)
         if 2560 < group_size <= 3072:       # timed at 3072 (forward only)
             cfg = replace(cfg, block_m=1, warps=4, occupancy=8)
-        if 4096 < group_size <= 5120:       # timed at 5120 (forward only)
-            cfg = replace(cfg, block_m=1, warps=4, occupancy=6)
+        if 4096 < group_size <= 5120:       # timed at 5120; the backward's latency hint
+            # 342.3 -> 324.4 us (2 -> 330.4, 8 -> 377.1; no effect at 1536 or 2560)
+            cfg = replace(cfg, block_m=1, warps=4, occupancy=6, bwd_latency=4)
         return cfg
     if 4096 < group_size <= 5120:           # timed at 5120
         cfg = replace(cfg, occupancy=4, bwd_occupancy=2)
