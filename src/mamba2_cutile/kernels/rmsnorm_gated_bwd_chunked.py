@@ -31,8 +31,8 @@ add nothing to dw and db. TMA=False: every load and store plain (no TMA producer
 APPROX: the sigmoid's approximate form (`_common.sigmoid`; for 16-bit z and x).
 REGATE (gate first): pass 2 reloads x and z and recomputes the gate and x gate' instead of
 holding them per chunk (two fewer register tiles per chunk, two more L2 reads per element).
-LATENCY: the row loads' latency hint (1-10; 0: none), which sets how far ahead the compiler
-issues them across row blocks.
+LATENCY: the first pass's row loads' latency hint (1-10; 0: none), which sets how far ahead
+the compiler issues them across row blocks (REGATE's reloads take none).
 Grid: (P, G).
 """
 

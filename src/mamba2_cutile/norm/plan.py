@@ -74,8 +74,10 @@ class NormConfig:
     and z are both 16-bit (relative error ~2^-21, under their rounding); 0, and any float32 x
     or z, the IEEE division and expf.
     bwd_regate: 1 (chunked kernels, gate first) makes the backward's second pass reload x and
-    z and recompute the gate instead of holding it per chunk (fewer registers; untimed).
-    bwd_latency: the backward's row-load latency hint (1-10; 0: none, the compiler's choice).
+    z and recompute the gate instead of holding it per chunk (fewer registers; timed slower,
+    see `norm_shape_config`).
+    bwd_latency: the latency hint of the backward's first-pass row loads (1-10; 0: none, the
+    compiler's choice; pass 2's reloads under bwd_regate take none).
     """
     block_g: int
     block_m: int
@@ -176,7 +178,8 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
     channels forward two rows, 4 warps, occupancy 6 (1536: 64.6 -> 62.5 us, 2560: 109.6 ->
     100.4), backward one row, three programs per SM, occupancy 3, 4 warps (127.6 -> 103.4
     us, 200.7 -> 185.0); at 5120 the forward one row, 4 warps, occupancy 6 (299.1 -> 190.6
-    us; its backward keeps the base, nothing timed was faster). These spill (sm_90 compile)
+    us; its backward keeps the base tiles, nothing timed was faster, and since takes the
+    load latency hint below). These spill (sm_90 compile)
     24 / 80 bytes in the forward at 1536 / 2560, 32 in the backward at 2560, 72 in the forward
     at 5120, and were timed faster all the same. With the norm first, the same forward hints
     at 2560 (105.1 -> 99.0 us; 88 bytes of stack). Groups of 1024 (padded) take one row per
@@ -207,9 +210,11 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
     5-300% slower; 8 warps level at 5120, 342.5 against 344.2 us, slower elsewhere). The
     backward's load latency hint (`bwd_latency`, 2026-12-02 night,
     benchmarks/results/2026-12-02-h200-norm-bwd-latency-regate-sweep.txt, gate first): 4 at
-    5120 (342.3 -> 324.4 us, 60%), level at 1536 and 2560. The second pass's reloads
-    (`bwd_regate`) were slower at every width and hint timed (1536 88.9 -> 109-132 us, 2560
-    155 -> 170-210, 5120 331 at occupancy 2 against 342 unhinted, 678 at 4 per SM).
+    5120 (342.3 -> 324.4 us, 60%; 2: 330.4, 8: 377.1). At 1536 hint 2 compiles to the rule's
+    own code and 4 / 8 were 11-14% slower (98.9 / 101.6 against 89.0 us); at 2560 every hint
+    compiles to the rule's code. The second pass's reloads (`bwd_regate`) were slower at
+    1536 (109-132 us against 88.9) and 2560 (170-210 against 155); at 5120, 331 us at
+    occupancy 2 beat the unhinted 342 but not the hinted 324 (418-678 at 3-4 per SM).
     """
     chunk = group_chunk(group_size)
     if not chunk:
@@ -228,7 +233,7 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
         if 2560 < group_size <= 3072:       # timed at 3072 (forward only)
             cfg = replace(cfg, block_m=1, warps=4, occupancy=8)
         if 4096 < group_size <= 5120:       # timed at 5120; the backward's latency hint
-            # 342.3 -> 324.4 us (2 -> 330.4, 8 -> 377.1; no effect at 1536 or 2560)
+            # 342.3 -> 324.4 us (2 -> 330.4, 8 -> 377.1; slower at 1536, the same code at 2560)
             cfg = replace(cfg, block_m=1, warps=4, occupancy=6, bwd_latency=4)
         return cfg
     if 4096 < group_size <= 5120:           # timed at 5120
