@@ -234,21 +234,6 @@ def test_int64_indexing(form):
 
 
 
-def _windowed_rel_err(a, ref, step) -> float:
-    """rel_err over the last axis in windows of `step` (max|a - ref| / max|ref|): the float64
-    copies of a 2^31-element tensor alone would take 34 GB."""
-    n = ref.shape[-1]
-    if ref.numel() == 0:
-        return 0.0
-    # torch.maximum keeps a NaN from any window (Python's max would drop later ones)
-    num = den = torch.zeros((), dtype=torch.float64, device=ref.device)
-    for s in range(0, n, step):
-        r = ref[..., s:s + step].double()
-        num = torch.maximum(num, (a[..., s:s + step].double() - r).abs().max())
-        den = torch.maximum(den, r.abs().max())
-    return (num / den.clamp_min(1e-30)).item()
-
-
 @pytest.mark.parametrize("layout", ["channel_last", "contiguous"])
 def test_long_sequence_forward_backward(layout):
     """A sequence past 512 x 65535 tokens (x of 2^31+ elements, 4.3 GB in bf16), the default
@@ -289,11 +274,11 @@ def test_long_sequence_forward_backward(layout):
         want[0][..., lo:e] += gx
         want[1] += gw
         want[2] += gb
-    err = _windowed_rel_err(out, ref, step)
+    err = rel_err(out, ref, window=step)
     log_result(f"{layout} out {err:.3e}")
     assert err <= TOL_OUT[torch.bfloat16]
     for name, g, r in zip(("dx", "dweight", "dbias"), got, want):
-        err = _windowed_rel_err(g, r, step)
+        err = rel_err(g, r, window=step)
         log_result(f"{layout} {name} {err:.3e}")
         assert err <= TOL_GRAD[torch.bfloat16]
 
