@@ -14,7 +14,9 @@ import sys
 import time
 
 CHILD = r"""
-import json, sys, time, torch
+import faulthandler, json, sys, time, torch
+# a stuck child prints where it is (compile, launch or synchronize) before the time limit
+faulthandler.dump_traceback_later(DUMP_AFTER, exit=False)
 from mamba2_cutile import mamba_chunk_scan_combined
 b, l, h = SHAPE
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -28,6 +30,7 @@ t0 = time.time()
 y = mamba_chunk_scan_combined(x, dt, A, B, C, 128, D=D)
 torch.cuda.synchronize()
 first = time.time() - t0
+print(f"first call {first:.1f} s", file=sys.stderr, flush=True)
 # mid-block (not a chunk's or a 64-token query block's first token), so that a non-causal
 # form would reach earlier outputs of the same block
 tok = l // 2 + 37
@@ -35,6 +38,7 @@ bad = x.clone(); bad[0, tok, 0, 0] = float("nan")
 yb = mamba_chunk_scan_combined(bad, dt, A, B, C, 128, D=D)
 torch.cuda.synchronize()
 same = bool(torch.equal(yb[0, :tok], y[0, :tok]))
+print("nan call done", file=sys.stderr, flush=True)
 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 for _ in range(3):
     mamba_chunk_scan_combined(x, dt, A, B, C, 128, D=D)
@@ -58,12 +62,15 @@ def main():
         env = dict(os.environ, MAMBA2_CUTILE_CONFIG=f"scan_causal={mode}")
         t0 = time.time()
         try:
-            res = subprocess.run([sys.executable, "-c", CHILD.replace("SHAPE", repr(shape))],
-                                 env=env, capture_output=True, text=True, timeout=args.limit)
+            child = CHILD.replace("SHAPE", repr(shape)).replace(
+                "DUMP_AFTER", str(max(1, args.limit - 10)))
+            res = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True,
+                                 text=True, timeout=args.limit)
             line = (res.stdout.strip().splitlines() or [""])[-1]
             out = {"rc": res.returncode, "result": line, "stderr": res.stderr[-600:]}
-        except subprocess.TimeoutExpired:
-            out = {"rc": "timeout", "limit_s": args.limit}
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            out = {"rc": "timeout", "limit_s": args.limit, "stderr": err[-1500:]}
         print(json.dumps({"scan_causal": int(mode), "shape": shape,
                           "wall_s": round(time.time() - t0, 1), **out}), flush=True)
 

@@ -6,7 +6,8 @@
 OP and SHAPE:
     conv1d-fwd, conv1d-bwd   BxTxD    causal_conv1d_fn (bias, SiLU, width 4, channel-last slice
                                       of a wider projection, as the layer passes it), bf16
-    norm-fwd, norm-bwd       TxHxG    rmsnorm_fn with z (norm before gate), G groups, bf16
+    norm-fwd, norm-bwd       TxHxG    rmsnorm_fn with z (norm before gate; --gate-first: the
+                                      Mamba-2 layer's order), G groups, bf16
     copy, copy-tma           RxC:BRxBC  a cuTile tile copy of an (R, C) bf16 array in (BR, BC)
                                       tiles: what a load + store at that tile shape reaches
 
@@ -30,7 +31,7 @@ def _copy_kernel(src, dst, BR: ct.Constant[int], BC: ct.Constant[int], TMA: ct.C
 copy_kernel = ct.kernel(_copy_kernel)
 
 
-def _op(name, shape):
+def _op(name, shape, gate_first=False):
     from mamba2_cutile.bench import conv1d as bc
     from mamba2_cutile.bench import norm as bn
     if name.startswith("conv1d"):
@@ -51,8 +52,9 @@ def _op(name, shape):
         fb, bb = bn.norm_bytes(t, h, g)
         if name == "norm-fwd":
             from mamba2_cutile.norm import rmsnorm_fn
-            return (lambda: rmsnorm_fn(x, w, None, z=z, eps=1e-5, group_size=h // g)), fb
-        return bn._ours_bwd(x, z, w, dout, h // g, True), bb
+            return (lambda: rmsnorm_fn(x, w, None, z=z, eps=1e-5, group_size=h // g,
+                                       norm_before_gate=not gate_first)), fb
+        return bn._ours_bwd(x, z, w, dout, h // g, not gate_first), bb
     if name in ("copy", "copy-tma"):
         dims, tiles = shape.split(":")
         r, c = (int(v) for v in dims.split("x"))
@@ -75,8 +77,10 @@ def main():
     ap.add_argument("shape")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="run 3 times, no timing (for ncu)")
+    ap.add_argument("--gate-first", action="store_true",
+                    help="norm ops: norm(x * silu(z)) (norm_before_gate=False)")
     a = ap.parse_args()
-    fn, nbytes = _op(a.op, a.shape)
+    fn, nbytes = _op(a.op, a.shape, a.gate_first)
     if a.profile:
         for _ in range(3):
             fn()

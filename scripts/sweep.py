@@ -1,10 +1,12 @@
 """Forward config sweep in one process (one compile cache, no per-config start-up).
 
-    python3 scripts/sweep.py SHAPES CONFIG [CONFIG ...]      (on a CUDA machine)
+    python3 scripts/sweep.py [--ours-only] SHAPES CONFIG [CONFIG ...]      (on a CUDA machine)
 
 SHAPES: bench registry keys (comma list). CONFIG: MAMBA2_CUTILE_CONFIG strings ("default",
 "scan_block_n=32,scan_lowp=1", ...). Each config is checked against mamba_ssm's output, then
 timed (CUDA graph, L2 flushed), whole forward and per kernel. One JSON line per (shape, config).
+--ours-only: no mamba_ssm (no check, no baseline time; the first config is the reference the
+others' diff is taken against).
 """
 import json
 import os
@@ -12,15 +14,18 @@ import sys
 
 from mamba2_cutile.bench import problems, runner
 
-shapes = problems.select(sys.argv[1])
+argv = sys.argv[1:]
+ours_only = "--ours-only" in argv
+argv = [a for a in argv if a != "--ours-only"]
+shapes = problems.select(argv[0])
 for shape in shapes:
-    for i, cfg in enumerate(sys.argv[2:]):
+    for i, cfg in enumerate(argv[1:]):
         os.environ["MAMBA2_CUTILE_CONFIG"] = cfg
-        names = ["mamba_ssm", "mamba2-cutile"] if i == 0 else ["mamba2-cutile"]
+        names = ["mamba_ssm", "mamba2-cutile"] if i == 0 and not ours_only else ["mamba2-cutile"]
         try:
             rows = runner.run_case(shape, names, mode="fwd")
             ours = rows[-1]
-            if i == 0:
+            if i == 0 and not ours_only:
                 ref = rows[0]
                 print(json.dumps({"shape": shape.name, "config": "mamba_ssm",
                                   "ms": runner.kernel_ms(ref)}), flush=True)

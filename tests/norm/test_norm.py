@@ -525,6 +525,25 @@ def test_approximate_sigmoid_only_for_16bit_inputs():
         replace(norm_shape_config(4096), bwd_regate=1)       # padded: no chunks to re-read
 
 
+def test_backward_plain_stores_option():
+    """bwd_tma=2 (TMA loads, plain stores) reaches the chunked backward kernel as TMA=2; the
+    padded kernels take no such variant and refuse it."""
+    from dataclasses import replace
+
+    from mamba2_cutile.norm.plan import norm_shape_config, problem_plans
+    from support.variants import kernel_arg
+    for tma in (0, 1, 2):
+        cfg = replace(norm_shape_config(1536, True), bwd_tma=tma)
+        _, bwd = problem_plans(rows=64, hidden=1536, norm_before_gate=False, config=cfg)
+        assert kernel_arg(bwd[0], "TMA") == tma
+    _, bwd = problem_plans(rows=64, hidden=4096)                  # padded: a bool
+    assert kernel_arg(bwd[0], "TMA") is True
+    with pytest.raises(ValueError, match="bwd_tma"):
+        replace(norm_shape_config(4096), bwd_tma=2)
+    with pytest.raises(ValueError, match="bwd_tma"):
+        replace(norm_shape_config(1536), bwd_tma=3)
+
+
 def test_backward_latency_hint_reaches_both_kernels():
     """NormConfig.bwd_latency is the backward kernels' LATENCY (padded and chunked alike; 0,
     the default, leaves the compiler's choice), and a hint outside 0..10 is refused."""

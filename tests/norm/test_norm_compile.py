@@ -73,6 +73,10 @@ PROBLEMS = [
     ("bf16-h5120-z-gate-first-regate", dict(hidden=5120, dtype=BF, norm_before_gate=False,
                                             config=replace(norm_shape_config(5120, True),
                                                            bwd_regate=1, bwd_occupancy=2))),
+    # the backward's TMA loads with plain stores (bwd_tma=2)
+    ("bf16-h1536-z-gate-first-plain-stores", dict(
+        hidden=1536, dtype=BF, norm_before_gate=False,
+        config=replace(norm_shape_config(1536, True), bwd_tma=2))),
     # fp32 chunks of a large group: the staging buffers fill the shared memory (228 KB)
     ("fp32-h7680-z-gate-first-bias", dict(hidden=7680, dtype=F32, norm_before_gate=False,
                                           has_bias=True)),

@@ -27,7 +27,8 @@ block (L1/L2 hits) rather than held.
 
 Layout as `rmsnorm_gated_bwd`'s: x, z, dout, dx, dz (M, G, S); weight, bias (G, S); rstd (G, M);
 dw_part, db_part (P, G, S) float32. Rows past M load as zeros (x, dout and rstd alike), so they
-add nothing to dw and db. TMA=False: every load and store plain (no TMA producer warps).
+add nothing to dw and db. TMA: 1 row loads and stores through TMA; 2 TMA loads, plain stores (no shared-memory
+staging, fence and bulk store per tile); 0 every load and store plain (no TMA producer warps).
 APPROX: the sigmoid's approximate form (`_common.sigmoid`; for 16-bit z and x).
 REGATE (gate first): pass 2 reloads x and z and recomputes the gate and x gate' instead of
 holding them per chunk (two fewer register tiles per chunk, two more L2 reads per element).
@@ -58,12 +59,13 @@ def rmsnorm_gated_bwd_chunked_fn(
     HAS_Z: ct.Constant[bool],
     HAS_BIAS: ct.Constant[bool],
     NORM_BEFORE_GATE: ct.Constant[bool],
-    TMA: ct.Constant[bool],
+    TMA: ct.Constant[int],
     APPROX: ct.Constant[bool],
     REGATE: ct.Constant[bool],
     LATENCY: ct.Constant[int],
 ):
     LAT = LATENCY if LATENCY else None          # 0: the compiler's choice
+    LOAD_TMA, STORE_TMA = TMA > 0, TMA == 1
     prog, group = ct.bid(0), ct.bid(1)
     nprogs = ct.num_blocks(0)
     row_blocks = ct.cdiv(x.shape[0], BLOCK_M)
@@ -77,7 +79,7 @@ def rmsnorm_gated_bwd_chunked_fn(
             db_acc += (ct.full((1, CHUNK), 0.0, dtype=ct.float32),)
     for row_blk in range(prog, row_blocks, nprogs):
         r = ct.load(rstd, index=(group, row_blk), shape=(1, BLOCK_M), padding_mode=zero,
-                    allow_tma=TMA, latency=LAT).reshape((BLOCK_M, 1))
+                    allow_tma=LOAD_TMA, latency=LAT).reshape((BLOCK_M, 1))
         xhats = ()
         wdys = ()
         gates = ()
@@ -87,17 +89,17 @@ def rmsnorm_gated_bwd_chunked_fn(
         dot = ct.full((BLOCK_M, 1), 0.0, dtype=ct.float32)
         for c in ct.static_iter(range(NCHUNK)):
             xt = ct.load(x, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
-                         allow_tma=TMA, latency=LAT).reshape(tile2).astype(ct.float32)
+                         allow_tma=LOAD_TMA, latency=LAT).reshape(tile2).astype(ct.float32)
             dy = ct.load(dout, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
-                         allow_tma=TMA, latency=LAT).reshape(tile2).astype(ct.float32)
+                         allow_tma=LOAD_TMA, latency=LAT).reshape(tile2).astype(ct.float32)
             w = ct.load(weight, index=(group, c), shape=(1, CHUNK),
-                        allow_tma=TMA).astype(ct.float32)
+                        allow_tma=LOAD_TMA).astype(ct.float32)
             u = xt
             gate = xt                   # replaced below when HAS_Z (read only then)
             dgate = xt
             if HAS_Z:
                 zt = ct.load(z, index=(row_blk, group, c), shape=tile3, padding_mode=zero,
-                             allow_tma=TMA, latency=LAT).reshape(tile2).astype(ct.float32)
+                             allow_tma=LOAD_TMA, latency=LAT).reshape(tile2).astype(ct.float32)
                 sg = sigmoid(zt, APPROX)
                 gate = zt * sg
                 dgate = sg * (1.0 + zt * (1.0 - sg))
@@ -112,10 +114,10 @@ def rmsnorm_gated_bwd_chunked_fn(
                     y = xhat * w
                     if HAS_BIAS:
                         y = y + ct.load(bias, index=(group, c), shape=(1, CHUNK),
-                                        allow_tma=TMA).astype(ct.float32)
+                                        allow_tma=LOAD_TMA).astype(ct.float32)
                     ct.store(dz, index=(row_blk, group, c),
                              tile=(dy * y * dgate).reshape(tile3).astype(dz.dtype),
-                             allow_tma=TMA)
+                             allow_tma=STORE_TMA)
                     dy = dy * gate
             new_dw += (dw_acc[c] + ct.sum(dy * xhat, axis=0, keepdims=True),)
             if HAS_BIAS:
@@ -136,10 +138,10 @@ def rmsnorm_gated_bwd_chunked_fn(
                         # of two held tiles per chunk
                         xt = ct.load(x, index=(row_blk, group, c), shape=tile3,
                                      padding_mode=zero,
-                                     allow_tma=TMA).reshape(tile2).astype(ct.float32)
+                                     allow_tma=LOAD_TMA).reshape(tile2).astype(ct.float32)
                         zt = ct.load(z, index=(row_blk, group, c), shape=tile3,
                                      padding_mode=zero,
-                                     allow_tma=TMA).reshape(tile2).astype(ct.float32)
+                                     allow_tma=LOAD_TMA).reshape(tile2).astype(ct.float32)
                         sg = sigmoid(zt, APPROX)
                         gate = zt * sg
                         x_dgate = xt * (sg * (1.0 + zt * (1.0 - sg)))
@@ -148,16 +150,16 @@ def rmsnorm_gated_bwd_chunked_fn(
                         x_dgate = x_dgates[c]
                     ct.store(dz, index=(row_blk, group, c),
                              tile=(du * x_dgate).reshape(tile3).astype(dz.dtype),
-                             allow_tma=TMA)
+                             allow_tma=STORE_TMA)
                     du = du * gate
             ct.store(dx, index=(row_blk, group, c), tile=du.reshape(tile3).astype(dx.dtype),
-                     allow_tma=TMA)
+                     allow_tma=STORE_TMA)
     for c in ct.static_iter(range(NCHUNK)):
         ct.store(dw_part, index=(prog, group, c), tile=dw_acc[c].reshape((1, 1, CHUNK)),
-                 allow_tma=TMA)
+                 allow_tma=STORE_TMA)
         if HAS_BIAS:
             ct.store(db_part, index=(prog, group, c), tile=db_acc[c].reshape((1, 1, CHUNK)),
-                     allow_tma=TMA)
+                     allow_tma=STORE_TMA)
 
 
 rmsnorm_gated_bwd_chunked = ct.kernel(rmsnorm_gated_bwd_chunked_fn)

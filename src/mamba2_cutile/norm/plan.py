@@ -63,7 +63,8 @@ class NormConfig:
     (each walks its share of the row blocks and writes one row of partial sums).
     occupancy, warps (forward) and bwd_occupancy, bwd_warps: kernel hints, 0 = the compiler's.
     tma / bwd_tma: 1 lets the row tiles load and store through TMA (staged in shared memory),
-    0 makes them plain loads and stores.
+    0 makes them plain loads and stores; bwd_tma=2 (chunked kernels) loads through TMA and
+    stores plainly from registers.
     chunk: 0 runs the padded kernels (one (rows, block_g) tile per group); a power of two
     dividing the group size runs the chunked kernels, which read the group as
     group_size / chunk column chunks (at most MAX_CHUNKS) and pad nothing.
@@ -110,10 +111,13 @@ class NormConfig:
         c.check_choice(self, "warps", (0, 4, 8))
         c.check_choice(self, "bwd_warps", (0, 4, 8))
         c.check_choice(self, "tma", (0, 1))
-        c.check_choice(self, "bwd_tma", (0, 1))
+        c.check_choice(self, "bwd_tma", (0, 1, 2))
         c.check_choice(self, "approx", (0, 1))
         c.check_choice(self, "bwd_regate", (0, 1))
         c.check_range(self, "bwd_latency", 0, 10)
+        if self.bwd_tma == 2 and not self.chunk:
+            raise ValueError(f"NormConfig: bwd_tma={self.bwd_tma} (TMA loads, plain stores) "
+                             f"needs the chunked kernels (chunk > 0)")
         if self.bwd_regate and not self.chunk:
             raise ValueError(f"NormConfig: bwd_regate={self.bwd_regate} needs the chunked "
                              f"kernels (chunk > 0)")
@@ -377,8 +381,14 @@ def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, rstd, dout3, dx3,
          dz3 if dz3 is not None else dx3, dw_part, db_part if db_part is not None else dw_part,
          cfg.bwd_block_m, *_tiling(cfg, s), z3 is not None, b2 is not None,
-         bool(norm_before_gate), bool(cfg.bwd_tma), _approx(cfg, x3, z3),
+         bool(norm_before_gate), _bwd_tma(cfg), _approx(cfg, x3, z3),
          *((bool(cfg.bwd_regate),) if cfg.chunk else ()), int(cfg.bwd_latency)))]
+
+
+def _bwd_tma(cfg: NormConfig):
+    """The backward kernel's TMA constant: the chunked kernel's 0 / 1 / 2, the padded one's
+    bool."""
+    return int(cfg.bwd_tma) if cfg.chunk else bool(cfg.bwd_tma)
 
 
 def _params(weight, bias, ngroups, group_size):
