@@ -268,7 +268,11 @@ def test_forms_pick_their_kernels():
 def test_default_config_and_env(monkeypatch):
     cfg = plan.conv1d_config(1, 4096, 16384, True)
     assert (cfg.form, cfg.block_d, cfg.rows, cfg.prefetch, cfg.span) == (3, 256, 8, 0, 0)
-    assert (cfg.bwd_block_d, cfg.bwd_rows, cfg.bwd_prefetch, cfg.bwd_span) == (128, 8, 0, 0)
+    assert (cfg.bwd_block_d, cfg.bwd_rows, cfg.bwd_prefetch, cfg.bwd_span) == (256, 8, 0, 0)
+    assert cfg.bwd_ctas_per_sm == 7
+    # 256 channels only where they divide dim (unchecked rows)
+    cfg = plan.conv1d_config(1, 4000, 16384, True)
+    assert (cfg.bwd_block_d, cfg.bwd_ctas_per_sm) == (128, 8)
     cfg = plan.conv1d_config(1, 4096, 16384, True, width=5)
     assert (cfg.block_l, cfg.block_d, cfg.form) == (16, 64, 1) and cfg.bwd_tiles == 8
     assert plan.conv1d_config(1, 64, 64, True).bwd_tiles == 1   # few blocks: one per program

@@ -461,6 +461,8 @@ def test_chunked_rule_values():
     and 5120 channels (8 warps forward at 1536; four backward programs per SM at occupancy 4
     from 1024 to 2560; occupancy 4 / 2 at 5120; two forward rows at occupancy 6, 4 warps at
     2560), and the gate-first order's own (timed at 1536, 2560, 5120)."""
+    from dataclasses import replace
+
     from mamba2_cutile.norm.plan import _chunked_base_config, group_chunk, norm_shape_config
     chunks = {s: group_chunk(s) for s in (1536, 2560, 3072, 5120, 7680, 10240, 15360, 320,
                                           1000, 1030, 37, 1, 4096, 64 * 33)}
@@ -487,7 +489,10 @@ def test_chunked_rule_values():
     # the backward's load latency hint: timed faster only at 5120
     assert [c.bwd_latency for c in first.values()] == [0, 0, 0, 4, 0]
     # below 1024 channels the gate-first order keeps the base hints (nothing timed there)
-    assert norm_shape_config(768, gate_first=True) == _chunked_base_config(768, 256)
+    # (but for the backward's plain stores, which every chunked rule takes)
+    assert norm_shape_config(768, gate_first=True) == replace(_chunked_base_config(768, 256),
+                                                              bwd_tma=2)
+    assert all(c.bwd_tma == 2 for c in (*got.values(), *first.values()))
     assert norm_shape_config(4096, gate_first=True) == norm_shape_config(4096)   # padded
 
 
@@ -527,7 +532,7 @@ def test_approximate_sigmoid_only_for_16bit_inputs():
 
 def test_backward_plain_stores_option():
     """bwd_tma=2 (TMA loads, plain stores) reaches the chunked backward kernel as TMA=2; the
-    padded kernels take no such variant and refuse it."""
+    padded kernels, which have no such variant, take it as TMA loads and stores."""
     from dataclasses import replace
 
     from mamba2_cutile.norm.plan import norm_shape_config, problem_plans
@@ -536,10 +541,10 @@ def test_backward_plain_stores_option():
         cfg = replace(norm_shape_config(1536, True), bwd_tma=tma)
         _, bwd = problem_plans(rows=64, hidden=1536, norm_before_gate=False, config=cfg)
         assert kernel_arg(bwd[0], "TMA") == tma
-    _, bwd = problem_plans(rows=64, hidden=4096)                  # padded: a bool
-    assert kernel_arg(bwd[0], "TMA") is True
-    with pytest.raises(ValueError, match="bwd_tma"):
-        replace(norm_shape_config(4096), bwd_tma=2)
+    for tma, want in ((0, False), (1, True), (2, True)):          # padded: a bool
+        cfg = replace(norm_shape_config(4096), bwd_tma=tma)
+        _, bwd = problem_plans(rows=64, hidden=4096, config=cfg)
+        assert kernel_arg(bwd[0], "TMA") is want
     with pytest.raises(ValueError, match="bwd_tma"):
         replace(norm_shape_config(1536), bwd_tma=3)
 

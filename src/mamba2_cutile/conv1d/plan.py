@@ -180,7 +180,11 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
     1.047 -> 0.189 ms and 1.388 -> 0.247 ms (12% -> 65-66%; 70% at (4, 8192, 10240));
     power-of-two spans of 512 tokens
     gave 0.124 / 0.158 and 0.207 / 0.250 ms; prefetching, 4 or 16 rows per step, 8 warps and
-    row tiles were slower. Wider
+    row tiles were slower. Backward, where 256 divides dim: 256-channel programs (two
+    channels per thread) at 7 per SM under the occupancy-7 hint, 0.1886 -> 0.1602,
+    0.2462 -> 0.2119 and 0.7026 -> 0.6201 ms (65-67% -> 75-77%) at (1, 16384, 5376),
+    (1, 65536, 1792) and (4, 8192, 10240) (...-conv1d-bwd-256-occupancy-sweep.txt; 8 per
+    SM 0.1596 / 0.2097 / 0.7540, 6 per SM 0.1729 / 0.2287 / 0.6396). Wider
     filters keep form 1 (streamed taps, 32 x 64 forward tiles: 0.404 -> 0.258 ms against form 0
     at (1, 16384, 5376), benchmarks/results/2026-12-01-h200-conv1d-form-sweep.txt), as form 3
     was timed at width 4 only; the tap-view forward (form 2) was slower than form 1. The
@@ -190,6 +194,10 @@ def conv1d_config(batch, dim, seqlen, channel_last, sms=DEFAULT_SMS,
     if channel_last and width <= 4:
         cfg = dict(block_l=32, block_d=256, bwd_block_l=16, bwd_block_d=128, form=3, rows=8,
                    bwd_rows=8)
+        if dim % 256 == 0:
+            # two channels per thread (32-bit loads and stores) at 7 per SM under the
+            # occupancy-7 hint (72 registers, no stack): twice the bytes in flight per warp
+            cfg.update(bwd_block_d=256, bwd_ctas_per_sm=7)
     elif channel_last:
         cfg = dict(block_l=32, block_d=64, bwd_block_l=16, bwd_block_d=64, form=1)
     else:
@@ -421,7 +429,7 @@ def rows_forward_occupancy(cfg, xp, op, width) -> tuple:
 def rows_backward_occupancy(cfg, xp, dop, dxp, width) -> int:
     """The backward's occupancy hint (0 = none): a set bwd_occupancy (or occupancy), else
     under ctas_hint bwd_ctas_per_sm for the lean variants: 16-bit x, 32-bit indexing,
-    width <= 4, bwd_block_d <= 128 dividing dim (the unchecked interior loads; a partial
+    width <= 4, bwd_block_d <= 256 dividing dim (the unchecked interior loads; a partial
     channel block's checks cost 8 bytes of stack), bwd_rows <= 8, no row tile (sm_90, bf16
     and fp16, bias + SiLU: 64 registers at 8 per SM, no stack; with seq_idx, or with initial
     and final states, 62-64 and no stack; with all three 64 and 24 bytes of stack, untimed).
@@ -437,7 +445,7 @@ def rows_backward_occupancy(cfg, xp, dop, dxp, width) -> int:
     if cfg.bwd_occupancy or cfg.occupancy:
         return cfg.bwd_occupancy or cfg.occupancy
     lean = (xp.dtype in (torch.float16, torch.bfloat16) and not needs_int64(xp, dop, dxp)
-            and width <= 4 and cfg.bwd_block_d <= 128 and cfg.bwd_rows <= 8
+            and width <= 4 and cfg.bwd_block_d <= 256 and cfg.bwd_rows <= 8
             and not cfg.bwd_row_tile and _unchecked(cfg, xp.shape[2], cfg.bwd_block_d)
             and (cfg.bwd_warps or cfg.warps) in (0, 4))
     return cfg.bwd_ctas_per_sm if cfg.ctas_hint and lean else 0
