@@ -5,8 +5,7 @@
 SHAPES: bench registry keys (comma list). CONFIG: MAMBA2_CUTILE_CONFIG strings ("default",
 "scan_block_n=32,scan_lowp=1", ...). Each config is checked against mamba_ssm's output, then
 timed (CUDA graph, L2 flushed), whole forward and per kernel. One JSON line per (shape, config).
---ours-only: no mamba_ssm (no check, no baseline time; the first config is the reference the
-others' diff is taken against).
+--ours-only: no mamba_ssm (no baseline time and no output check: "diff" is null).
 """
 import json
 import os

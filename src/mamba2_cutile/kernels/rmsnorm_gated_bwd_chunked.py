@@ -27,8 +27,9 @@ block (L1/L2 hits) rather than held.
 
 Layout as `rmsnorm_gated_bwd`'s: x, z, dout, dx, dz (M, G, S); weight, bias (G, S); rstd (G, M);
 dw_part, db_part (P, G, S) float32. Rows past M load as zeros (x, dout and rstd alike), so they
-add nothing to dw and db. TMA: 1 row loads and stores through TMA; 2 TMA loads, plain stores (no shared-memory
-staging, fence and bulk store per tile); 0 every load and store plain (no TMA producer warps).
+add nothing to dw and db. TMA: 1 row loads and stores through TMA; 2 TMA loads, plain stores
+(no shared-memory staging, fence and bulk store per tile); 0 every load and store plain (no TMA
+producer warps).
 APPROX: the sigmoid's approximate form (`_common.sigmoid`; for 16-bit z and x).
 REGATE (gate first): pass 2 reloads x and z and recomputes the gate and x gate' instead of
 holding them per chunk (two fewer register tiles per chunk, two more L2 reads per element).
