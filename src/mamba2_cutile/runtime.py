@@ -110,6 +110,24 @@ def with_hints(kernel, occupancy: int = 0, warps: int = 0):
     return kernel.replace_hints(**hints) if hints else kernel
 
 
+def sum_partials_call(parts, out, parts2=None, out2=None, sms: int = DEFAULT_SMS):
+    """The launch that sums a backward's (P, R, N) float32 partials over P into `out` (R, N)
+    in its dtype (and `parts2` (P, R2, N) into `out2`, R2 <= R, in the same launch):
+    `kernels.sum_partials`. Column blocks of 16-256 so that about `sms` programs run, rows
+    tiles of about 4096 floats."""
+    from .kernels.sum_partials import sum_partials, sum_partials_i64
+
+    p, r, n = parts.shape
+    per_sm = max(1, (r * n) // max(1, sms))
+    block_n = max(16, min(256, 1 << (per_sm.bit_length() - 1)))
+    block_p = max(1, min(next_pow2(p), 4096 // block_n))
+    two = parts2 is not None
+    kernel = sum_partials_i64 if needs_int64(parts, out, parts2, out2) else sum_partials
+    return KernelCall(kernel, (-(-n // block_n), r, 2 if two else 1),
+                      (parts, out, parts2 if two else parts, out2 if two else out,
+                       block_p, block_n, two))
+
+
 def as_kernel_input(t, dtype=None):
     """A tensor the kernels can load: unit innermost stride (for TMA), no stride-0 (expanded)
     dimension (TMA descriptors want strides that grow with the dimension), size-1 dimensions

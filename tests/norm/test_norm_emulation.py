@@ -55,13 +55,18 @@ def _emulated_backward(dout, x, w, b, z, rstd, gs, nbg, cfg, sms):
     dz = nan(m, hidden) if z is not None else None
     p = bwd_programs(m, g, cfg, sms)
     dw_part, db_part = nan(p, g, gs), nan(p, g, gs) if b is not None else None
+    # the partials summed by the plan's own launch (sum_partials) where the config has it
+    dw, db = nan(g, gs), nan(g, gs) if b is not None else None
     calls = backward_plan(rows_view(x, gs), None if z is None else rows_view(z, gs),
                           w.view(g, gs), None if b is None else b.view(g, gs), rstd,
                           rows_view(dout, gs), rows_view(dx, gs),
-                          None if dz is None else rows_view(dz, gs), dw_part, db_part, nbg, cfg)
+                          None if dz is None else rows_view(dz, gs), dw_part, db_part, nbg, cfg,
+                          dw, db, sms)
     emulator.emulate_launch(calls)
-    return (dx, dw_part.sum(0).reshape(hidden),
-            None if db_part is None else db_part.sum(0).reshape(hidden), dz, p)
+    assert len(calls) == 1 + cfg.bwd_reduce
+    if not cfg.bwd_reduce:
+        dw, db = dw_part.sum(0), None if db_part is None else db_part.sum(0)
+    return dx, dw.reshape(hidden), None if db is None else db.reshape(hidden), dz, p
 
 
 #: (rows, hidden, group_size, config overrides): rows not a multiple of block_m, groups not

@@ -29,7 +29,7 @@ from ..kernels.causal_conv1d_update import (causal_conv1d_state_copy,
                                             causal_conv1d_state_copy_i64,
                                             causal_conv1d_update, causal_conv1d_update_i64)
 from ..runtime import DEFAULT_SMS, KernelCall, launch_calls, needs_int64, next_pow2, num_sms, \
-    with_hints
+    sum_partials_call, with_hints
 
 ENV_CONV1D = "MAMBA2_CUTILE_CONV1D_CONFIG"
 MAX_WIDTH = 8
@@ -86,7 +86,9 @@ class Conv1dConfig:
     block_d divides dim (and tileiras is 13.4+; otherwise it has no effect). warps: the
     num_worker_warps hint (0: the compiler's choice; 4 or 8). store_tma (form 1): 1 lets the
     output stores use TMA. bwd_occupancy, bwd_warps: the
-    backward's own hints (0: occupancy, warps)."""
+    backward's own hints (0: occupancy, warps). bwd_reduce: 1 sums the backward's dweight /
+    dbias partials and casts them in one launch of `kernels.sum_partials` (0: `torch.sum`, a
+    transpose and casts, five launches with a bias)."""
     block_l: int = 32
     block_d: int = 128
     tiles: int = 1
@@ -112,11 +114,13 @@ class Conv1dConfig:
     ctas_per_sm: int = 8
     bwd_ctas_per_sm: int = 8
     ctas_hint: int = 1
+    bwd_reduce: int = 1
 
     FIXED = ()
 
     def __post_init__(self):
         c = _config
+        c.check_choice(self, "bwd_reduce", (0, 1))
         c.check_pow2(self, "block_l", "bwd_block_l")
         for name, hi in (("block_d", MAX_BLOCK_D), ("bwd_block_d", MAX_BLOCK_D), ("rows", 64),
                          ("bwd_rows", 64)):
@@ -672,10 +676,17 @@ def conv1d_backward_cuda(x, weight, bias, seq_idx, initial_states, dout, dfinal,
     calls = backward_plan(x, _weight_t(weight), None if bias is None else bias.contiguous(),
                           initial_states, seq_idx, dout, dfinal, dx, dw_part, db_part, dinit,
                           silu, cfg)
-    launch_calls(calls, x.device)
     # the partials summed in a fixed order: deterministic
-    dweight = dw_part.sum(0).t().to(weight.dtype).contiguous()
-    dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
+    if cfg.bwd_reduce:
+        dweight = torch.empty(d, w, dtype=weight.dtype, device=x.device)
+        dbias = None if bias is None else torch.empty(d, dtype=bias.dtype, device=x.device)
+        calls.append(sum_partials_call(
+            dw_part, dweight.t(), None if bias is None else db_part.view(parts, 1, d),
+            None if bias is None else dbias.view(1, d), num_sms(x)))
+    launch_calls(calls, x.device)
+    if not cfg.bwd_reduce:
+        dweight = dw_part.sum(0).t().to(weight.dtype).contiguous()
+        dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
     return dx, dweight, dbias, dinit
 
 

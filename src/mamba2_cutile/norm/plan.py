@@ -13,8 +13,9 @@ the chunked kernels: the group is read as S / chunk column chunks of `NormConfig
 channels, so no lane is padding. Other widths (powers of two, 1000 = 125 * 8, 37) keep the
 padded kernels, whose tile is the power of two >= S.
 
-The backward's (P, G, S) partial sums of dweight and dbias are then summed over P by
-`torch.sum` (a fixed order: the result does not depend on scheduling).
+The backward's (P, G, S) partial sums of dweight and dbias are then summed over P in a fixed
+order (the result does not depend on scheduling) by a second launch, `sum_partials`, which
+writes them in the parameters' dtype (`NormConfig.bwd_reduce=0`: `torch.sum` and a cast).
 
 Rows are (M, hidden) views with a unit channel stride (any row stride: slices of a wider
 projection are read in place), seen by the kernels as (M, G, S) with S = group_size. Plans are
@@ -36,7 +37,8 @@ from ..kernels.rmsnorm_gated_fwd import rmsnorm_gated_fwd, rmsnorm_gated_fwd_i64
 from ..kernels.rmsnorm_gated_fwd_chunked import (rmsnorm_gated_fwd_chunked,
                                                  rmsnorm_gated_fwd_chunked_i64)
 from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, launch_calls,
-                       narrow_unit_strides, needs_int64, next_pow2, num_sms, with_hints)
+                       narrow_unit_strides, needs_int64, next_pow2, num_sms, sum_partials_call,
+                       with_hints)
 
 #: the largest group the kernels take: a group is one register tile, and past this size the
 #: backward's tiles no longer fit in registers
@@ -79,6 +81,8 @@ class NormConfig:
     see `norm_shape_config`).
     bwd_latency: the latency hint of the backward's first-pass row loads (1-10; 0: none, the
     compiler's choice; pass 2's reloads under bwd_regate take none).
+    bwd_reduce: 1 sums the backward's partial dweight / dbias and casts them in one launch of
+    `kernels.sum_partials`; 0 through `torch.sum` and a cast (two launches per tensor).
     """
     block_g: int
     block_m: int
@@ -95,6 +99,7 @@ class NormConfig:
     approx: int = 1
     bwd_regate: int = 0
     bwd_latency: int = 0
+    bwd_reduce: int = 1
 
     FIXED = ("block_g",)
 
@@ -115,6 +120,7 @@ class NormConfig:
         c.check_choice(self, "approx", (0, 1))
         c.check_choice(self, "bwd_regate", (0, 1))
         c.check_range(self, "bwd_latency", 0, 10)
+        c.check_choice(self, "bwd_reduce", (0, 1))
         if self.bwd_regate and not self.chunk:
             raise ValueError(f"NormConfig: bwd_regate={self.bwd_regate} needs the chunked "
                              f"kernels (chunk > 0)")
@@ -371,22 +377,27 @@ def forward_plan(x3, z3, w2, b2, out3, rstd, eps, norm_before_gate, cfg: NormCon
 
 
 def backward_plan(x3, z3, w2, b2, rstd, dout3, dx3, dz3, dw_part, db_part, norm_before_gate,
-                  cfg: NormConfig):
+                  cfg: NormConfig, dw2=None, db2=None, sms: int = DEFAULT_SMS):
     """The backward launch; dw_part (and db_part with a bias) (P, G, S) float32, P their first
-    size. Absent z3 / dz3 / b2 / db_part are None."""
+    size. Absent z3 / dz3 / b2 / db_part are None. With dw2 (G, S) (and db2 with a bias) and
+    cfg.bwd_reduce, then the launch that sums the partials into them."""
     _, g, s = x3.shape
     int64 = needs_int64(x3, z3, dout3, dx3, dz3, rstd)
     if cfg.chunk:
         kernel = rmsnorm_gated_bwd_chunked_i64 if int64 else rmsnorm_gated_bwd_chunked
     else:
         kernel = rmsnorm_gated_bwd_i64 if int64 else rmsnorm_gated_bwd
-    return [KernelCall(
+    calls = [KernelCall(
         with_hints(kernel, cfg.bwd_occupancy, cfg.bwd_warps), (dw_part.shape[0], g, 1),
         (x3, z3 if z3 is not None else x3, w2, b2 if b2 is not None else w2, rstd, dout3, dx3,
          dz3 if dz3 is not None else dx3, dw_part, db_part if db_part is not None else dw_part,
          cfg.bwd_block_m, *_tiling(cfg, s), z3 is not None, b2 is not None,
          bool(norm_before_gate), _bwd_tma(cfg), _approx(cfg, x3, z3),
          *((bool(cfg.bwd_regate),) if cfg.chunk else ()), int(cfg.bwd_latency)))]
+    if cfg.bwd_reduce and dw2 is not None:
+        calls.append(sum_partials_call(dw_part, dw2, db_part if db2 is not None else None,
+                                       db2, sms))
+    return calls
 
 
 def _bwd_tma(cfg: NormConfig):
@@ -445,14 +456,18 @@ def rmsnorm_backward_cuda(dout, x, weight, bias, z, rstd, group_size, norm_befor
     db_part = None if bias is None else torch.empty((p, g, group_size), dtype=f32,
                                                     device=x.device)
     w2, b2 = _params(weight, bias, g, group_size)
+    dw = torch.empty(hidden, dtype=weight.dtype, device=x.device)
+    db = None if bias is None else torch.empty(hidden, dtype=bias.dtype, device=x.device)
     calls = backward_plan(
         rows_view(x, group_size), None if z is None else rows_view(z, group_size), w2, b2,
         rstd, rows_view(dout, group_size), rows_view(dx, group_size),
         None if dz is None else rows_view(dz, group_size), dw_part, db_part,
-        norm_before_gate, cfg)
+        norm_before_gate, cfg, dw.view(g, group_size),
+        None if db is None else db.view(g, group_size), num_sms(x))
     launch_calls(calls, x.device)
-    dw = dw_part.sum(0).reshape(hidden).to(weight.dtype)
-    db = None if db_part is None else db_part.sum(0).reshape(hidden).to(bias.dtype)
+    if not cfg.bwd_reduce:
+        dw = dw_part.sum(0).reshape(hidden).to(weight.dtype)
+        db = None if db_part is None else db_part.sum(0).reshape(hidden).to(bias.dtype)
     return dx, dw, db, dz
 
 
@@ -487,5 +502,6 @@ def problem_plans(rows=16384, hidden=1536, group_size=None, dtype=torch.bfloat16
     dz = None if z is None else rows_view(torch.empty_like(out, dtype=z.dtype), gs)
     bwd = backward_plan(x3, z3, w2, b2, rstd, rows_view(torch.empty_like(out), gs),
                         rows_view(torch.empty_like(out), gs), dz, part(),
-                        part() if has_bias else None, norm_before_gate, cfg)
+                        part() if has_bias else None, norm_before_gate, cfg,
+                        torch.empty_like(w2), None if b2 is None else torch.empty_like(b2))
     return fwd, bwd
