@@ -66,3 +66,20 @@ def test_causal_scan_compiles(chunk_size, causal):
     calls = plans.forward_problem_plan(chunk_size=chunk_size, overrides={"scan_causal": causal})
     for call in calls[2:]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
+
+
+@pytest.mark.parametrize("causal", [2, 3])
+@pytest.mark.parametrize("block_q", [64, 128])
+def test_fix_span_pass_takes_no_scan_hints(block_q, causal):
+    """The FIX_SPAN pass (scan_causal 2 / 3) is launched without the scan's occupancy and warps
+    hints: under the seed problem's tuned occupancy 2 it did not return on the H200 (64-token
+    query blocks, clean input) and failed to compile at 128-token blocks. Both launches
+    compile for sm_90 at that config."""
+    from mamba2_cutile.kernels.chunk_scan import chunk_scan, chunk_scan_i64
+
+    calls = plans.forward_problem_plan(options=("D_head",), overrides=dict(
+        scan_causal=causal, scan_block_q=block_q, scan_occupancy=2, scan_warps=4))
+    assert calls[2].kernel not in (chunk_scan, chunk_scan_i64)       # the hinted scan
+    assert calls[3].kernel is chunk_scan
+    for call in calls[2:]:
+        assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0

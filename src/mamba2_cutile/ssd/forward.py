@@ -221,8 +221,13 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         # the same grid again: tiles with non-finite outputs are recomputed causally
         calls.append(KernelCall(scan.kernel, scan.grid, scan.args[:-1] + (2,)))
     elif cfg.scan_causal >= 2:
-        # a program per FIX_SPAN tiles: those whose sums are not finite, causally
-        calls.append(KernelCall(scan.kernel, (-(-n_tiles // FIX_SPAN), 1, 1),
+        # a program per FIX_SPAN tiles: those whose sums are not finite, causally. Without the
+        # scan's occupancy / warps hints: under the seed problem's tuned occupancy 2 this
+        # launch compiled (384 threads) but did not return on the H200 even on clean input
+        # (every program loads its sums and exits), and at 128-token query blocks it failed
+        # to compile (tileiras return code 5)
+        calls.append(KernelCall(chunk_scan_i64 if int64 else chunk_scan,
+                                (-(-n_tiles // FIX_SPAN), 1, 1),
                                 scan.args[:-1] + (2 * cfg.scan_causal,)))
     return calls
 
