@@ -659,6 +659,29 @@ def test_rows_span_fills_whole_waves():
                     assert _programs(blocks, seqlen, span - rows) > waves * slots
 
 
+@pytest.mark.parametrize("dim, seqlen, batch", [(5376, 16384, 1), (1792, 65536, 1),
+                                                 (10240, 8192, 4)])
+def test_rows_backward_rule_reaches_launch(dim, seqlen, batch):
+    """The dispatcher's backward at the layer widths (256 divides dim): 256-channel programs at
+    7 per SM, and the launch carries the occupancy-7 hint (72 registers, no stack in the sm_90
+    compile; unhinted the variant needs 123); a width 256 does not divide keeps 128-channel
+    programs at 8 per SM."""
+    from mamba2_cutile.kernels.causal_conv1d_bwd_rows import causal_conv1d_bwd_rows
+    from mamba2_cutile.runtime import with_hints
+    cfg = plan.conv1d_config(batch, dim, seqlen, True)
+    assert (cfg.form, cfg.bwd_block_d, cfg.bwd_ctas_per_sm, cfg.ctas_hint) == (3, 256, 7, 1)
+    x = torch.empty(batch, seqlen, dim, device="meta", dtype=torch.bfloat16).transpose(1, 2)
+    wt = torch.empty(4, dim, device="meta")
+    n = plan.backward_grid(x, cfg)[1] * batch
+    call = plan.backward_plan(x, wt, torch.empty(dim, device="meta"), None, None, x, None, x,
+                              torch.empty(n, 4, dim, device="meta"),
+                              torch.empty(n, dim, device="meta"), None, True, None)[0]
+    assert call.kernel is with_hints(causal_conv1d_bwd_rows, 7, 0)
+    assert call.args[14] == 256                                       # BLOCK_D
+    other = plan.conv1d_config(1, 5376 + 128, 16384, True)
+    assert (other.bwd_block_d, other.bwd_ctas_per_sm) == (128, 8)
+
+
 def test_rows_plan_hints_and_fields():
     """Form 3's forward runs under the occupancy hint ctas_per_sm (default 8) unless
     occupancy is set or ctas_hint is 0, and only where that compiles without spills (16-bit,
