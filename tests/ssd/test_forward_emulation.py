@@ -82,3 +82,34 @@ def test_emulated_forward_short_with_seq_idx(l):
     """Sequences shorter than a chunk, a reset at the very last token of a chunk."""
     args, kw, _, _ = make_problem(OPTIONS["seq_idx"], l=l, Q=64)
     check(args, kw, 64, small_forward_config(64, 7, scan_block_q=32))
+
+
+@pytest.mark.parametrize("segments", [2, 3, 4, 8])
+@pytest.mark.parametrize("opt", ["none", "seq_idx", "all"])
+def test_emulated_segmented_state_pass(opt, segments):
+    """state_segments: the state pass's chunk loop in parallel runs from zero states, then
+    chunk_state_carry adding each run's entering state. 5 chunks (a partial last one) in 2
+    runs of 3 + 2 chunks, 3 of 2 + 2 + 1, 4 with an empty last run, 8 (one chunk a run: never
+    more runs than chunks); seq_idx resets inside runs and on their boundaries, and
+    initial_states (only the first run starts from it) with "all"."""
+    Q = 64
+    args, kw, _, _ = make_problem(OPTIONS[opt], l=300, Q=Q)
+    cfg = small_forward_config(Q, 7, scan_block_q=32, state_segments=segments)
+    calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
+    names = [c.kernel._annotated_function.pyfunc.__name__ for c in calls]
+    assert names[1:3] == ["chunk_state_pass_fn", "chunk_state_carry_fn"]
+    assert calls[1].args[17] == min(segments, 5)
+    check(args, kw, Q, cfg)
+
+
+def _plan_args(args, kw, Q):
+    x, dt, A, B, C = (args[k] for k in ("x", "dt", "A", "B", "C"))
+    b, l, h, p = x.shape
+    nc = -(-l // Q)
+    e = lambda *s: torch.empty(s, dtype=F64)  # noqa: E731
+    lo, hi = dt_clamp_bounds(kw["dt_limit"])
+    seq = kw["seq_idx"]
+    return (x, dt, A, B, C, kw["z"], kw["D"], kw["dt_bias"], lo, hi, kw["dt_softplus"],
+            kw["initial_states"], None if seq is None else seq.to(torch.int32),
+            e(b, h, nc * Q), e(b, h, nc * Q), e(b, h, nc, p, B.shape[3]), e(b, h, p, B.shape[3]),
+            e(b, l, h, p))

@@ -83,3 +83,24 @@ def test_fix_span_pass_takes_no_scan_hints(block_q, causal):
     assert calls[3].kernel is chunk_scan
     for call in calls[2:]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
+
+
+@pytest.mark.parametrize("over", [
+    dict(state_segments=4),
+    dict(state_segments=4, state_occupancy=4),
+    dict(state_segments=8, state_block_n=64, state_occupancy=2),
+    dict(state_segments=1, state_load_latency=0),        # 0: no latency hint (compiler's)
+], ids=["seg4", "seg4-occ4", "seg8-n64-occ2", "latency0"])
+@pytest.mark.parametrize("options", [("D_head",), ("D_head", "seq_idx", "init")],
+                         ids=["D", "D-seq-init"])
+def test_segmented_state_pass_compiles(over, options):
+    """The segmented state pass (`state_segments`) and its chunk_state_carry launch, and the
+    state pass without a load latency hint, compile for sm_90 at the seed problem."""
+    calls = plans.forward_problem_plan(options=options, overrides=over)
+    names = [variants.kernel_name(c) for c in calls]
+    segs = over["state_segments"]
+    assert names == ["decay_cumsum", "chunk_state_pass"] + (
+        ["chunk_state_carry"] if segs > 1 else []) + ["chunk_scan"]
+    assert calls[1].grid[2] == 4 * segs // (over.get("state_block_n", 32) // 32)
+    for call in calls[1:-1]:
+        assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0

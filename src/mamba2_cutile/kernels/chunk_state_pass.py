@@ -17,6 +17,20 @@ recurrence.
 
 Grid: (B * H, cdiv(P, BLOCK_P), cdiv(N, BLOCK_N)). The chunk loop is sequential inside a
 program; independent (batch, head, p-tile, n-tile) slices run in parallel.
+
+SEGMENTS > 1 splits the chunk loop into SEGMENTS runs of cdiv(C, SEGMENTS) chunks that run in
+parallel (grid axis 2: n-tiles x SEGMENTS), because the sequential loop is latency-bound when
+B * H * tiles programs do not fill the GPU several times over. Segment s > 0 starts from a
+zero state (segment 0 from init), so it writes the local entry states l_c; by linearity the
+true ones are
+
+    h_c = l_c + f_c * H_s,    f_c = prod over chunks c' in [start_s, c) of 2^{G_last(c')}
+
+(0 from a chunk where the carried state is dropped: a seq_idx reset), with H_s the state
+entering segment s. The segment's programs write f_c (chunk_factor, one program per (b, h)),
+their end state (seg_final) and the end factor (seg_factor); `chunk_state_carry` then forms
+H_s, adds f_c H_s to the states of segments s >= 1 and writes the final state. Rounding: l_c
+is rounded to the state dtype before H_s is added (twice in all, against once).
 """
 
 import cuda.tile as ct
@@ -59,35 +73,64 @@ def chunk_state_pass_fn(
     LOAD_LATENCY: ct.Constant[int],
     SCALE_X: ct.Constant[bool],
     FRESH_ACC: ct.Constant[bool],
+    SEGMENTS: ct.Constant[int],
+    seg_final,   # (B, H, SEGMENTS, P, N) float32: each segment's end state from its own start
+    seg_factor,  # (B, H, SEGMENTS) float32: the factor of the state entering it at its end
+    chunk_factor,  # (B, H, C) float32: f_c
 ):
-    bh, p_tile, n_tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    bh, p_tile = ct.bid(0), ct.bid(1)
+    LAT = None if LOAD_LATENCY == 0 else LOAD_LATENCY   # 0: the compiler decides
     nheads = x.shape[2]
     batch = bh // nheads
     head = bh % nheads
     group = head // HEADS_PER_GROUP
     seqlen = x.shape[1]
     num_chunks = cum.shape[2] // Q
+    n_tile = ct.bid(2)
+    seg = 0
+    c_begin = 0
+    c_end = num_chunks
+    if SEGMENTS > 1:
+        n_tiles = ct.cdiv(b.shape[3], BLOCK_N)
+        n_tile = ct.bid(2) % n_tiles
+        seg = ct.bid(2) // n_tiles
+        per_seg = ct.cdiv(num_chunks, SEGMENTS)
+        c_begin = ct.minimum(seg * per_seg, num_chunks)
+        c_end = ct.minimum(c_begin + per_seg, num_chunks)
+        writer = p_tile + n_tile == 0           # f_c is the same for every tile: one writes it
+        factor = ct.full((1,), 1.0, dtype=ct.float32)
 
+    hid = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
     if HAS_INIT:
-        hid = ct.load(init, index=(batch, head, p_tile, n_tile), shape=(1, 1, BLOCK_P, BLOCK_N),
-                      padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
-        hid = hid.astype(ct.float32)
-    else:
-        hid = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
+        if seg == 0:                            # later segments start from zero
+            hid = ct.load(init, index=(batch, head, p_tile, n_tile),
+                          shape=(1, 1, BLOCK_P, BLOCK_N),
+                          padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
+            hid = hid.astype(ct.float32)
     # the sequence the carried state belongs to: the row's first one at the start
     seq_prev = ct.full((1,), 0, dtype=ct.int32)
     if HAS_SEQ:
         seq_prev = ct.load(seq_idx, index=(batch, 0), shape=(1, 1)).reshape((1,))
+        if SEGMENTS > 1:
+            if c_begin > 0:
+                # the chunk before the segment: its last sequence, as the sequential loop
+                # carries it (the max over its tokens, all real: it is not the last chunk)
+                s_prev = ct.load(seq_idx, index=(batch, c_begin - 1), shape=(1, Q),
+                                 padding_mode=ct.PaddingMode.ZERO).reshape((Q,))
+                seq_prev = ct.max(s_prev, axis=0, keepdims=True)
 
-    for c in range(num_chunks):
+    for c in range(c_begin, c_end):
         ct.store(states, index=(batch, head, c, p_tile, n_tile),
                  tile=hid.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(states.dtype))
+        if SEGMENTS > 1:
+            if writer:
+                ct.store(chunk_factor, index=(batch, head, c), tile=factor.reshape((1, 1, 1)))
         xt = ct.load(x, index=(batch, c, head, p_tile), shape=(1, Q, 1, BLOCK_P),
                      padding_mode=ct.PaddingMode.ZERO,
-                     latency=LOAD_LATENCY).reshape((Q, BLOCK_P))
+                     latency=LAT).reshape((Q, BLOCK_P))
         bt = ct.load(b, index=(batch, c, group, n_tile), shape=(1, Q, 1, BLOCK_N),
                      padding_mode=ct.PaddingMode.ZERO,
-                     latency=LOAD_LATENCY).reshape((Q, BLOCK_N))
+                     latency=LAT).reshape((Q, BLOCK_N))
         dtt = ct.load(dt, index=(batch, head, c), shape=(1, 1, Q)).reshape((Q,))
         g = ct.load(cum, index=(batch, head, c), shape=(1, 1, Q)).reshape((Q,))
         g_last = ct.extract(g, index=(Q - 1,), shape=(1,))
@@ -101,6 +144,8 @@ def chunk_state_pass_fn(
             in_last = s == s_last
             w = ct.where(in_last, w, 0.0)
             hid = ct.where(seq_prev == s_last, hid, 0.0)
+            if SEGMENTS > 1:
+                factor = ct.where(seq_prev == s_last, factor, 0.0)
             seq_prev = s_last
             if (ct.extract(s, index=(0,), shape=(1,)) != s_last).reshape(()):
                 # a sequence ends inside this chunk (rare): its x and B rows are selected
@@ -118,11 +163,20 @@ def chunk_state_pass_fn(
                               FRESH_ACC)
         else:
             hid = _update(hid, carry, xt, bt, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X, FRESH_ACC)
+        if SEGMENTS > 1:
+            factor = factor * carry
 
-    ct.store(final, index=(batch, head, p_tile, n_tile),
-             tile=hid.reshape((1, 1, BLOCK_P, BLOCK_N)))
+    if SEGMENTS > 1:
+        ct.store(seg_final, index=(batch, head, seg, p_tile, n_tile),
+                 tile=hid.reshape((1, 1, 1, BLOCK_P, BLOCK_N)))
+        if writer:
+            ct.store(seg_factor, index=(batch, head, seg), tile=factor.reshape((1, 1, 1)))
+    else:
+        ct.store(final, index=(batch, head, p_tile, n_tile),
+                 tile=hid.reshape((1, 1, BLOCK_P, BLOCK_N)))
 
 
 chunk_state_pass = ct.kernel(chunk_state_pass_fn)
 chunk_state_pass_i64 = ct.kernel(int64_variant(
-    chunk_state_pass_fn, ["x", "b", "dt", "cum", "init", "seq_idx", "states", "final"]))
+    chunk_state_pass_fn, ["x", "b", "dt", "cum", "init", "seq_idx", "states", "final",
+                          "seg_final", "seg_factor", "chunk_factor"]))

@@ -4,7 +4,8 @@ kernels; chunk_scan twice with scan_causal 1, 2 or 3), and the launcher.
 | launch | kernel | what |
 | --- | --- | --- |
 | 1 | `decay_cumsum` | dt' = clamp(softplus(dt + bias)) and the per-chunk cumsum of A dt' in log2 space |
-| 2 | `chunk_state_pass` | the chunk entry states, one sequential pass over chunks |
+| 2 | `chunk_state_pass` | the chunk entry states, one sequential pass over chunks (`state_segments` S > 1: S parallel passes from zero states) |
+| 2b | `chunk_state_carry` | (S > 1 only) the states entering each segment, added to its states; the final state |
 | 3 | `chunk_scan` | the output: carried-state term, masked decayed C B^T times X, D x, z gate (with `scan_causal=1`, and per tile the count of non-finite outputs; 2 / 3: the sum / the row sums of the accumulator) |
 | 4 | `chunk_scan` | (`scan_causal` 1, 2 or 3 only) the tiles counted non-zero (1; same grid) or summed non-finite (2, 3; a program per `FIX_SPAN` tiles), again in the causal form: a NaN/Inf input never changes an earlier output |
 
@@ -21,6 +22,7 @@ import torch
 
 from .. import config as _config
 from ..kernels.chunk_scan import FIX_SPAN, chunk_scan, chunk_scan_i64
+from ..kernels.chunk_state_carry import chunk_state_carry, chunk_state_carry_i64
 from ..kernels.chunk_state_pass import chunk_state_pass, chunk_state_pass_i64
 from ..kernels.decay_cumsum import decay_cumsum, decay_cumsum_i64
 from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, dt_clamp_bounds,
@@ -66,6 +68,9 @@ class ForwardConfig:
                                     # at the seed problem); 3: as 2 with a sum per query row
                                     # stored (no exchange between warps; BLOCK_Q floats a tile).
                                     # 2 and 3 are not timed yet. Off by default
+    state_segments: int = 1         # S > 1: chunk_state_pass's chunk loop in S parallel runs
+                                    # from zero states, then chunk_state_carry adds each run's
+                                    # entering state (kernels/chunk_state_pass.py); 1: one run
 
     FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
 
@@ -80,6 +85,7 @@ class ForwardConfig:
         for name in ("state_occupancy", "scan_occupancy"):
             c.check_range(self, name, 0, 32)
         c.check_range(self, "scan_persistent", 0, 16)
+        c.check_range(self, "state_segments", 1, 64)
         c.check_range(self, "state_scale_x", -1, 1)
         for name in ("state_fresh_acc", "scan_lowp", "scan_head_major"):
             c.check_choice(self, name, (0, 1))
@@ -173,7 +179,19 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         seq_arg = seq_idx
         # where each token's sequence run begins in its chunk (decay_cumsum writes it)
         seq_start = torch.empty((batch, nchunks * Q), dtype=torch.int32, device=x.device)
-    int64 = needs_int64(x, dt, B, C, z, seq_idx, seq_start, init, dt_buf, cum_buf, states, out)
+    # the segmented state pass (never more segments than chunks); its scratch in final's
+    # dtype (float32 on the GPU)
+    segs = max(1, min(cfg.state_segments, nchunks))
+    if segs > 1:
+        seg_final = torch.empty((batch, nheads, segs, headdim, dstate), dtype=final.dtype,
+                                device=x.device)
+        seg_factor = torch.empty((batch, nheads, segs), dtype=final.dtype, device=x.device)
+        chunk_factor = torch.empty((batch, nheads, nchunks), dtype=final.dtype,
+                                   device=x.device)
+    else:                    # stand-ins, never read
+        seg_final, seg_factor, chunk_factor = final, cum_buf, cum_buf
+    int64 = needs_int64(x, dt, B, C, z, seq_idx, seq_start, init, dt_buf, cum_buf, states, out,
+                        seg_final)
     n_q = -(-seqlen // cfg.scan_block_q)       # query blocks holding at least one token
     p_tiles = -(-headdim // cfg.scan_block_p)
     # chunk_scan's flags: scan_causal=1 counts per tile (in its grid's shape); 2 and 3 sums in
@@ -187,6 +205,8 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         scan_grid = (min(n_tiles, cfg.scan_persistent * num_sms(x)), 1, 1)
     else:
         scan_grid = (n_q * batch * nheads, p_tiles, 1)
+    n_state_tiles = -(-dstate // cfg.state_block_n)
+    state_grid = (batch * nheads, -(-headdim // cfg.state_block_p), n_state_tiles * segs)
     calls = [
         KernelCall(
             decay_cumsum_i64 if int64 else decay_cumsum,
@@ -197,11 +217,12 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         ),
         KernelCall(
             with_hints(chunk_state_pass_i64 if int64 else chunk_state_pass, cfg.state_occupancy),
-            (batch * nheads, -(-headdim // cfg.state_block_p), -(-dstate // cfg.state_block_n)),
+            state_grid,
             (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
              Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
              init is not None, seq_idx is not None, cfg.state_load_latency,
-             scale_x(cfg), bool(cfg.state_fresh_acc)),
+             scale_x(cfg), bool(cfg.state_fresh_acc), segs, seg_final, seg_factor,
+             chunk_factor),
         ),
         KernelCall(
             with_hints(chunk_scan_i64 if int64 else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
@@ -216,6 +237,12 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              (0, 1, 3, 5)[cfg.scan_causal]),
         ),
     ]
+    if segs > 1:
+        # each segment's entering state added to its local states, the final state
+        calls.insert(2, KernelCall(
+            chunk_state_carry_i64 if int64 else chunk_state_carry, state_grid,
+            (seg_final, seg_factor, chunk_factor, states, final, cfg.state_block_p,
+             cfg.state_block_n, segs, cfg.state_load_latency)))
     scan = calls[-1]
     if cfg.scan_causal == 1:
         # the same grid again: tiles with non-finite outputs are recomputed causally

@@ -1,0 +1,74 @@
+"""Kernel 2b of the forward pass (only with `ForwardConfig.state_segments` S > 1): the states
+entering each segment of `chunk_state_pass`'s segmented loop, added to its local states.
+
+With l_c, f_c, E_s (the segment's end state from a zero start; segment 0 from init) and F_s
+(its end factor) from the segmented pass (chunk_state_pass's docstring), the state entering
+segment s is the recurrence over segments
+
+    H_0 = 0,   H_s = F_{s-1} H_{s-1} + E_{s-1}
+
+and every chunk c of segment s >= 1 gets  h_c = l_c + f_c H_s  (in float32, stored in the
+state dtype); the final state is F_{S-1} H_{S-1} + E_{S-1}.
+
+Program (bh, p-tile, n-tile * S + s) forms H_s itself from the s earlier segments' end states
+(S is small: a few (BLOCK_P, BLOCK_N) float32 tiles each), then rewrites the states of its
+segment's chunks; they do not depend on one another, so their loads are issued ahead
+(LOAD_LATENCY). Segment 0's programs have nothing to add and return; the last segment's
+write the final state.
+Grid: (B * H, cdiv(P, BLOCK_P), cdiv(N, BLOCK_N) * S).
+"""
+
+import cuda.tile as ct
+
+from ._common import int64_variant
+
+
+def chunk_state_carry_fn(
+    seg_final,     # (B, H, S, P, N) float32: E_s
+    seg_factor,    # (B, H, S) float32: F_s
+    chunk_factor,  # (B, H, C) float32: f_c
+    states,        # (B, H, C, P, N) state dtype: l_c in, h_c out
+    final,         # (B, H, P, N) float32 out
+    BLOCK_P: ct.Constant[int],
+    BLOCK_N: ct.Constant[int],
+    SEGMENTS: ct.Constant[int],
+    LOAD_LATENCY: ct.Constant[int],
+):
+    bh, p_tile = ct.bid(0), ct.bid(1)
+    nheads = states.shape[1]
+    batch = bh // nheads
+    head = bh % nheads
+    n_tiles = ct.cdiv(states.shape[4], BLOCK_N)
+    n_tile = ct.bid(2) % n_tiles
+    seg = ct.bid(2) // n_tiles
+    num_chunks = states.shape[2]
+    per_seg = ct.cdiv(num_chunks, SEGMENTS)
+    tile = (1, 1, 1, BLOCK_P, BLOCK_N)
+    lat = None if LOAD_LATENCY == 0 else LOAD_LATENCY
+    if seg > 0:
+        carry = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
+        for s in range(seg):
+            end = ct.load(seg_final, index=(batch, head, s, p_tile, n_tile), shape=tile,
+                          padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
+            f = ct.load(seg_factor, index=(batch, head, s), shape=(1, 1, 1)).reshape((1, 1))
+            carry = carry * f + end
+        c_begin = ct.minimum(seg * per_seg, num_chunks)
+        c_end = ct.minimum(c_begin + per_seg, num_chunks)
+        for c in range(c_begin, c_end):
+            loc = ct.load(states, index=(batch, head, c, p_tile, n_tile), shape=tile,
+                          padding_mode=ct.PaddingMode.ZERO, latency=lat)
+            f = ct.load(chunk_factor, index=(batch, head, c), shape=(1, 1, 1), latency=lat)
+            h = loc.reshape((BLOCK_P, BLOCK_N)).astype(ct.float32) + f.reshape((1, 1)) * carry
+            ct.store(states, index=(batch, head, c, p_tile, n_tile),
+                     tile=h.reshape(tile).astype(states.dtype))
+        if seg == SEGMENTS - 1:
+            end = ct.load(seg_final, index=(batch, head, seg, p_tile, n_tile), shape=tile,
+                          padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
+            f = ct.load(seg_factor, index=(batch, head, seg), shape=(1, 1, 1)).reshape((1, 1))
+            ct.store(final, index=(batch, head, p_tile, n_tile),
+                     tile=(carry * f + end).reshape((1, 1, BLOCK_P, BLOCK_N)))
+
+
+chunk_state_carry = ct.kernel(chunk_state_carry_fn)
+chunk_state_carry_i64 = ct.kernel(int64_variant(
+    chunk_state_carry_fn, ["seg_final", "seg_factor", "chunk_factor", "states", "final"]))
