@@ -165,3 +165,16 @@ def test_emulation_harness_checks():
     CT.program = 2
     with pytest.raises(AssertionError):
         CT.store(out, index=(1,), tile=_tile(torch.ones(2, dtype=F64)))
+
+
+@pytest.mark.parametrize("segments", [2, 3])
+@pytest.mark.parametrize("opt", ["init_no_dfinal", "all"])
+def test_emulated_segmented_recompute(opt, segments):
+    """state_segments in the backward's recompute of the entry states (the segmented state
+    pass and chunk_state_carry before bwd_state_pass): 3 chunks of 32 in 2 segments (2 + 1)
+    and 3 (one each), with initial states and, with "all", seq_idx resets."""
+    Q = 32
+    args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=90, Q=Q, seed=5, g=1, p=24, n=20)
+    cfg = small_config(Q, 24, 20, bc_block_q=16, state_segments=segments)
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))

@@ -75,6 +75,8 @@ class BackwardConfig:
     bc_load_latency: int = 0      # bwd_chunk_dbc_fused's head loop
     bc_fused: int = 0            # 1: one program per whole chunk forms M once for dB and dC
                                  # (bc_block_q is then unused)
+    state_segments: int = 1      # the recompute's state pass in parallel segments and its
+    state_occupancy: int = 0     # occupancy hint (ForwardConfig's fields of the same names)
 
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
     FIXED = ("dstate_pad",)
@@ -90,8 +92,9 @@ class BackwardConfig:
                              f"{self.bc_block_q} must divide chunk_size={self.chunk_size}")
         for name in ("bstate_load_latency", "dx_load_latency", "bc_load_latency"):
             c.check_range(self, name, 0, 10)
-        for name in ("bstate_occupancy", "dx_occupancy", "bc_occupancy"):
+        for name in ("bstate_occupancy", "dx_occupancy", "bc_occupancy", "state_occupancy"):
             c.check_range(self, name, 0, 32)
+        c.check_range(self, "state_segments", 1, 64)
         for name in ("dx_warps", "bc_warps"):
             c.check_choice(self, name, (0, 4, 8))
         for name in ("lowp", "dx_lowp", "bc_fused"):
@@ -239,12 +242,13 @@ def recompute_config(cfg: BackwardConfig, x, B) -> ForwardConfig:
     b, _, h, p = x.shape
     fwd = forward_shape_config(b, h, p, B.shape[3], cfg.chunk_size, x.dtype)
     return replace(fwd, cumsum_block_h=cfg.cumsum_block_h, state_block_p=cfg.state_block_p,
-                   state_block_n=cfg.state_block_n)
+                   state_block_n=cfg.state_block_n, state_segments=cfg.state_segments,
+                   state_occupancy=cfg.state_occupancy)
 
 
 def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
                   dout, dfinal, bufs: BackwardBuffers, cfg: BackwardConfig):
-    """The six launches of the backward. Inputs as the kernels take them (B, C, z, dout in x's
+    """The six launches of the backward (seven with state_segments). Inputs as the kernels take them (B, C, z, dout in x's
     dtype with unit innermost stride; A, D, dt_bias, init, dfinal fp32; seq_idx int32);
     unused optional inputs None. Reads no tensor values."""
     batch, seqlen, nheads, headdim = x.shape
@@ -259,10 +263,13 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
     lowp = bool(cfg.lowp) and x.dtype != torch.float32
     dx_lowp = bool(cfg.dx_lowp) and x.dtype != torch.float32
 
-    # 1, 2: the forward's first two kernels recompute dt', G2 and the entry states
+    # 1, 2: the forward's kernels before chunk_scan recompute dt', G2 and the entry states
+    # (with state_segments, chunk_state_carry too)
     calls = forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
                          seq_idx, bufs.dt_buf, bufs.cum_buf, bufs.states, bufs.hbuf, x,
-                         recompute_config(cfg, x, B))[:2]
+                         recompute_config(cfg, x, B))
+    calls = [c for c in calls if c.kernel._annotated_function.pyfunc.__name__
+             != "chunk_scan_fn"]
 
     # 3: reverse pass over chunks
     int64 = needs_int64(dout, z, C, bufs.cum_buf, seq_idx, dfinal, bufs.dstates, bufs.hbuf)
