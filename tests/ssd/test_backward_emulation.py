@@ -167,14 +167,28 @@ def test_emulation_harness_checks():
         CT.store(out, index=(1,), tile=_tile(torch.ones(2, dtype=F64)))
 
 
+@pytest.mark.parametrize("field", ["state_segments", "bstate_segments"])
 @pytest.mark.parametrize("segments", [2, 3])
-@pytest.mark.parametrize("opt", ["init_no_dfinal", "all"])
-def test_emulated_segmented_recompute(opt, segments):
-    """state_segments in the backward's recompute of the entry states (the segmented state
-    pass and chunk_state_carry before bwd_state_pass): 3 chunks of 32 in 2 segments (2 + 1)
-    and 3 (one each), with initial states and, with "all", seq_idx resets."""
+@pytest.mark.parametrize("opt", ["init_no_dfinal", "all", "none"])
+def test_emulated_segmented_state_passes(opt, segments, field):
+    """state_segments (the recompute of the entry states: the segmented state pass and
+    chunk_state_carry before bwd_state_pass) and bstate_segments (bwd_state_pass's reverse
+    loop in segments, chunk_state_carry REVERSE after it, writing dinitial_states): 3 chunks
+    of 32 in 2 segments (2 + 1) and 3 (one each), with initial states, with and without
+    dfinal, and with "all" seq_idx resets."""
     Q = 32
     args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=90, Q=Q, seed=5, g=1, p=24, n=20)
-    cfg = small_config(Q, 24, 20, bc_block_q=16, state_segments=segments)
+    cfg = small_config(Q, 24, 20, bc_block_q=16, **{field: segments})
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+def test_emulated_segmented_reverse_pass_empty_last_segment():
+    """bstate_segments=4 over 5 chunks: runs of 2 + 2 + 1 and an empty last one, which then
+    carries dfinal alone into the earlier runs."""
+    Q = 32
+    args, kw, dout, dfinal = make_problem(OPTIONS["all"], l=150, Q=Q, seed=7, g=1, p=24, n=20)
+    assert dfinal is not None
+    cfg = small_config(Q, 24, 20, bc_block_q=16, bstate_segments=4, state_segments=4)
     assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
                  reference_grads(args, kw, Q, dout, dfinal))

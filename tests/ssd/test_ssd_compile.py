@@ -104,3 +104,19 @@ def test_segmented_state_pass_compiles(over, options):
     assert calls[1].grid[2] == 4 * segs // (over.get("state_block_n", 32) // 32)
     for call in calls[1:-1]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
+
+
+@pytest.mark.parametrize("over", [dict(bstate_segments=4, state_segments=4),
+                                  dict(bstate_segments=8, bstate_occupancy=4,
+                                       state_segments=4, state_occupancy=4)],
+                         ids=["seg4", "seg8-occ4"])
+def test_segmented_backward_state_passes_compile(over):
+    """The backward with both state passes in segments (all options): its eight launches,
+    the two state passes and their chunk_state_carry launches compile for sm_90."""
+    calls = plans.backward_problem_plan(overrides=over)
+    names = [variants.kernel_name(c) for c in calls]
+    assert names[:5] == ["decay_cumsum", "chunk_state_pass", "chunk_state_carry",
+                         "bwd_state_pass", "chunk_state_carry"] and len(calls) == 8
+    assert calls[4].args[-2:] == (True, True)          # REVERSE, and dinit (init given)
+    for call in calls[1:5]:
+        assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0

@@ -12,6 +12,13 @@ Writes dS_c for every chunk (state dtype, default fp32) and dh_0 (fp32) when HAS
 
 Tiles: dY (Q, BLOCK_P) from dout/z, C (Q, BLOCK_N), G2 (Q,), seq (Q,), dS (BLOCK_P, BLOCK_N).
 Grid: (B * H, cdiv(P, BLOCK_P), cdiv(N, BLOCK_N)); the chunk loop is sequential (c = nc-1..0).
+
+SEGMENTS > 1 (BackwardConfig.bstate_segments): the loop in SEGMENTS parallel runs of
+cdiv(C, SEGMENTS) chunks (grid axis 2: n-tiles x SEGMENTS), each from a zero gradient (the
+last from dfinal), as chunk_state_pass's segments in reverse: the local dS_c are stored with
+f_c, the product of the carry weights of the run's chunks after c (chunk_factor), and each
+run's end gradient and factor (seg_final, seg_factor); `chunk_state_carry` (REVERSE) adds
+f_c times the gradient entering the run from the later ones, and writes dh_0.
 """
 
 import cuda.tile as ct
@@ -46,26 +53,50 @@ def bwd_state_pass_fn(
     HAS_DFINAL: ct.Constant[bool],
     HAS_INIT: ct.Constant[bool],
     LAT: ct.Constant[int],        # load latency hint of the per-chunk loads (0: none)
+    SEGMENTS: ct.Constant[int],
+    seg_final,   # (B, H, SEGMENTS, P, N) float32: each run's end gradient from its own start
+    seg_factor,  # (B, H, SEGMENTS) float32
+    chunk_factor,  # (B, H, C) float32: f_c
 ):
-    bh, p_tile, n_tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    bh, p_tile = ct.bid(0), ct.bid(1)
     nheads = dout.shape[2]
     batch = bh // nheads
     head = bh % nheads
     group = head // HEADS_PER_GROUP
     seqlen = dout.shape[1]
     num_chunks = cum.shape[2] // Q
+    n_tile = ct.bid(2)
+    seg = 0
+    c_begin = 0
+    c_end = num_chunks
+    last_seg = True
+    if SEGMENTS > 1:
+        n_tiles = ct.cdiv(c.shape[3], BLOCK_N)
+        n_tile = ct.bid(2) % n_tiles
+        seg = ct.bid(2) // n_tiles
+        per_seg = ct.cdiv(num_chunks, SEGMENTS)
+        c_begin = ct.minimum(seg * per_seg, num_chunks)
+        c_end = ct.minimum(c_begin + per_seg, num_chunks)
+        last_seg = seg == SEGMENTS - 1
+        writer = p_tile + n_tile == 0           # f_c is the same for every tile: one writes it
+        factor = ct.full((1,), 1.0, dtype=ct.float32)
 
+    dh = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
     if HAS_DFINAL:
-        dh = ct.load(dfinal, index=(batch, head, p_tile, n_tile), shape=(1, 1, BLOCK_P, BLOCK_N),
-                     padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
-        dh = dh.astype(ct.float32)
-    else:
-        dh = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
+        if last_seg:                            # earlier runs start from zero
+            dh = ct.load(dfinal, index=(batch, head, p_tile, n_tile),
+                         shape=(1, 1, BLOCK_P, BLOCK_N),
+                         padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
+            dh = dh.astype(ct.float32)
 
-    for i in range(num_chunks):
-        chunk = num_chunks - 1 - i
+    for i in range(c_end - c_begin):
+        chunk = c_end - 1 - i
         ct.store(dstates, index=(batch, head, chunk, p_tile, n_tile),
                  tile=dh.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(dstates.dtype))
+        if SEGMENTS > 1:
+            if writer:
+                ct.store(chunk_factor, index=(batch, head, chunk),
+                         tile=factor.reshape((1, 1, 1)))
         dy = load_dy(dout, z, batch, chunk, head, p_tile, Q, BLOCK_P, HAS_Z, LAT)
         ct_ = load_rows(c, batch, chunk, group, n_tile, Q, BLOCK_N, LAT).astype(ct.float32)
         g = block_decay(cum, batch, head, chunk, Q, LAT)
@@ -76,12 +107,20 @@ def bwd_state_pass_fn(
         carry = carry_weight(g_last, before, last, HAS_SEQ)
         wc = mma_operand(ct_ * w[:, None], c.dtype)
         dh = ct.mma(mma_operand(dy.transpose(), c.dtype), wc, dh * carry[:, None])
+        if SEGMENTS > 1:
+            factor = factor * carry
 
-    if HAS_INIT:
+    if SEGMENTS > 1:
+        ct.store(seg_final, index=(batch, head, seg, p_tile, n_tile),
+                 tile=dh.reshape((1, 1, 1, BLOCK_P, BLOCK_N)))
+        if writer:
+            ct.store(seg_factor, index=(batch, head, seg), tile=factor.reshape((1, 1, 1)))
+    elif HAS_INIT:
         ct.store(dinit, index=(batch, head, p_tile, n_tile),
                  tile=dh.reshape((1, 1, BLOCK_P, BLOCK_N)).astype(dinit.dtype))
 
 
 bwd_state_pass = ct.kernel(bwd_state_pass_fn)
 bwd_state_pass_i64 = ct.kernel(int64_variant(
-    bwd_state_pass_fn, ["dout", "z", "c", "cum", "seq_idx", "dfinal", "dstates", "dinit"]))
+    bwd_state_pass_fn, ["dout", "z", "c", "cum", "seq_idx", "dfinal", "dstates", "dinit",
+                        "seg_final", "seg_factor", "chunk_factor"]))

@@ -1,5 +1,7 @@
 """Kernel 2b of the forward pass (only with `ForwardConfig.state_segments` S > 1): the states
-entering each segment of `chunk_state_pass`'s segmented loop, added to its local states.
+entering each segment of `chunk_state_pass`'s segmented loop, added to its local states; with
+REVERSE the same for the backward's reverse pass (`bwd_state_pass`, BackwardConfig's
+bstate_segments), whose segments are entered from the later ones.
 
 With l_c, f_c, E_s (the segment's end state from a zero start; segment 0 from init) and F_s
 (its end factor) from the segmented pass (chunk_state_pass's docstring), the state entering
@@ -8,13 +10,16 @@ segment s is the recurrence over segments
     H_0 = 0,   H_s = F_{s-1} H_{s-1} + E_{s-1}
 
 and every chunk c of segment s >= 1 gets  h_c = l_c + f_c H_s  (in float32, stored in the
-state dtype); the final state is F_{S-1} H_{S-1} + E_{S-1}.
+state dtype); the final state is F_{S-1} H_{S-1} + E_{S-1}. REVERSE (dS_c, the exit-state
+gradients, from the last segment down): H_{S-1} = 0, H_s = F_{s+1} H_{s+1} + E_{s+1}, every
+chunk of segment s < S-1 gets dS_c = l_c + f_c H_s, and dinitial_states = F_0 H_0 + E_0
+(written when WRITE_END).
 
 Program (bh, p-tile, n-tile * S + s) forms H_s itself from the s earlier segments' end states
 (S is small: a few (BLOCK_P, BLOCK_N) float32 tiles each), then rewrites the states of its
 segment's chunks; they do not depend on one another, so their loads are issued ahead
-(LOAD_LATENCY). Segment 0's programs have nothing to add and return; the last segment's
-write the final state.
+(LOAD_LATENCY). Segment 0's programs (REVERSE: segment S-1's) have nothing to add; the last
+segment's (REVERSE: segment 0's) write the end state.
 Grid: (B * H, cdiv(P, BLOCK_P), cdiv(N, BLOCK_N) * S).
 """
 
@@ -28,11 +33,13 @@ def chunk_state_carry_fn(
     seg_factor,    # (B, H, S) float32: F_s
     chunk_factor,  # (B, H, C) float32: f_c
     states,        # (B, H, C, P, N) state dtype: l_c in, h_c out
-    final,         # (B, H, P, N) float32 out
+    final,         # (B, H, P, N) float32 out: the end state (written only if WRITE_END)
     BLOCK_P: ct.Constant[int],
     BLOCK_N: ct.Constant[int],
     SEGMENTS: ct.Constant[int],
     LOAD_LATENCY: ct.Constant[int],
+    REVERSE: ct.Constant[bool],
+    WRITE_END: ct.Constant[bool],
 ):
     bh, p_tile = ct.bid(0), ct.bid(1)
     nheads = states.shape[1]
@@ -45,15 +52,22 @@ def chunk_state_carry_fn(
     per_seg = ct.cdiv(num_chunks, SEGMENTS)
     tile = (1, 1, 1, BLOCK_P, BLOCK_N)
     lat = None if LOAD_LATENCY == 0 else LOAD_LATENCY
-    if seg > 0:
-        carry = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
-        for s in range(seg):
-            end = ct.load(seg_final, index=(batch, head, s, p_tile, n_tile), shape=tile,
-                          padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
-            f = ct.load(seg_factor, index=(batch, head, s), shape=(1, 1, 1)).reshape((1, 1))
-            carry = carry * f + end
-        c_begin = ct.minimum(seg * per_seg, num_chunks)
-        c_end = ct.minimum(c_begin + per_seg, num_chunks)
+    carry = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
+    # the segments that enter this one: those before it, or after it with REVERSE
+    s_from, s_to = 0, seg
+    if REVERSE:
+        s_from, s_to = seg + 1, SEGMENTS
+    for i in range(s_to - s_from):
+        src = s_from + i
+        if REVERSE:
+            src = SEGMENTS - 1 - i
+        end = ct.load(seg_final, index=(batch, head, src, p_tile, n_tile), shape=tile,
+                      padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
+        f = ct.load(seg_factor, index=(batch, head, src), shape=(1, 1, 1)).reshape((1, 1))
+        carry = carry * f + end
+    c_begin = ct.minimum(seg * per_seg, num_chunks)
+    c_end = ct.minimum(c_begin + per_seg, num_chunks)
+    if s_to > s_from:
         for c in range(c_begin, c_end):
             loc = ct.load(states, index=(batch, head, c, p_tile, n_tile), shape=tile,
                           padding_mode=ct.PaddingMode.ZERO, latency=lat)
@@ -61,7 +75,8 @@ def chunk_state_carry_fn(
             h = loc.reshape((BLOCK_P, BLOCK_N)).astype(ct.float32) + f.reshape((1, 1)) * carry
             ct.store(states, index=(batch, head, c, p_tile, n_tile),
                      tile=h.reshape(tile).astype(states.dtype))
-        if seg == SEGMENTS - 1:
+    if WRITE_END:
+        if seg == (0 if REVERSE else SEGMENTS - 1):
             end = ct.load(seg_final, index=(batch, head, seg, p_tile, n_tile), shape=tile,
                           padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
             f = ct.load(seg_factor, index=(batch, head, seg), shape=(1, 1, 1)).reshape((1, 1))

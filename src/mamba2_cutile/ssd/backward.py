@@ -30,6 +30,7 @@ from ..kernels.bwd_chunk_dbc import (bwd_chunk_dbc, bwd_chunk_dbc_fused, bwd_chu
 from ..kernels.bwd_chunk_dx import bwd_chunk_dx, bwd_chunk_dx_i64
 from ..kernels.bwd_dt import bwd_dt, bwd_dt_i64
 from ..kernels.bwd_state_pass import bwd_state_pass, bwd_state_pass_i64
+from ..kernels.chunk_state_carry import chunk_state_carry, chunk_state_carry_i64
 from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, dt_clamp_bounds,
                        launch_calls, needs_int64, next_pow2, num_sms, with_hints)
 from .forward import ForwardConfig, forward_plan, forward_shape_config
@@ -77,6 +78,8 @@ class BackwardConfig:
                                  # (bc_block_q is then unused)
     state_segments: int = 1      # the recompute's state pass in parallel segments and its
     state_occupancy: int = 0     # occupancy hint (ForwardConfig's fields of the same names)
+    bstate_segments: int = 1     # bwd_state_pass's reverse loop in parallel segments, then
+                                 # chunk_state_carry (REVERSE) adds each one's entering gradient
 
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
     FIXED = ("dstate_pad",)
@@ -95,6 +98,7 @@ class BackwardConfig:
         for name in ("bstate_occupancy", "dx_occupancy", "bc_occupancy", "state_occupancy"):
             c.check_range(self, name, 0, 32)
         c.check_range(self, "state_segments", 1, 64)
+        c.check_range(self, "bstate_segments", 1, 64)
         for name in ("dx_warps", "bc_warps"):
             c.check_choice(self, name, (0, 4, 8))
         for name in ("lowp", "dx_lowp", "bc_fused"):
@@ -248,7 +252,8 @@ def recompute_config(cfg: BackwardConfig, x, B) -> ForwardConfig:
 
 def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
                   dout, dfinal, bufs: BackwardBuffers, cfg: BackwardConfig):
-    """The six launches of the backward (seven with state_segments). Inputs as the kernels take them (B, C, z, dout in x's
+    """The six launches of the backward (one more for each of state_segments and
+    bstate_segments). Inputs as the kernels take them (B, C, z, dout in x's
     dtype with unit innermost stride; A, D, dt_bias, init, dfinal fp32; seq_idx int32);
     unused optional inputs None. Reads no tensor values."""
     batch, seqlen, nheads, headdim = x.shape
@@ -271,15 +276,32 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
     calls = [c for c in calls if c.kernel._annotated_function.pyfunc.__name__
              != "chunk_scan_fn"]
 
-    # 3: reverse pass over chunks
-    int64 = needs_int64(dout, z, C, bufs.cum_buf, seq_idx, dfinal, bufs.dstates, bufs.hbuf)
+    # 3: reverse pass over chunks (with bstate_segments, in parallel runs, then the carry)
+    segs = max(1, min(cfg.bstate_segments, nchunks))
+    if segs > 1:
+        f = bufs.hbuf.dtype
+        seg_final = torch.empty((batch, nheads, segs, headdim, dstate), dtype=f, device=dev)
+        seg_factor = torch.empty((batch, nheads, segs), dtype=f, device=dev)
+        chunk_factor = torch.empty((batch, nheads, nchunks), dtype=f, device=dev)
+    else:                    # stand-ins, never read
+        seg_final, seg_factor, chunk_factor = bufs.hbuf, bufs.cum_buf, bufs.cum_buf
+    int64 = needs_int64(dout, z, C, bufs.cum_buf, seq_idx, dfinal, bufs.dstates, bufs.hbuf,
+                        seg_final)
+    bstate_grid = (batch * nheads, -(-headdim // cfg.bstate_block_p),
+                   -(-dstate // cfg.bstate_block_n) * segs)
     calls.append(KernelCall(
         with_hints(bwd_state_pass_i64 if int64 else bwd_state_pass, cfg.bstate_occupancy),
-        (batch * nheads, -(-headdim // cfg.bstate_block_p), -(-dstate // cfg.bstate_block_n)),
+        bstate_grid,
         (dout, z if has_z else dout, C, bufs.cum_buf, seq_arg,
          dfinal if dfinal is not None else bufs.hbuf, bufs.dstates, bufs.hbuf,
          Q, cfg.bstate_block_p, cfg.bstate_block_n, hpg, has_z, has_seq, dfinal is not None,
-         init is not None, cfg.bstate_load_latency)))
+         init is not None, cfg.bstate_load_latency, segs, seg_final, seg_factor,
+         chunk_factor)))
+    if segs > 1:
+        calls.append(KernelCall(
+            chunk_state_carry_i64 if int64 else chunk_state_carry, bstate_grid,
+            (seg_final, seg_factor, chunk_factor, bufs.dstates, bufs.hbuf, cfg.bstate_block_p,
+             cfg.bstate_block_n, segs, cfg.bstate_load_latency, True, init is not None)))
 
     # 4: dx, dz, partials of dD, ddt, da
     v_part = bufs.v_part if bufs.v_part is not None else bufs.ddt_part

@@ -242,7 +242,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         calls.insert(2, KernelCall(
             chunk_state_carry_i64 if int64 else chunk_state_carry, state_grid,
             (seg_final, seg_factor, chunk_factor, states, final, cfg.state_block_p,
-             cfg.state_block_n, segs, cfg.state_load_latency)))
+             cfg.state_block_n, segs, cfg.state_load_latency, False, True)))
     scan = calls[-1]
     if cfg.scan_causal == 1:
         # the same grid again: tiles with non-finite outputs are recomputed causally
