@@ -67,10 +67,14 @@ class ForwardConfig:
                                     # per FIX_SPAN tiles (one short wave: 128 programs, not 8192,
                                     # at the seed problem); 3: as 2 with a sum per query row
                                     # stored (no exchange between warps; BLOCK_Q floats a tile).
-                                    # 2 and 3 are not timed yet. Off by default
+                                    # 3 on the H200: +2.3-3.4% on clean input (benchmarks/
+                                    # results/2026-12-03-h200-forward-causal3-cost.jsonl.txt).
+                                    # Off by default
     state_segments: int = 1         # S > 1: chunk_state_pass's chunk loop in S parallel runs
                                     # from zero states, then chunk_state_carry adds each run's
-                                    # entering state (kernels/chunk_state_pass.py); 1: one run
+                                    # entering state (kernels/chunk_state_pass.py); 1: one run.
+                                    # Runs share SMs only under state_occupancy (4: 4 per SM at
+                                    # the seed problem's tiles). Not timed yet
 
     FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
 
