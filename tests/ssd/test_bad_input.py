@@ -493,3 +493,108 @@ def test_gpu_garbage_padding_seed_problem(causal):
     t_clean, t_bad = timed(inp), timed(bad)
     log_result(f"seed problem, scan_causal={causal}: clean {t_clean:.3f} ms, garbage tail "
                f"{t_bad:.3f} ms, clean err vs recurrence (first 2048 tokens of row 0) {e:.2e}")
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("segments", [1, 3, 6])
+def test_emulated_packed_sequences_stay_apart(segments, causal):
+    """A NaN in one packed sequence never reaches the next one, in the default mode and with
+    scan_causal: not through the chunk entry state into the rows of the chunk where the next
+    sequence starts (chunk_scan selects the carried state away there: 0 * NaN would be NaN),
+    nor, with state_segments, through the state entering a later run (chunk_state_carry
+    selects it away where a reset zeroed the run's factor). 6 chunks of 16 in 3 runs of 2
+    and 6 of 1 (1: the unsegmented pass); sequence 0 holds tokens 0-39 and a NaN x at token
+    5; sequence 1 starts inside the second run's first chunk (token 40): every output of
+    sequence 1 equals a clean run's."""
+    from mamba2_cutile.ssd import forward
+    from support.emulator import emulate_launch
+
+    Q, l = 16, 96
+    gen = torch.Generator().manual_seed(4)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    b, h, p, n = 1, 2, 8, 8
+    x, B, C = r(b, l, h, p), r(b, l, 1, n), r(b, l, 1, n)
+    dt = torch.rand(b, l, h, generator=gen, dtype=F64) * 0.3 + 0.05
+    A = -torch.rand(h, generator=gen, dtype=F64) - 0.5
+    seq = torch.zeros(b, l, dtype=torch.int32)
+    seq[:, 40:] = 1
+
+    def run(x, dt, B):
+        nc = -(-l // Q)
+        nan = lambda *s: torch.full(s, NAN, dtype=F64)  # noqa: E731
+        out, final = nan(b, l, h, p), nan(b, h, p, n)
+        cfg = forward.forward_shape_config(b, h, p, n, Q, F64)
+        cfg = replace(cfg, cumsum_block_h=2, state_block_p=8, state_block_n=8, scan_block_p=8,
+                      dstate_pad=8, scan_block_q=16, state_segments=segments,
+                      scan_causal=causal)
+        calls = forward.forward_plan(x, dt, A, B, C, None, None, None, 0.0, math.inf, False,
+                                     None, seq, nan(b, h, nc * Q), nan(b, h, nc * Q),
+                                     nan(b, h, nc, p, n), final, out, cfg)
+        calls[0].args[8].fill_(-(2**30))
+        if causal:
+            calls[-2].args[-2].fill_(0.0)      # the flags read "clean" unless written
+        emulate_launch(calls)
+        return out, final
+
+    clean, clean_final = run(x, dt, B)
+    bad = x.clone()
+    bad[0, 5, 1, 3] = NAN
+    y, final = run(bad, dt, B)
+    assert torch.isfinite(clean).all()
+    assert torch.equal(y[:, 40:], clean[:, 40:]), "the NaN reached the next sequence"
+    assert torch.equal(final, clean_final)
+    assert not torch.isfinite(y[:, 5:40, 1]).all()        # its own sequence does see it
+    if causal:
+        # bad B and dt in the chunk where sequence 1 starts: kept out of its rows by the
+        # fix-up's selects (the default mode's masked products let the Inf B reach them);
+        # the NaN dt's step enters the chunk's cumsum as -MAX_LOG2_STEP (decay_cumsum), so
+        # sequence 1's G shifts by a constant: its decays equal to rounding, not bit for bit
+        bad_dt, bad_b = dt.clone(), B.clone()
+        bad_dt[0, 37, 0] = NAN
+        bad_b[0, 38, 0, 2] = INF
+        y, final = run(bad, bad_dt, bad_b)
+        assert torch.isfinite(y[:, 40:]).all() and torch.isfinite(final).all()
+        torch.testing.assert_close(y[:, 40:], clean[:, 40:], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(final, clean_final, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@MODES
+@pytest.mark.parametrize("segments", [1, 4], ids=["one_run", "segments4"])
+def test_gpu_packed_sequences_stay_apart(segments, causal):
+    """On the GPU (bf16, chunk 64, 163 tokens packed as sequences of 100 / 31 / 32, NaN and
+    Inf in x, B and dt of the first sequence's first chunk; also with state_segments=4 under
+    state_occupancy=4): the other sequences' outputs and the final states equal a clean
+    run's in every mode."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    Q = 64
+    args, kw = make_problem(Q, 0, False, True, dtype=torch.bfloat16, b=2, h=4, g=2, p=80,
+                            n=96, device="cuda")
+    l = args["x"].shape[1]
+    bounds = (0, 100, 131, l)       # starts inside chunks 1 and 2; the bad tokens in chunk 0
+    seq = torch.zeros(2, l, dtype=torch.int32, device="cuda")
+    for i, start in enumerate(bounds[1:-1], start=1):
+        seq[:, start:] = i
+    kw = {**kw, "seq_idx": seq}
+    bad = {k: v.clone() for k, v in args.items()}
+    for k, t, v in (("x", 11, NAN), ("B", 40, INF), ("dt", 50, NAN)):
+        bad[k][:, t] = v
+    env = os.environ.get(ENV_FORWARD)
+    spec = (f"scan_causal={causal}," if causal else "") + (
+        f"state_segments={segments},state_occupancy=4" if segments > 1 else "")
+    try:
+        os.environ[ENV_FORWARD] = spec.rstrip(",") or "default"
+        y_clean, h_clean = mamba_chunk_scan_combined(**args, chunk_size=Q,
+                                                     return_final_states=True, **kw)
+        y_bad, h_bad = mamba_chunk_scan_combined(**bad, chunk_size=Q,
+                                                 return_final_states=True, **kw)
+        torch.cuda.synchronize()
+    finally:
+        if env is None:
+            os.environ.pop(ENV_FORWARD)
+        else:
+            os.environ[ENV_FORWARD] = env
+    assert torch.isfinite(y_clean).all()
+    assert torch.equal(y_bad[:, bounds[1]:], y_clean[:, bounds[1]:])
+    assert torch.equal(h_bad, h_clean)

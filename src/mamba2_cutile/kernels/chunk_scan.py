@@ -118,14 +118,13 @@ def _add_key_block(
     return acc
 
 
-def _carried(acc, state_scale, start_q, HAS_SEQ: ct.Constant[bool], SANITIZE: ct.Constant[bool]):
+def _carried(acc, state_scale, start_q, HAS_SEQ: ct.Constant[bool]):
     """The carried-state term C h^T times 2^{G_q}. With seq_idx the state belongs to the
     sequence of the token before the chunk: only rows whose run began before the chunk (start
-    -1) take it (SANITIZE: by a select, as their h may be another sequence's NaN)."""
+    -1) take it, by a select in every mode (h may be another sequence's NaN, and 0 * NaN
+    would carry it into this sequence's first rows)."""
     if HAS_SEQ:
-        if SANITIZE:
-            return ct.where((start_q < 0)[:, None], acc * state_scale[:, None], 0.0)
-        return acc * ct.where(start_q < 0, state_scale, 0.0)[:, None]
+        return ct.where((start_q < 0)[:, None], acc * state_scale[:, None], 0.0)
     return acc * state_scale[:, None]
 
 
@@ -175,7 +174,7 @@ def _tile_acc(
             for nt in range(n_tiles):
                 cb, acc = _diag_tile_mma(b, c, states, cb, acc, nt, batch, qblk, group, head,
                                          chunk, p_tile, BLOCK_Q, BLOCK_P, BLOCK_N, LAT, x.dtype)
-        acc = _carried(acc, state_scale, start_q, HAS_SEQ, SANITIZE)
+        acc = _carried(acc, state_scale, start_q, HAS_SEQ)
         acc = _add_key_block(acc, cb, qblk, qblk, g_q, row, start_q, x, dt, cum, batch, head,
                              p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT, SANITIZE)
     elif ONE_TILE:
@@ -186,7 +185,7 @@ def _tile_acc(
                     shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
                     latency=LAT).reshape((BLOCK_P, BLOCK_N))
         acc = _carried(ct.mma(c_q, mma_operand(h.transpose(), x.dtype), acc), state_scale,
-                       start_q, HAS_SEQ, SANITIZE)
+                       start_q, HAS_SEQ)
         for kblk in range(first_blk, qblk + 1):
             bt = ct.load(b, index=(batch, kblk, group, 0), shape=(1, BLOCK_Q, 1, BLOCK_N),
                          padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
@@ -202,7 +201,7 @@ def _tile_acc(
                         shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
                         latency=LAT).reshape((BLOCK_P, BLOCK_N))
             acc = ct.mma(mma_operand(c_t, x.dtype), mma_operand(h.transpose(), x.dtype), acc)
-        acc = _carried(acc, state_scale, start_q, HAS_SEQ, SANITIZE)
+        acc = _carried(acc, state_scale, start_q, HAS_SEQ)
         for kblk in range(first_blk, qblk + 1):
             cb = ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32)
             for nt in range(n_tiles):

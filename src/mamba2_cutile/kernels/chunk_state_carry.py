@@ -15,6 +15,9 @@ gradients, from the last segment down): H_{S-1} = 0, H_s = F_{s+1} H_{s+1} + E_{
 chunk of segment s < S-1 gets dS_c = l_c + f_c H_s, and dinitial_states = F_0 H_0 + E_0
 (written when WRITE_END).
 
+Every product f H is a select where f = 0 (a seq_idx reset: the state of another sequence,
+which may hold a NaN, is dropped, never multiplied by 0), as in chunk_state_pass.
+
 Program (bh, p-tile, n-tile * S + s) forms H_s itself from the s earlier segments' end states
 (S is small: a few (BLOCK_P, BLOCK_N) float32 tiles each), then rewrites the states of its
 segment's chunks; they do not depend on one another, so their loads are issued ahead
@@ -64,7 +67,7 @@ def chunk_state_carry_fn(
         end = ct.load(seg_final, index=(batch, head, src, p_tile, n_tile), shape=tile,
                       padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
         f = ct.load(seg_factor, index=(batch, head, src), shape=(1, 1, 1)).reshape((1, 1))
-        carry = carry * f + end
+        carry = ct.where(f == 0.0, 0.0, carry * f) + end
     c_begin = ct.minimum(seg * per_seg, num_chunks)
     c_end = ct.minimum(c_begin + per_seg, num_chunks)
     if s_to > s_from:
@@ -72,7 +75,11 @@ def chunk_state_carry_fn(
             loc = ct.load(states, index=(batch, head, c, p_tile, n_tile), shape=tile,
                           padding_mode=ct.PaddingMode.ZERO, latency=lat)
             f = ct.load(chunk_factor, index=(batch, head, c), shape=(1, 1, 1), latency=lat)
-            h = loc.reshape((BLOCK_P, BLOCK_N)).astype(ct.float32) + f.reshape((1, 1)) * carry
+            # a select, not a product: f_c = 0 where a seq_idx reset dropped the carried state,
+            # and 0 * NaN would carry another sequence's NaN / Inf into this one
+            f = f.reshape((1, 1))
+            h = loc.reshape((BLOCK_P, BLOCK_N)).astype(ct.float32) + ct.where(
+                f == 0.0, 0.0, f * carry)
             ct.store(states, index=(batch, head, c, p_tile, n_tile),
                      tile=h.reshape(tile).astype(states.dtype))
     if WRITE_END:
@@ -80,8 +87,9 @@ def chunk_state_carry_fn(
             end = ct.load(seg_final, index=(batch, head, seg, p_tile, n_tile), shape=tile,
                           padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
             f = ct.load(seg_factor, index=(batch, head, seg), shape=(1, 1, 1)).reshape((1, 1))
+            end = end + ct.where(f == 0.0, 0.0, carry * f)
             ct.store(final, index=(batch, head, p_tile, n_tile),
-                     tile=(carry * f + end).reshape((1, 1, BLOCK_P, BLOCK_N)))
+                     tile=end.reshape((1, 1, BLOCK_P, BLOCK_N)))
 
 
 chunk_state_carry = ct.kernel(chunk_state_carry_fn)
