@@ -354,6 +354,7 @@ CONFIGS = [
     {"da_mode": 2, "bc_block_n": 32}, {"da_mode": 2, "dx_warps": 4, "dx_block_q": 128},
     {"cumsum_block_h": 2},
     {"bstate_load_latency": 4, "dx_load_latency": 4, "bc_load_latency": 4},
+    {"bstate_segments": 2}, {"bstate_segments": 3, "state_segments": 3, "state_occupancy": 4},
 ]
 
 

@@ -283,6 +283,9 @@ TUNING_OPTIONS = [
     {"scan_block_n": 32}, {"scan_block_n": 64, "scan_block_q": 64},
     {"scan_lowp": 0}, {"state_scale_x": 0}, {"state_fresh_acc": 0}, {"scan_occupancy": 2},
     {"scan_block_p": 32, "scan_occupancy": 2},
+    {"state_segments": 2}, {"state_segments": 3, "state_occupancy": 4},
+    {"state_segments": 8, "state_occupancy": 2, "state_block_n": 64},
+    {"state_load_latency": 0},
 ]
 
 
