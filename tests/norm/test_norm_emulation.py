@@ -144,3 +144,10 @@ def _check_kernels(m, hidden, gs, over, has_z, nbg, has_bias):
     assert p == min(-(-m // cfg.bwd_block_m),
                     -(-cfg.bwd_ctas_per_sm * 132 // (hidden // gs)))
     assert cfg.chunk == over.get("chunk", rule.chunk)
+
+
+@pytest.mark.parametrize("m, hidden, gs, over", [CASES[0], CASES[6]])
+def test_torch_reduction_path(m, hidden, gs, over):
+    """bwd_reduce=0: the plan holds the backward kernel alone and the partials are summed by
+    torch (the path the sum_partials launch replaced), against the same definition."""
+    _check_kernels(m, hidden, gs, {**over, "bwd_reduce": 0}, True, False, True)

@@ -174,7 +174,7 @@ def test_emulated_segmented_state_passes(opt, segments, field):
     """state_segments (the recompute of the entry states: the segmented state pass and
     chunk_state_carry before bwd_state_pass) and bstate_segments (bwd_state_pass's reverse
     loop in segments, chunk_state_carry REVERSE after it, writing dinitial_states): 3 chunks
-    of 32 in 2 segments (2 + 1) and 3 (one each), with initial states, with and without
+    of 32 in 2 segments (1 + 2) and 3 (one each), with initial states, with and without
     dfinal, and with "all" seq_idx resets."""
     Q = 32
     args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=90, Q=Q, seed=5, g=1, p=24, n=20)
@@ -183,9 +183,9 @@ def test_emulated_segmented_state_passes(opt, segments, field):
                  reference_grads(args, kw, Q, dout, dfinal))
 
 
-def test_emulated_segmented_reverse_pass_empty_last_segment():
-    """bstate_segments=4 over 5 chunks: runs of 2 + 2 + 1 and an empty last one, which then
-    carries dfinal alone into the earlier runs."""
+def test_emulated_segmented_passes_uneven_runs():
+    """bstate_segments=4 and state_segments=4 over 5 chunks: runs of 1 + 1 + 1 + 2, the
+    last (two chunks, the partial one) starting from dfinal in the reverse pass."""
     Q = 32
     args, kw, dout, dfinal = make_problem(OPTIONS["all"], l=150, Q=Q, seed=7, g=1, p=24, n=20)
     assert dfinal is not None

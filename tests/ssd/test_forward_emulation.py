@@ -89,8 +89,8 @@ def test_emulated_forward_short_with_seq_idx(l):
 def test_emulated_segmented_state_pass(opt, segments):
     """state_segments: the state pass's chunk loop in parallel runs from zero states, then
     chunk_state_carry adding each run's entering state. 5 chunks (a partial last one) in 2
-    runs of 3 + 2 chunks, 3 of 2 + 2 + 1, 4 with an empty last run, 8 (one chunk a run: never
-    more runs than chunks); seq_idx resets inside runs and on their boundaries, and
+    runs of 2 + 3 chunks, 3 of 1 + 2 + 2, 4 of 1 + 1 + 1 + 2, 8 (one chunk a run: never more
+    runs than chunks); seq_idx resets inside runs and on their boundaries, and
     initial_states (only the first run starts from it) with "all"."""
     Q = 64
     args, kw, _, _ = make_problem(OPTIONS[opt], l=300, Q=Q)

@@ -14,7 +14,7 @@ Tiles: dY (Q, BLOCK_P) from dout/z, C (Q, BLOCK_N), G2 (Q,), seq (Q,), dS (BLOCK
 Grid: (B * H, cdiv(P, BLOCK_P), cdiv(N, BLOCK_N)); the chunk loop is sequential (c = nc-1..0).
 
 SEGMENTS > 1 (BackwardConfig.bstate_segments): the loop in SEGMENTS parallel runs of
-cdiv(C, SEGMENTS) chunks (grid axis 2: n-tiles x SEGMENTS), each from a zero gradient (the
+C / SEGMENTS chunks (as chunk_state_pass's; grid axis 2: n-tiles x SEGMENTS), each from a zero gradient (the
 last from dfinal), as chunk_state_pass's segments in reverse: the local dS_c are stored with
 f_c, the product of the carry weights of the run's chunks after c (chunk_factor), and each
 run's end gradient and factor (seg_final, seg_factor); `chunk_state_carry` (REVERSE) adds
@@ -74,9 +74,9 @@ def bwd_state_pass_fn(
         n_tiles = ct.cdiv(c.shape[3], BLOCK_N)
         n_tile = ct.bid(2) % n_tiles
         seg = ct.bid(2) // n_tiles
-        per_seg = ct.cdiv(num_chunks, SEGMENTS)
-        c_begin = ct.minimum(seg * per_seg, num_chunks)
-        c_end = ct.minimum(c_begin + per_seg, num_chunks)
+        # floor(C s / S) .. floor(C (s + 1) / S): runs of equal length to one chunk
+        c_begin = seg * num_chunks // SEGMENTS
+        c_end = (seg + 1) * num_chunks // SEGMENTS
         last_seg = seg == SEGMENTS - 1
         writer = p_tile + n_tile == 0           # f_c is the same for every tile: one writes it
         factor = ct.full((1,), 1.0, dtype=ct.float32)

@@ -18,8 +18,8 @@ recurrence.
 Grid: (B * H, cdiv(P, BLOCK_P), cdiv(N, BLOCK_N)). The chunk loop is sequential inside a
 program; independent (batch, head, p-tile, n-tile) slices run in parallel.
 
-SEGMENTS > 1 splits the chunk loop into SEGMENTS runs of cdiv(C, SEGMENTS) chunks that run in
-parallel (grid axis 2: n-tiles x SEGMENTS), because the sequential loop is latency-bound when
+SEGMENTS > 1 splits the chunk loop into SEGMENTS runs (chunks floor(C s / S) up to
+floor(C (s + 1) / S), lengths within one chunk of each other) that run in parallel (grid axis 2: n-tiles x SEGMENTS), because the sequential loop is latency-bound when
 B * H * tiles programs do not fill the GPU several times over. Segment s > 0 starts from a
 zero state (segment 0 from init), so it writes the local entry states l_c; by linearity the
 true ones are
@@ -94,9 +94,9 @@ def chunk_state_pass_fn(
         n_tiles = ct.cdiv(b.shape[3], BLOCK_N)
         n_tile = ct.bid(2) % n_tiles
         seg = ct.bid(2) // n_tiles
-        per_seg = ct.cdiv(num_chunks, SEGMENTS)
-        c_begin = ct.minimum(seg * per_seg, num_chunks)
-        c_end = ct.minimum(c_begin + per_seg, num_chunks)
+        # floor(C s / S) .. floor(C (s + 1) / S): runs of equal length to one chunk
+        c_begin = seg * num_chunks // SEGMENTS
+        c_end = (seg + 1) * num_chunks // SEGMENTS
         writer = p_tile + n_tile == 0           # f_c is the same for every tile: one writes it
         factor = ct.full((1,), 1.0, dtype=ct.float32)
 
