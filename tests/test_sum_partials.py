@@ -35,6 +35,9 @@ def test_emulated_sum(p, r, n, sms, second):
     torch.testing.assert_close(out, parts.sum(0), rtol=1e-14, atol=1e-13)
     if second:
         torch.testing.assert_close(out2, parts2.sum(0), rtol=1e-14, atol=1e-13)
+    from mamba2_cutile.kernels.sum_partials import sum_partials
+    from mamba2_cutile.runtime import SUM_PARTIALS_OCCUPANCY, with_hints
+    assert call.kernel is with_hints(sum_partials, SUM_PARTIALS_OCCUPANCY)
     if (p, n, sms) == (37, 2048, 1):
         block_p, block_n = call.args[4:6]
         assert (block_p, block_n) == (16, 256) and p > 2 * block_p    # three row tiles

@@ -110,11 +110,17 @@ def with_hints(kernel, occupancy: int = 0, warps: int = 0):
     return kernel.replace_hints(**hints) if hints else kernel
 
 
+#: the occupancy hint of `kernels.sum_partials` (see sum_partials_call)
+SUM_PARTIALS_OCCUPANCY = 4
+
+
 def sum_partials_call(parts, out, parts2=None, out2=None, sms: int = DEFAULT_SMS):
     """The launch that sums a backward's (P, R, N) float32 partials over P into `out` (R, N)
     in its dtype (and `parts2` (P, R2, N) into `out2`, R2 <= R, in the same launch):
-    `kernels.sum_partials`. Column blocks of 16-256 so that about `sms` programs run, rows
-    tiles of about 4096 floats."""
+    `kernels.sum_partials`. Column blocks of 16-256 so that about `sms` programs run, row
+    tiles of about 4096 floats, under the occupancy-4 hint: unhinted the sm_90 compile takes 255
+    registers and 67-224 KB of shared memory (one program per SM: the 512 programs of groups
+    of 1024 with a bias take four waves); hinted 64 registers, 51 KB, no stack (untimed)."""
     from .kernels.sum_partials import sum_partials, sum_partials_i64
 
     p, r, n = parts.shape
@@ -123,7 +129,8 @@ def sum_partials_call(parts, out, parts2=None, out2=None, sms: int = DEFAULT_SMS
     block_p = max(1, min(next_pow2(p), 4096 // block_n))
     two = parts2 is not None
     kernel = sum_partials_i64 if needs_int64(parts, out, parts2, out2) else sum_partials
-    return KernelCall(kernel, (-(-n // block_n), r, 2 if two else 1),
+    return KernelCall(with_hints(kernel, SUM_PARTIALS_OCCUPANCY),
+                      (-(-n // block_n), r, 2 if two else 1),
                       (parts, out, parts2 if two else parts, out2 if two else out,
                        block_p, block_n, two))
 
