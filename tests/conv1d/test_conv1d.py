@@ -430,10 +430,17 @@ def _emulated_forward_backward(layout, w, silu, opts, tiles, form, d=40, l=37):
     dw_part = torch.full((parts, w, d), float("nan"), dtype=F64)   # each row written once
     db_part = torch.full((parts, d), float("nan"), dtype=F64)
     dinit = torch.full((b, d, w - 1), float("nan"), dtype=F64) if init is not None else None
-    run_calls(plan.backward_plan(x, weight.t().contiguous(), bias, init, seq,
-                                 plan.in_layout(dout, cl), dfinal, dx, dw_part, db_part, dinit,
-                                 silu, cfg))
-    got = [dx, dw_part.sum(0).t()] + ([db_part.sum(0)] if bias is not None else []) + \
+    # dweight / dbias from the plan's own sum of the partials (sum_partials), dweight through
+    # its transposed view
+    dweight = torch.full((d, w), float("nan"), dtype=F64)
+    dbias = torch.full((d,), float("nan"), dtype=F64) if bias is not None else None
+    calls = plan.backward_plan(x, weight.t().contiguous(), bias, init, seq,
+                               plan.in_layout(dout, cl), dfinal, dx, dw_part, db_part, dinit,
+                               silu, cfg, dweight, dbias)
+    assert len(calls) == 2
+    run_calls(calls)
+    torch.testing.assert_close(dweight, dw_part.sum(0).t(), rtol=1e-13, atol=1e-13)
+    got = [dx, dweight] + ([dbias] if bias is not None else []) + \
         ([dinit] if init is not None else [])
     for g, r in zip(got, want):
         assert (g - r).abs().max() < TOL_EMU

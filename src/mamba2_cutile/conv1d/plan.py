@@ -539,10 +539,29 @@ def backward_grid(x, cfg):
 
 
 def backward_plan(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, dw_part,
-                  db_part, dinit, silu, cfg: Conv1dConfig | None = None):
+                  db_part, dinit, silu, cfg: Conv1dConfig | None = None, dweight=None,
+                  dbias=None):
     """The backward launch. x, dout and dx in one layout family; dw_part (P, width, dim) and
     db_part (P, dim) float32 with P = batch * backward_grid(x, cfg)[1]; dinit (batch, dim,
-    width-1) or None (with initial_states None too)."""
+    width-1) or None (with initial_states None too). With dweight (dim, width) (and dbias
+    (dim,) with a bias) and cfg.bwd_reduce, then the launch that sums the partials into
+    them (`kernels.sum_partials`)."""
+    if cfg is None:
+        b, d, l = x.shape
+        cfg = conv1d_config(b, d, l, is_channel_last(x), num_sms(x), weight_t.shape[0])
+    calls = _backward_calls(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx,
+                            dw_part, db_part, dinit, silu, cfg)
+    if dweight is not None and cfg.bwd_reduce:
+        parts, d = db_part.shape
+        calls.append(sum_partials_call(
+            dw_part, dweight.t(), None if dbias is None else db_part.view(parts, 1, d),
+            None if dbias is None else dbias.view(1, d), num_sms(x)))
+    return calls
+
+
+def _backward_calls(x, weight_t, bias, initial_states, seq_idx, dout, dfinal, dx, dw_part,
+                    db_part, dinit, silu, cfg: Conv1dConfig | None = None):
+    """backward_plan's convolution launch (one KernelCall in a list)."""
     b, d, l = x.shape
     w = weight_t.shape[0]
     cl = is_channel_last(x)
@@ -673,16 +692,12 @@ def conv1d_backward_cuda(x, weight, bias, seq_idx, initial_states, dout, dfinal,
     dinit = None
     if initial_states is not None:
         dinit = torch.empty(b, d, w - 1, dtype=initial_states.dtype, device=x.device)
+    # the partials summed in a fixed order (deterministic), by the plan's second launch
+    dweight = torch.empty(d, w, dtype=weight.dtype, device=x.device)
+    dbias = None if bias is None else torch.empty(d, dtype=bias.dtype, device=x.device)
     calls = backward_plan(x, _weight_t(weight), None if bias is None else bias.contiguous(),
                           initial_states, seq_idx, dout, dfinal, dx, dw_part, db_part, dinit,
-                          silu, cfg)
-    # the partials summed in a fixed order: deterministic
-    if cfg.bwd_reduce:
-        dweight = torch.empty(d, w, dtype=weight.dtype, device=x.device)
-        dbias = None if bias is None else torch.empty(d, dtype=bias.dtype, device=x.device)
-        calls.append(sum_partials_call(
-            dw_part, dweight.t(), None if bias is None else db_part.view(parts, 1, d),
-            None if bias is None else dbias.view(1, d), num_sms(x)))
+                          silu, cfg, dweight, dbias)
     launch_calls(calls, x.device)
     if not cfg.bwd_reduce:
         dweight = dw_part.sum(0).t().to(weight.dtype).contiguous()
