@@ -471,6 +471,22 @@ def test_split_space_per_kernel():
     assert search.split_space({"cumsum_block_h": (4, 8)}) == {0: {"cumsum_block_h": (4, 8)}}
     with pytest.raises(ValueError, match="dstate_pad"):
         search.split_space({"dstate_pad": (64,)})
+    # it adds a launch that a search of the state pass alone would not time
+    with pytest.raises(ValueError, match="state_segments"):
+        search.split_space({"state_segments": (1, 4)})
+
+
+def test_launch_of_finds_kernels_by_name():
+    """The tuner's launch lookup by kernel name: with state_segments, chunk_state_carry sits
+    between the state pass and chunk_scan."""
+    pytest.importorskip("cuda.tile")
+    from mamba2_cutile.bench import plans
+    for over in (None, {"state_segments": 4}):
+        calls = plans.forward_problem_plan(overrides=over)
+        for name in ("decay_cumsum", "chunk_state_pass", "chunk_scan"):
+            call = search.launch_of(calls, name)
+            assert call.kernel._annotated_function.pyfunc.__name__ == name + "_fn"
+        assert search.launch_of(calls, "chunk_scan") is calls[-1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
