@@ -1,5 +1,5 @@
-"""Helpers shared by the kernels: the sigmoid, MMA operand dtypes and 64-bit kernel
-variants."""
+"""Helpers shared by the kernels: the sigmoid, MMA operand dtypes, the state passes' segments
+and 64-bit kernel variants."""
 
 import types
 
@@ -30,6 +30,17 @@ def mma_operand(tile, like):
     if like == ct.float32:
         return tile.astype(ct.tfloat32)
     return tile.astype(like)
+
+
+def state_segment(n, BLOCK_N: ct.Constant[int], num_chunks, SEGMENTS: ct.Constant[int]):
+    """(n_tile, segment, first chunk, end chunk) of a program of the segmented state passes
+    (chunk_state_pass, bwd_state_pass, chunk_state_carry): grid axis 2 holds the n-tiles of
+    dstate n times the segments, and segment s holds chunks floor(C s / S) .. floor(C (s + 1)
+    / S), runs of equal length to one chunk."""
+    n_tiles = ct.cdiv(n, BLOCK_N)
+    seg = ct.bid(2) // n_tiles
+    return (ct.bid(2) % n_tiles, seg, seg * num_chunks // SEGMENTS,
+            (seg + 1) * num_chunks // SEGMENTS)
 
 
 def int64_variant(fn, array_params):

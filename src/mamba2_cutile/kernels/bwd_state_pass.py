@@ -23,7 +23,7 @@ f_c times the gradient entering the run from the later ones, and writes dh_0.
 
 import cuda.tile as ct
 
-from ._common import int64_variant, mma_operand
+from ._common import int64_variant, mma_operand, state_segment
 from .bwd_common import (
     block_decay,
     block_seq,
@@ -71,12 +71,8 @@ def bwd_state_pass_fn(
     c_end = num_chunks
     last_seg = True
     if SEGMENTS > 1:
-        n_tiles = ct.cdiv(c.shape[3], BLOCK_N)
-        n_tile = ct.bid(2) % n_tiles
-        seg = ct.bid(2) // n_tiles
-        # floor(C s / S) .. floor(C (s + 1) / S): runs of equal length to one chunk
-        c_begin = seg * num_chunks // SEGMENTS
-        c_end = (seg + 1) * num_chunks // SEGMENTS
+        n_tile, seg, c_begin, c_end = state_segment(c.shape[3], BLOCK_N, num_chunks,
+                                                    SEGMENTS)
         last_seg = seg == SEGMENTS - 1
         writer = p_tile + n_tile == 0           # f_c is the same for every tile: one writes it
         factor = ct.full((1,), 1.0, dtype=ct.float32)

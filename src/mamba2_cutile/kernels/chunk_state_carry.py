@@ -28,7 +28,7 @@ Grid: (B * H, cdiv(P, BLOCK_P), cdiv(N, BLOCK_N) * S).
 
 import cuda.tile as ct
 
-from ._common import int64_variant
+from ._common import int64_variant, state_segment
 
 
 def chunk_state_carry_fn(
@@ -48,10 +48,8 @@ def chunk_state_carry_fn(
     nheads = states.shape[1]
     batch = bh // nheads
     head = bh % nheads
-    n_tiles = ct.cdiv(states.shape[4], BLOCK_N)
-    n_tile = ct.bid(2) % n_tiles
-    seg = ct.bid(2) // n_tiles
-    num_chunks = states.shape[2]
+    n_tile, seg, c_begin, c_end = state_segment(states.shape[4], BLOCK_N, states.shape[2],
+                                                SEGMENTS)
     tile = (1, 1, 1, BLOCK_P, BLOCK_N)
     lat = None if LOAD_LATENCY == 0 else LOAD_LATENCY
     carry = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
@@ -67,8 +65,6 @@ def chunk_state_carry_fn(
                       padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
         f = ct.load(seg_factor, index=(batch, head, src), shape=(1, 1, 1)).reshape((1, 1))
         carry = ct.where(f == 0.0, 0.0, carry * f) + end
-    c_begin = seg * num_chunks // SEGMENTS        # the segment's chunks, as the state pass's
-    c_end = (seg + 1) * num_chunks // SEGMENTS
     if s_to > s_from:
         for c in range(c_begin, c_end):
             loc = ct.load(states, index=(batch, head, c, p_tile, n_tile), shape=tile,

@@ -35,7 +35,7 @@ is rounded to the state dtype before H_s is added (twice in all, against once).
 
 import cuda.tile as ct
 
-from ._common import int64_variant, mma_operand
+from ._common import int64_variant, mma_operand, state_segment
 
 
 def _update(hid, carry, xt, bt, w, in_dtype, BLOCK_P: ct.Constant[int],
@@ -91,12 +91,8 @@ def chunk_state_pass_fn(
     c_begin = 0
     c_end = num_chunks
     if SEGMENTS > 1:
-        n_tiles = ct.cdiv(b.shape[3], BLOCK_N)
-        n_tile = ct.bid(2) % n_tiles
-        seg = ct.bid(2) // n_tiles
-        # floor(C s / S) .. floor(C (s + 1) / S): runs of equal length to one chunk
-        c_begin = seg * num_chunks // SEGMENTS
-        c_end = (seg + 1) * num_chunks // SEGMENTS
+        n_tile, seg, c_begin, c_end = state_segment(b.shape[3], BLOCK_N, num_chunks,
+                                                    SEGMENTS)
         writer = p_tile + n_tile == 0           # f_c is the same for every tile: one writes it
         factor = ct.full((1,), 1.0, dtype=ct.float32)
 
