@@ -18,11 +18,8 @@ import subprocess
 import sys
 import time
 
-CHILD = r"""
-import faulthandler, json, sys, time, torch
-# a stuck child prints where it is (compile, launch or synchronize) before the time limit
-faulthandler.dump_traceback_later(DUMP_AFTER, exit=False)
-from mamba2_cutile import mamba_chunk_scan_combined
+#: the child processes' problem (SHAPE = batch, seqlen, heads; headdim 64, dstate 128, bf16)
+INPUTS = r"""
 b, l, h = SHAPE
 g = torch.Generator(device="cuda").manual_seed(0)
 x = torch.randn(b, l, h, 64, device="cuda", generator=g).to(torch.bfloat16)
@@ -31,6 +28,14 @@ A = -torch.rand(h, device="cuda", generator=g)
 B = torch.randn(b, l, 1, 128, device="cuda", generator=g).to(torch.bfloat16)
 C = torch.randn(b, l, 1, 128, device="cuda", generator=g).to(torch.bfloat16)
 D = torch.randn(h, device="cuda", generator=g)
+"""
+
+CHILD = r"""
+import faulthandler, json, sys, time, torch
+# a stuck child prints where it is (compile, launch or synchronize) before the time limit
+faulthandler.dump_traceback_later(DUMP_AFTER, exit=False)
+from mamba2_cutile import mamba_chunk_scan_combined
+INPUTS
 t0 = time.time()
 y = mamba_chunk_scan_combined(x, dt, A, B, C, 128, D=D)
 torch.cuda.synchronize()
@@ -61,14 +66,7 @@ import faulthandler, json, sys, time, torch
 import cuda.tile as ct
 faulthandler.dump_traceback_later(DUMP_AFTER, exit=False)
 from mamba2_cutile.ssd.forward import forward_launches
-b, l, h = SHAPE
-g = torch.Generator(device="cuda").manual_seed(0)
-x = torch.randn(b, l, h, 64, device="cuda", generator=g).to(torch.bfloat16)
-dt = torch.rand(b, l, h, device="cuda", generator=g) * 0.1
-A = -torch.rand(h, device="cuda", generator=g)
-B = torch.randn(b, l, 1, 128, device="cuda", generator=g).to(torch.bfloat16)
-C = torch.randn(b, l, 1, 128, device="cuda", generator=g).to(torch.bfloat16)
-D = torch.randn(h, device="cuda", generator=g)
+INPUTS
 stream = torch.cuda.current_stream()
 res = []
 for rnd in range(2):
@@ -109,7 +107,7 @@ def main():
         t0 = time.time()
         try:
             child = (PER_KERNEL if args.per_kernel else CHILD).replace(
-                "SHAPE", repr(shape)).replace(
+                "INPUTS", INPUTS).replace("SHAPE", repr(shape)).replace(
                 "DUMP_AFTER", str(max(1, args.limit - 10)))
             res = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True,
                                  text=True, timeout=args.limit)
