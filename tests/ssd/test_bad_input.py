@@ -353,11 +353,14 @@ def test_emulated_kernels_dt_zero_with_A_minus_inf(causal):
 # GPU: the kernels themselves
 # ----------------------------------------------------------------------------------------------
 
-def gpu_run(Q, causal=1):
-    """The public function under MAMBA2_CUTILE_CONFIG=scan_causal=`causal` (0: the default)."""
+def gpu_run(Q, causal=1, extra=""):
+    """The public function under MAMBA2_CUTILE_CONFIG=scan_causal=`causal` (0: the default)
+    and the config fields in `extra` ("state_segments=4,...")."""
+    spec = ",".join(f for f in (f"scan_causal={causal}" if causal else "", extra) if f)
+
     def run(args, kw):
         saved = os.environ.get(ENV_FORWARD)
-        os.environ[ENV_FORWARD] = f"scan_causal={causal}" if causal else "default"
+        os.environ[ENV_FORWARD] = spec or "default"
         try:
             y, h = mamba_chunk_scan_combined(**args, chunk_size=Q, return_final_states=True,
                                              **kw)
@@ -580,21 +583,10 @@ def test_gpu_packed_sequences_stay_apart(segments, causal):
     bad = {k: v.clone() for k, v in args.items()}
     for k, t, v in (("x", 11, NAN), ("B", 40, INF), ("dt", 50, NAN)):
         bad[k][:, t] = v
-    env = os.environ.get(ENV_FORWARD)
-    spec = (f"scan_causal={causal}," if causal else "") + (
-        f"state_segments={segments},state_occupancy=4" if segments > 1 else "")
-    try:
-        os.environ[ENV_FORWARD] = spec.rstrip(",") or "default"
-        y_clean, h_clean = mamba_chunk_scan_combined(**args, chunk_size=Q,
-                                                     return_final_states=True, **kw)
-        y_bad, h_bad = mamba_chunk_scan_combined(**bad, chunk_size=Q,
-                                                 return_final_states=True, **kw)
-        torch.cuda.synchronize()
-    finally:
-        if env is None:
-            os.environ.pop(ENV_FORWARD)
-        else:
-            os.environ[ENV_FORWARD] = env
+    run = gpu_run(Q, causal, f"state_segments={segments},state_occupancy=4"
+                  if segments > 1 else "")
+    y_clean, h_clean = run(args, kw)
+    y_bad, h_bad = run(bad, kw)
     assert torch.isfinite(y_clean).all()
     assert torch.equal(y_bad[:, bounds[1]:], y_clean[:, bounds[1]:])
     assert torch.equal(h_bad, h_clean)
