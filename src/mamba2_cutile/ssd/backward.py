@@ -33,7 +33,7 @@ from ..kernels.bwd_state_pass import bwd_state_pass, bwd_state_pass_i64
 from ..kernels.chunk_state_carry import chunk_state_carry, chunk_state_carry_i64
 from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, dt_clamp_bounds,
                        launch_calls, needs_int64, next_pow2, num_sms, with_hints)
-from .forward import ForwardConfig, forward_plan, forward_shape_config
+from .forward import ForwardConfig, forward_plan, forward_shape_config, segment_buffers
 
 INF = float("inf")
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
@@ -277,14 +277,8 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
              != "chunk_scan_fn"]
 
     # 3: reverse pass over chunks (with bstate_segments, in parallel runs, then the carry)
-    segs = max(1, min(cfg.bstate_segments, nchunks))
-    if segs > 1:
-        f = bufs.hbuf.dtype
-        seg_final = torch.empty((batch, nheads, segs, headdim, dstate), dtype=f, device=dev)
-        seg_factor = torch.empty((batch, nheads, segs), dtype=f, device=dev)
-        chunk_factor = torch.empty((batch, nheads, nchunks), dtype=f, device=dev)
-    else:                    # stand-ins, never read
-        seg_final, seg_factor, chunk_factor = bufs.hbuf, bufs.cum_buf, bufs.cum_buf
+    segs, (seg_final, seg_factor, chunk_factor) = segment_buffers(
+        cfg.bstate_segments, nchunks, bufs.hbuf, bufs.cum_buf)
     int64 = needs_int64(dout, z, C, bufs.cum_buf, seq_idx, dfinal, bufs.dstates, bufs.hbuf,
                         seg_final)
     bstate_grid = (batch * nheads, -(-headdim // cfg.bstate_block_p),

@@ -169,6 +169,19 @@ def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=DEFAUL
     return _config.with_env(cfg, _config.ENV_FORWARD)
 
 
+def segment_buffers(segments, nchunks, state, vector):
+    """(S, (seg_final, seg_factor, chunk_factor)) of a segmented state pass: S = `segments`
+    clamped to the chunk count, and the scratch of its runs (`kernels.chunk_state_pass`) in
+    the dtype of `state` (B, H, P, N), (B, H, S, P, N) / (B, H, S) / (B, H, nchunks); with
+    S = 1 the stand-ins `state` and `vector` (a 3-d float tensor), never read."""
+    segs = max(1, min(segments, nchunks))
+    if segs == 1:
+        return 1, (state, vector, vector)
+    b, h, p, n = state.shape
+    new = lambda *s: torch.empty(s, dtype=state.dtype, device=state.device)  # noqa: E731
+    return segs, (new(b, h, segs, p, n), new(b, h, segs), new(b, h, nchunks))
+
+
 def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
                  dt_buf, cum_buf, states, final, out, cfg: ForwardConfig):
     """The launches of the forward pass (module docstring). Unused optional inputs must be
@@ -185,15 +198,8 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         seq_start = torch.empty((batch, nchunks * Q), dtype=torch.int32, device=x.device)
     # the segmented state pass (never more segments than chunks); its scratch in final's
     # dtype (float32 on the GPU)
-    segs = max(1, min(cfg.state_segments, nchunks))
-    if segs > 1:
-        seg_final = torch.empty((batch, nheads, segs, headdim, dstate), dtype=final.dtype,
-                                device=x.device)
-        seg_factor = torch.empty((batch, nheads, segs), dtype=final.dtype, device=x.device)
-        chunk_factor = torch.empty((batch, nheads, nchunks), dtype=final.dtype,
-                                   device=x.device)
-    else:                    # stand-ins, never read
-        seg_final, seg_factor, chunk_factor = final, cum_buf, cum_buf
+    segs, (seg_final, seg_factor, chunk_factor) = segment_buffers(
+        cfg.state_segments, nchunks, final, cum_buf)
     int64 = needs_int64(x, dt, B, C, z, seq_idx, seq_start, init, dt_buf, cum_buf, states, out,
                         seg_final)
     n_q = -(-seqlen // cfg.scan_block_q)       # query blocks holding at least one token
