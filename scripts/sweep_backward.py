@@ -48,7 +48,7 @@ def mamba_ssm_grads(shape, inp, dout, dfinal):
 def sweep_shape(shape, specs):
     inp = problems.make_inputs(shape)
     dout, dfinal = problems.make_grad_outputs(shape)
-    b, _, h, g, p, n = shape.dims()
+    b, seqlen, h, g, p, n = shape.dims()
     first = None
     for spec in specs:
         parts = [s for s in spec.split(",") if s and s != "default"]
@@ -63,7 +63,8 @@ def sweep_shape(shape, specs):
                 parts.remove(s)
         os.environ["MAMBA2_CUTILE_BWD_CONFIG"] = ",".join(parts)
         try:
-            cfg = backward.backward_config(b, h, g, p, n, chunk, shape.dtype, num_sms(0))
+            cfg = backward.backward_config(b, h, g, p, n, chunk, shape.dtype, num_sms(0),
+                                           seqlen=seqlen)
             got = grads(shape, inp, dout, dfinal, cfg, sdt)
             row = {"shape": shape.name, "config": spec}
             if first is None:

@@ -99,6 +99,7 @@ TILINGS = {
     "latency_hints": dict(bc_fused=1, da_mode=1, bstate_load_latency=4, dx_load_latency=2,
                           bc_load_latency=8),
     "dbc_fused_wide": dict(bc_fused=1, bc_block_p=64, bc_block_n=32, lowp=1),
+    "head_split": dict(bc_fused=1, da_mode=1, bc_head_split=2),
 }
 
 
@@ -190,5 +191,21 @@ def test_emulated_segmented_passes_uneven_runs():
     args, kw, dout, dfinal = make_problem(OPTIONS["all"], l=150, Q=Q, seed=7, g=1, p=24, n=20)
     assert dfinal is not None
     cfg = small_config(Q, 24, 20, bc_block_q=16, bstate_segments=4, state_segments=4)
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("split,mode", [(2, 1), (4, 1), (3, 2), (64, 2)])
+@pytest.mark.parametrize("opt", ["D_head_z_seq", "all", "none"])
+def test_emulated_head_split(opt, split, mode):
+    """The fused dB/dC launch with each group's 4 heads split over 2 or 4 programs (3 -> 2,
+    64 -> 4: the largest divisor of the heads per group), writing fp32 partials that the
+    sum_partials launch adds into dB and dC; with the split da form too (da_mode 2), whose W
+    terms each program writes for its own heads."""
+    Q = 32
+    args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=90, Q=Q, seed=9, g=1, p=24, n=20)
+    cfg = small_config(Q, 24, 20, bc_block_q=16, bc_fused=1, bc_block_n=16, da_mode=mode,
+                       bc_head_split=split)
+    assert backward.head_splits(cfg, 4, 1) == {2: 2, 4: 4, 3: 2, 64: 4}[split]
     assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
                  reference_grads(args, kw, Q, dout, dfinal))

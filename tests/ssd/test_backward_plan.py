@@ -45,9 +45,9 @@ def test_int64_variant_whenever_an_argument_needs_it(overrides):
 
 
 #: options that were removed after the H200 measured them slower at every shape (S = C B^T
-#: precomputed for bwd_chunk_dx, the fused dB/dC head loop split over programs, several heads
-#: per dx program): a config naming one must be refused, not silently ignored
-REMOVED_FIELDS = ("dx_cb", "bc_head_split", "dx_head_block")
+#: precomputed for bwd_chunk_dx, several heads per dx program; the fused dB/dC head split
+#: came back on 2026-12-03 for short sequences): a config naming one must be refused
+REMOVED_FIELDS = ("dx_cb", "dx_head_block")
 
 
 @pytest.mark.parametrize("name", REMOVED_FIELDS)

@@ -151,8 +151,8 @@ def bwd_chunk_dbc_fused_fn(
     seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
     states,      # (B, H, C, P, N) entry states h_c
     dstates,     # (B, H, C, P, N) exit-state gradients dS_c
-    db,          # (B, L, G, N) out
-    dc,          # (B, L, G, N) out
+    db,          # (B, L, G, N) out; HEAD_SPLIT > 1: (HEAD_SPLIT, B, L, G, N) fp32 partials
+    dc,          # the same for dC
     da_part,     # (n_pt + n_nt, B, H, Lp) float32 out (only with DA_W): slots n_pt + n_tile
     Q: ct.Constant[int],
     BLOCK_P: ct.Constant[int],
@@ -163,13 +163,19 @@ def bwd_chunk_dbc_fused_fn(
     LOWP: ct.Constant[bool],
     DA_W: ct.Constant[bool],
     LAT: ct.Constant[int],        # load latency hint in the head loop (0: none)
+    HEAD_SPLIT: ct.Constant[int],  # programs per group on grid axis 2 (divides HEADS_PER_GROUP)
 ):
     """dB and dC of one whole chunk in one program (the same sums as bwd_chunk_dbc_fn).
 
     Both intra-chunk terms use one Q x Q matrix per head, M = (dY X^T) o L o dt'_col:
     dC += M @ B and dB += M^T @ C, so M (one dY X^T MMA and one exp2 per entry) is formed once
     per head instead of once per output and token block. One program = chunk c x one n-tile of
-    one group; p-tiles are looped for dY X^T and the state terms. Grid: (nc * B * G, cdiv(N, BN)).
+    one group; p-tiles are looped for dY X^T and the state terms.
+    Grid: (nc * B * G, cdiv(N, BN), HEAD_SPLIT).
+
+    HEAD_SPLIT = S > 1 (a grid of fewer programs than SMs: short sequences): program s of axis
+    2 walks heads [s HPG / S, (s + 1) HPG / S) of the group and stores its fp32 partial sums
+    at db[s], dc[s]; a `sum_partials` launch adds them in a fixed order (deterministic).
 
     With DA_W it also writes the W part of the decay gradient (bwd_chunk_dx's DA_MODE 2): with
     S_n = C_n B_n^T (this n-tile's share of C B^T, shared by the group's heads), W = M o S_n and
@@ -196,8 +202,9 @@ def bwd_chunk_dbc_fused_fn(
     if DA_W:
         s_n = ct.mma(cn, bn.transpose(), ct.full((Q, Q), 0.0, dtype=ct.float32))
         slot = da_part.shape[0] - ct.num_blocks(1) + n_tile
-    for hh in range(HEADS_PER_GROUP):
-        head = group * HEADS_PER_GROUP + hh
+    head0 = group * HEADS_PER_GROUP + ct.bid(2) * (HEADS_PER_GROUP // HEAD_SPLIT)
+    for hh in range(HEADS_PER_GROUP // HEAD_SPLIT):
+        head = head0 + hh
         g = block_decay(cum, batch, head, chunk, Q, LAT)
         dtv = block_decay(dt, batch, head, chunk, Q, LAT)
         g_last = chunk_last_decay(cum, batch, head, chunk, Q)
@@ -220,10 +227,16 @@ def bwd_chunk_dbc_fused_fn(
                      tile=(ct.sum(w, axis=1) - ct.sum(w, axis=0)).reshape((1, 1, 1, Q)))
         acc_c = ct.mma(wop(m, mm, LOWP), bn, acc_c)
         acc_b = ct.mma(wop(m.transpose(), mm, LOWP), cn, acc_b)
-    ct.store(dc, index=(batch, chunk, group, n_tile),
-             tile=acc_c.reshape((1, Q, 1, BLOCK_N)).astype(dc.dtype))
-    ct.store(db, index=(batch, chunk, group, n_tile),
-             tile=acc_b.reshape((1, Q, 1, BLOCK_N)).astype(db.dtype))
+    if HEAD_SPLIT == 1:
+        ct.store(dc, index=(batch, chunk, group, n_tile),
+                 tile=acc_c.reshape((1, Q, 1, BLOCK_N)).astype(dc.dtype))
+        ct.store(db, index=(batch, chunk, group, n_tile),
+                 tile=acc_b.reshape((1, Q, 1, BLOCK_N)).astype(db.dtype))
+    else:
+        ct.store(dc, index=(ct.bid(2), batch, chunk, group, n_tile),
+                 tile=acc_c.reshape((1, 1, Q, 1, BLOCK_N)))
+        ct.store(db, index=(ct.bid(2), batch, chunk, group, n_tile),
+                 tile=acc_b.reshape((1, 1, Q, 1, BLOCK_N)))
 
 
 bwd_chunk_dbc = ct.kernel(bwd_chunk_dbc_fn)

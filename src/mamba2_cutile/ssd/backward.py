@@ -8,6 +8,8 @@ Six launches (no host synchronization, CUDA-graph capturable), following the sta
   3. bwd_state_pass      reverse pass over chunks: exit-state gradients dS_c, dinitial_states
   4. bwd_chunk_dx        per chunk: dx, dz, and per-tile partials of dD, ddt_direct, da
   5. bwd_chunk_dbc       per chunk: dB and dC, summed over each group's heads in-program
+                         (short sequences: the heads split over programs, whose fp32 partials
+                         one sum_partials launch adds)
   6. bwd_dt              da -> ddt' -> ddt (clamp, softplus, dt_bias), partials of dA, ddt_bias
 
 then three small fixed-shape torch sums (dA, ddt_bias, dD partials; deterministic) and dtype
@@ -32,7 +34,8 @@ from ..kernels.bwd_dt import bwd_dt, bwd_dt_i64
 from ..kernels.bwd_state_pass import bwd_state_pass, bwd_state_pass_i64
 from ..kernels.chunk_state_carry import chunk_state_carry, chunk_state_carry_i64
 from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, dt_clamp_bounds,
-                       launch_calls, needs_int64, next_pow2, num_sms, with_hints)
+                       launch_calls, needs_int64, next_pow2, num_sms, sum_partials_call,
+                       with_hints)
 from .forward import ForwardConfig, forward_plan, forward_shape_config, segment_buffers
 
 INF = float("inf")
@@ -80,6 +83,9 @@ class BackwardConfig:
     state_occupancy: int = 0     # occupancy hint (ForwardConfig's fields of the same names)
     bstate_segments: int = 1     # bwd_state_pass's reverse loop in parallel segments, then
                                  # chunk_state_carry (REVERSE) adds each one's entering gradient
+    bc_head_split: int = 1       # the fused dB/dC launch spreads each group's heads over
+                                 # `head_splits` programs (the largest divisor of the heads per
+                                 # group <= this) writing fp32 partials that sum_partials adds
 
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
     FIXED = ("dstate_pad",)
@@ -99,6 +105,10 @@ class BackwardConfig:
             c.check_range(self, name, 0, 32)
         c.check_range(self, "state_segments", 1, 64)
         c.check_range(self, "bstate_segments", 1, 64)
+        c.check_range(self, "bc_head_split", 1, 64)
+        if self.bc_head_split > 1 and not self.bc_fused:
+            raise ValueError(f"BackwardConfig: bc_head_split={self.bc_head_split} needs "
+                             "bc_fused=1 (the per-block dB/dC programs do not split heads)")
         for name in ("dx_warps", "bc_warps"):
             c.check_choice(self, name, (0, 4, 8))
         for name in ("lowp", "dx_lowp", "bc_fused"):
@@ -108,8 +118,16 @@ class BackwardConfig:
                              "bc_fused=1")
 
 
+def head_splits(cfg: BackwardConfig, nheads: int, ngroups: int) -> int:
+    """How many programs share each group's heads in the fused dB/dC launch: the largest
+    divisor of the heads per group that is at most `cfg.bc_head_split` (every program then
+    walks the same number of heads, a compile-time trip count)."""
+    hpg = max(1, nheads // max(1, ngroups))
+    return max(d for d in range(1, min(cfg.bc_head_split, hpg) + 1) if hpg % d == 0)
+
+
 def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
-                    sms=DEFAULT_SMS) -> BackwardConfig:
+                    sms=DEFAULT_SMS, seqlen=None) -> BackwardConfig:
     """The dispatcher: a config from the shape alone (no search, no sync), then
     MAMBA2_CUTILE_BWD_CONFIG overrides ("dx_block_q=32,lowp=1"). The recompute's tiles come
     from the forward's shape rule, never from MAMBA2_CUTILE_CONFIG or the tuning table.
@@ -119,7 +137,11 @@ def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
     against 0.46 ms at Q = 128 for B=2 T=4096 H=80 (whole backward 10.44 -> 1.64 ms; 2.34 ->
     0.23 ms at B=1 T=1000 H=24, 25.5 -> 4.70 ms at B=8 T=2048 H=128 G=8); chunk 64 was no
     better at the larger shapes (H200, 2026-12-01,
-    benchmarks/results/2026-12-01-h200-backward-sweep-internal-chunk.jsonl)."""
+    benchmarks/results/2026-12-01-h200-backward-sweep-internal-chunk.jsonl).
+
+    With `seqlen`, a fused dB/dC grid of fewer programs than `sms` (one chunk x n-tile x
+    group per program, one program per SM: short sequences) splits each group's heads over
+    up to sms / programs programs (`bc_head_split`)."""
     chunk_size = min(chunk_size, 128)
     fwd = forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms)
     np_ = max(16, next_pow2(dstate))
@@ -174,6 +196,10 @@ def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
         bc_load_latency=4,
         bstate_load_latency=8,
     )
+    if seqlen is not None:
+        programs = -(-seqlen // chunk_size) * batch * ngroups * -(-dstate // cfg.bc_block_n)
+        if 0 < programs < sms:
+            cfg = replace(cfg, bc_head_split=max(1, min(64, sms // programs)))
     return _config.with_env(cfg, _config.ENV_BACKWARD)
 
 
@@ -199,6 +225,8 @@ class BackwardBuffers:
     dD_part: torch.Tensor | None   # (cdiv(L, dx_block_q), B, H, P) fp32
     dA_part: torch.Tensor      # (B * nc, H) fp32
     dbias_part: torch.Tensor | None  # (B * nc, H) fp32
+    db_part: torch.Tensor | None     # (splits, B, L, G, N) fp32 per-split dB (head_splits > 1)
+    dc_part: torch.Tensor | None     # the same for dC
     dx: torch.Tensor
     dz: torch.Tensor | None
     dB: torch.Tensor
@@ -226,6 +254,7 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
     od.update(out_dtypes or {})
     e = lambda *s, dt=buf_dtype: torch.empty(s, dtype=dt, device=dev)  # noqa: E731
     sdt = state_dtype or buf_dtype
+    splits = head_splits(cfg, h, g)
     return BackwardBuffers(
         dt_buf=e(b, h, lp), cum_buf=e(b, h, lp), states=e(b, h, nc, p, n, dt=sdt),
         hbuf=e(b, h, p, n), dstates=e(b, h, nc, p, n, dt=sdt),
@@ -235,6 +264,8 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
         ddt_part=e(n_pt, b, h, lp),
         dD_part=None if D is None else e(n_q, b, h, p),
         dA_part=e(b * nc, h), dbias_part=None if dt_bias is None else e(b * nc, h),
+        db_part=e(splits, b, l, g, n) if splits > 1 else None,
+        dc_part=e(splits, b, l, g, n) if splits > 1 else None,
         dx=e(b, l, h, p, dt=od["x"]), dz=None if z is None else e(b, l, h, p, dt=od["z"]),
         dB=e(b, l, g, n, dt=od["B"]), dC=e(b, l, g, n, dt=od["C"]), ddt=e(b, l, h, dt=od["dt"]),
     )
@@ -252,8 +283,8 @@ def recompute_config(cfg: BackwardConfig, x, B) -> ForwardConfig:
 
 def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
                   dout, dfinal, bufs: BackwardBuffers, cfg: BackwardConfig):
-    """The six launches of the backward (one more for each of state_segments and
-    bstate_segments). Inputs as the kernels take them (B, C, z, dout in x's
+    """The six launches of the backward (one more for each of state_segments,
+    bstate_segments and a head split of the dB/dC launch). Inputs as the kernels take them (B, C, z, dout in x's
     dtype with unit innermost stride; A, D, dt_bias, init, dfinal fp32; seq_idx int32);
     unused optional inputs None. Reads no tensor values."""
     batch, seqlen, nheads, headdim = x.shape
@@ -312,17 +343,25 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          v_part, Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z,
          has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency)))
 
-    # 5: dB, dC
+    # 5: dB, dC (with a head split: per-split fp32 partials, then their sum in one launch)
+    split = bufs.db_part is not None
+    db_out, dc_out = (bufs.db_part, bufs.dc_part) if split else (bufs.dB, bufs.dC)
     int64 = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
-                      bufs.dstates, bufs.dB, bufs.dC, bufs.da_part if cfg.bc_fused else None)
+                      bufs.dstates, db_out, dc_out, bufs.da_part if cfg.bc_fused else None)
     if cfg.bc_fused:
+        splits = db_out.shape[0] if split else 1
         calls.append(KernelCall(
             with_hints(bwd_chunk_dbc_fused_i64 if int64 else bwd_chunk_dbc_fused, cfg.bc_occupancy,
                    cfg.bc_warps),
-            (nchunks * batch * ngroups, -(-dstate // cfg.bc_block_n), 1),
+            (nchunks * batch * ngroups, -(-dstate // cfg.bc_block_n), splits),
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
-             bufs.dstates, bufs.dB, bufs.dC, bufs.da_part, Q, cfg.bc_block_p, cfg.bc_block_n,
-             hpg, has_z, has_seq, lowp, cfg.da_mode == 2, cfg.bc_load_latency)))
+             bufs.dstates, db_out, dc_out, bufs.da_part, Q, cfg.bc_block_p, cfg.bc_block_n,
+             hpg, has_z, has_seq, lowp, cfg.da_mode == 2, cfg.bc_load_latency, splits)))
+        if split:
+            rows, cols = batch * seqlen, ngroups * dstate
+            calls.append(sum_partials_call(
+                bufs.db_part.view(splits, rows, cols), bufs.dB.view(rows, cols),
+                bufs.dc_part.view(splits, rows, cols), bufs.dC.view(rows, cols)))
     else:
         n_qb = -(-seqlen // cfg.bc_block_q)
         calls.append(KernelCall(
@@ -391,7 +430,7 @@ def run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z
     dout = torch.zeros_like(xk) if dout is None else as_kernel_input(dout, mm)
     seq = None if seq_idx is None else as_kernel_input(seq_idx, torch.int32)
 
-    cfg = config or backward_config(b, h, g, p, n, chunk_size, mm, sms)
+    cfg = config or backward_config(b, h, g, p, n, chunk_size, mm, sms, seqlen=l)
     check_config(cfg, p, n)
     state_dtype = state_dtype or default_state_dtype(mm, f32)
     lo, hi = dt_clamp_bounds(dt_limit)
