@@ -355,6 +355,7 @@ CONFIGS = [
     {"cumsum_block_h": 2},
     {"bstate_load_latency": 4, "dx_load_latency": 4, "bc_load_latency": 4},
     {"bstate_segments": 2}, {"bstate_segments": 3, "state_segments": 3, "state_occupancy": 4},
+    {"bc_head_split": 2}, {"bc_head_split": 2, "da_mode": 2},
 ]
 
 

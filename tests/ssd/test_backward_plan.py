@@ -68,3 +68,38 @@ def test_removed_fields_are_refused(name, monkeypatch):
     monkeypatch.delenv(config.ENV_BACKWARD)
     with pytest.raises(TypeError, match=name):
         replace(backward.backward_config(*args), **{name: 1})
+
+
+def _name(call):
+    return call.kernel._annotated_function.pyfunc.__name__
+
+
+@pytest.mark.parametrize("b,l,h,g,splits", [(1, 512, 24, 1, 12), (1, 1000, 24, 1, 8),
+                                            (1, 512, 7, 1, 7), (1, 512, 128, 8, 2),
+                                            (2, 8192, 80, 1, 1), (4, 16384, 8, 1, 1)])
+def test_dispatcher_head_split(b, l, h, g, splits):
+    """Under one wave of fused dB/dC programs (chunks x n-tiles x batch x groups < SMs) the
+    dispatcher splits each group's heads over up to SMs / programs programs (the largest
+    divisor of the heads per group); the launch's third grid axis is the split, it writes
+    (splits, B, L, G, N) fp32 partials, and one sum_partials launch adds them into dB and dC
+    (the last launch before bwd_dt). Long sequences keep one program per group."""
+    cfg = backward.backward_config(b, h, g, 64, 128, 256, torch.bfloat16, 132, seqlen=l)
+    assert backward.head_splits(cfg, h, g) == splits
+    calls = plans.backward_problem_plan(batch=b, seqlen=l, nheads=h, ngroups=g,
+                                        chunk_size=256)
+    names = [_name(c) for c in calls]
+    dbc = calls[names.index("bwd_chunk_dbc_fused_fn")]
+    assert dbc.grid[2] == splits
+    if splits > 1:
+        assert dbc.args[10].shape == (splits, b, l, g, 128)
+        assert dbc.args[10].dtype == torch.float32
+        assert names[names.index("bwd_chunk_dbc_fused_fn") + 1] == "sum_partials_fn"
+    else:
+        assert "sum_partials_fn" not in names
+        assert dbc.args[10].dtype == torch.bfloat16
+
+
+def test_head_split_needs_the_fused_launch():
+    cfg = backward.backward_config(1, 24, 1, 64, 128, 256, torch.bfloat16)
+    with pytest.raises(ValueError, match="bc_head_split=2 needs bc_fused=1"):
+        replace(cfg, bc_fused=0, da_mode=0, bc_head_split=2)

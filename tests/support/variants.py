@@ -78,6 +78,11 @@ def backward_variants():
         da_mode=2, bstate_load_latency=4, dx_load_latency=4, bc_load_latency=4))))
     items.append(("bf16-fp16-dt-bf16-states", dict(dtype=bf, dt_dtype=torch.float16,
                                                    state_dtype=torch.bfloat16)))
+    # short sequences: the dispatcher splits the fused dB/dC launch's heads (12 programs of 2)
+    items.append(("bf16-T512-h24-head-split", dict(dtype=bf, batch=1, seqlen=512, nheads=24,
+                                                   chunk_size=256)))
+    items.append(("bf16-int64-head-split", dict(dtype=bf, int64=True,
+                                                overrides=dict(bc_head_split=2, da_mode=2))))
     # the dispatcher computes a chunk-256 backward at chunk 128; 256 stays selectable
     items.append(("bf16-Q256-internal-256", dict(dtype=bf, chunk_size=256,
                                                  overrides=dict(chunk_size=256))))
