@@ -34,7 +34,7 @@ def test_launch_compiles(arch, family, name, index):
 def test_plans_have_their_launches():
     """Each forward plan holds the 3 forward launches (with scan_causal 1, 2 or 3 a fourth,
     chunk_scan's flagged-tile pass), each backward plan the 6 backward ones (2 recompute + 4
-    backward kernels)."""
+    backward kernels; with a head split of the dB/dC launch, the partials' sum too)."""
     from mamba2_cutile.kernels.chunk_scan import FIX_SPAN
 
     for name, problem in variants.forward_variants():
@@ -55,7 +55,11 @@ def test_plans_have_their_launches():
                 assert flags.shape[1] == (1 if causal == 2 else plan[2].args[11]), name
                 assert plan[3].grid == (-(-flags.shape[0] // FIX_SPAN), 1, 1), name
     for name, problem in variants.backward_variants():
-        assert len(plans.backward_problem_plan(**problem)) == 6, name
+        names = [variants.kernel_name(c) for c in plans.backward_problem_plan(**problem)]
+        split = ["sum_partials"] if "head-split" in name else []     # the head split's sum
+        assert names == ["decay_cumsum", "chunk_state_pass", "bwd_state_pass", "bwd_chunk_dx",
+                         "bwd_chunk_dbc_fused" if "unfused" not in name else "bwd_chunk_dbc",
+                         *split, "bwd_dt"], name
 
 
 @pytest.mark.parametrize("causal", [1, 2, 3])
