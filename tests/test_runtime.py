@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mamba2_cutile.bench import plans
-from mamba2_cutile.runtime import INT32_LIMIT, as_kernel_input, narrow_unit_strides
+from mamba2_cutile.runtime import INT32_LIMIT, as_kernel_input, narrow_unit_strides, needs_int64
 from mamba2_cutile.ssd import backward, forward
 
 
@@ -20,6 +20,28 @@ def test_narrow_unit_strides_is_a_view_with_small_unit_strides():
     lone = torch.empty(1).as_strided((1, 1), (2**32, 2**32))
     assert narrow_unit_strides(lone).stride() == (1, 1)
     assert as_kernel_input(big).stride() == (4, 4, 1)
+
+
+def test_needs_int64_counts_the_strided_extent():
+    m = lambda *s: torch.empty(s, device="meta")  # noqa: E731
+    assert not needs_int64(None, m(0, 2**33), m(2**31 - 1), m(3, 4))
+    assert needs_int64(m(2**31)) and needs_int64(m(2, 2**30))
+    whole = m(3, 2**30)                        # over 2^31 elements; its slices by extent:
+    assert not needs_int64(whole[:2, :8], whole[:2, :7].t()) and needs_int64(whole[:, :8])
+    assert needs_int64(m(1).as_strided((2, 1), (2**31, 1)))       # extent past int32, 2 elements
+    assert not needs_int64(m(1, 3).as_strided((1, 3), (2**40, 1)))  # a size-1 dim's stride
+
+
+def test_as_kernel_input_copies_only_what_the_kernels_cannot_load():
+    t = torch.arange(24.0).reshape(2, 3, 4)
+    assert as_kernel_input(t) is t and as_kernel_input(t[:, 1:]) is not None
+    sl = t[:, :, 1:3]                           # unit innermost stride: a view, no copy
+    assert as_kernel_input(sl).data_ptr() == sl.data_ptr()
+    for bad in (t.transpose(1, 2), torch.arange(4.0).expand(3, 4)):
+        got = as_kernel_input(bad)
+        assert got.is_contiguous() and torch.equal(got, bad)
+    assert as_kernel_input(t, torch.float64).dtype == torch.float64
+    assert as_kernel_input(torch.tensor(2.0)).dim() == 0 and as_kernel_input(None) is None
 
 
 def _unit_dim_strides(calls):

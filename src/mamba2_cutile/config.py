@@ -87,13 +87,24 @@ def apply_overrides(cfg, overrides: dict, source: str):
         raise ValueError(f"{source}: {e}") from None
 
 
+_env_memo: dict = {}
+
+
 def with_env(cfg, env_var: str):
     """`cfg` with the overrides of `env_var` ("field=value,..."; unset, empty or "default":
-    none)."""
+    none). The variable is read on every call; the parse and the validated result are
+    memoized per (config, text), since they run on every launch's hot path."""
     spec = os.environ.get(env_var, "").strip()
     if not spec or spec == "default":
         return cfg
-    return apply_overrides(cfg, parse_overrides(type(cfg), spec, env_var), env_var)
+    key = (cfg, env_var, spec)
+    hit = _env_memo.get(key)
+    if hit is None:
+        hit = apply_overrides(cfg, parse_overrides(type(cfg), spec, env_var), env_var)
+        if len(_env_memo) > 4096:
+            _env_memo.clear()
+        _env_memo[key] = hit
+    return hit
 
 
 # ------------------------------------------------------------------------- checks for __post_init__

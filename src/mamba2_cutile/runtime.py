@@ -90,9 +90,15 @@ def num_sms(where=None) -> int:
 def needs_int64(*tensors) -> bool:
     """True when any tensor spans 2**31 elements or more (counting its strided extent)."""
     for t in tensors:
-        if t is None or t.numel() == 0:
+        if t is None:
             continue
-        extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+        numel = t.numel()
+        # a contiguous tensor spans exactly its elements (the common case, one C call)
+        if numel == 0 or (numel <= INT32_LIMIT and t.is_contiguous()):
+            continue
+        extent = 1
+        for s, st in zip(t.shape, t.stride()):
+            extent += (s - 1) * abs(st)
         if extent > INT32_LIMIT:
             return True
     return False
@@ -144,10 +150,14 @@ def as_kernel_input(t, dtype=None):
         return None
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
-    if t.dim() and (t.stride(-1) != 1 or any(
-            st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape))):
+    if not t.dim():
+        return t
+    stride = t.stride()
+    if stride[-1] != 1 or (0 in stride and any(
+            st == 0 and sz > 1 for st, sz in zip(stride, t.shape))):
         t = t.contiguous()
-    return narrow_unit_strides(t)
+        stride = t.stride()
+    return narrow_unit_strides(t) if max(stride) > INT32_LIMIT else t
 
 
 def dt_clamp_bounds(dt_limit):

@@ -22,6 +22,7 @@ or CPU float64 tensors for the tile-program emulation in tests/ssd/test_backward
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -142,6 +143,16 @@ def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
     With `seqlen`, a fused dB/dC grid of fewer programs than `sms` (one chunk x n-tile x
     group per program, one program per SM: short sequences) splits each group's heads over
     up to sms / programs programs (`bc_head_split`)."""
+    return _config.with_env(backward_shape_config(batch, nheads, ngroups, headdim, dstate,
+                                                  chunk_size, dtype, sms, seqlen),
+                            _config.ENV_BACKWARD)
+
+
+@functools.lru_cache(maxsize=1024)
+def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
+                          sms=DEFAULT_SMS, seqlen=None) -> BackwardConfig:
+    """`backward_config`'s rule, before the environment's overrides. Memoized: a pure
+    function of its arguments, on every backward call's hot path (the configs are frozen)."""
     chunk_size = min(chunk_size, 128)
     fwd = forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms)
     np_ = max(16, next_pow2(dstate))
@@ -200,7 +211,7 @@ def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
         programs = -(-seqlen // chunk_size) * batch * ngroups * -(-dstate // cfg.bc_block_n)
         if 0 < programs < sms:
             cfg = replace(cfg, bc_head_split=max(1, min(64, sms // programs)))
-    return _config.with_env(cfg, _config.ENV_BACKWARD)
+    return cfg
 
 
 def check_config(cfg: BackwardConfig, headdim: int, dstate: int):
@@ -275,7 +286,12 @@ def recompute_config(cfg: BackwardConfig, x, B) -> ForwardConfig:
     """The forward config of the recompute launches: the forward's shape rule with the
     backward config's tiles for them (no tuning table, no MAMBA2_CUTILE_CONFIG)."""
     b, _, h, p = x.shape
-    fwd = forward_shape_config(b, h, p, B.shape[3], cfg.chunk_size, x.dtype)
+    return _recompute_config(cfg, b, h, p, B.shape[3], x.dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _recompute_config(cfg: BackwardConfig, b, h, p, n, dtype) -> ForwardConfig:
+    fwd = forward_shape_config(b, h, p, n, cfg.chunk_size, dtype)
     return replace(fwd, cumsum_block_h=cfg.cumsum_block_h, state_block_p=cfg.state_block_p,
                    state_block_n=cfg.state_block_n, state_segments=cfg.state_segments,
                    state_occupancy=cfg.state_occupancy)

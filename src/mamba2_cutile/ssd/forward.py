@@ -16,6 +16,7 @@ Nothing here reads tensor values: plans are safe under CUDA-graph capture.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -111,9 +112,12 @@ def scale_x(cfg: ForwardConfig) -> bool:
     return cfg.state_block_n > cfg.state_block_p
 
 
+@functools.lru_cache(maxsize=1024)
 def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
                          sms=DEFAULT_SMS) -> ForwardConfig:
-    """The dispatcher's rule: a good config from the shape alone (no search, no sync)."""
+    """The dispatcher's rule: a good config from the shape alone (no search, no sync).
+    Memoized: a pure function of its arguments, on every call's hot path (the configs are
+    frozen)."""
     np_ = max(16, next_pow2(dstate))
     bp = min(64, max(16, next_pow2(headdim)))
     p_tiles = -(-headdim // bp)
