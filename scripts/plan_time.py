@@ -9,6 +9,11 @@ validation, the dispatcher's config, the kernel-ready inputs, buffers and launch
 forward (`forward_launches`) and of the backward (`run_backward` with the launches skipped),
 on `meta` tensors by default (no GPU needed; on a CUDA device pass --device cuda). Median and
 minimum of --reps calls, in microseconds, per shape.
+
+Then the dispatch of the scan's forward with autograd, on meta tensors with the op's fake
+implementation as the body: through `torch.ops.mamba2_cutile.ssd_forward` (torch.library's
+dispatch and generated autograd) against the eager path's `_EagerScan` (an
+autograd.Function), and the body alone.
 """
 import argparse
 import statistics
@@ -17,7 +22,7 @@ import time
 import torch
 
 from mamba2_cutile.runtime import DEFAULT_SMS
-from mamba2_cutile.ssd import backward
+from mamba2_cutile.ssd import backward, custom_ops
 from mamba2_cutile.ssd.api import _validate
 from mamba2_cutile.ssd.forward import forward_launches
 
@@ -75,6 +80,26 @@ def main(argv=None):
                 sms=DEFAULT_SMS), args.reps)
             cols = " ".join(f"{m:>6.0f} /{lo:>5.0f}" for m, lo in (val, fwd, bwd))
             print(f"{name:<14} {options:<8} {cols}")
+    dispatch(args.reps)
+
+
+def dispatch(reps):
+    t = inputs(SHAPES["130m-T8K"], "meta", "D")
+    x = t["x"].requires_grad_(True)
+    args = (x, t["dt"], t["A"], t["B"], t["C"], 256, t["D"], None, None, None, None, None,
+            False, 0.0, float("inf"), torch.bfloat16)
+    fake = custom_ops._forward_fake
+    real, custom_ops._forward_impl = custom_ops._forward_impl, fake
+    try:
+        rows = [("custom op", lambda: custom_ops.ssd_forward(*args)),
+                ("_EagerScan", lambda: custom_ops._EagerScan.apply(*args)),
+                ("body alone", lambda: fake(*args))]
+        print("dispatch of the forward with autograd (130m-T8K, meta, fake body): median / min")
+        for label, fn in rows:
+            med, lo = time_us(fn, reps)
+            print(f"  {label:<12} {med:>6.0f} /{lo:>5.0f}")
+    finally:
+        custom_ops._forward_impl = real
 
 
 if __name__ == "__main__":

@@ -167,3 +167,86 @@ def test_compiled_step_with_cuda_backward_path(cutile_backward_on_cpu):
     for k, a, b in zip(leaves, eager, got):
         torch.testing.assert_close(b, a, msg=f"d{k}")
     assert cutile_backward_on_cpu == ["Tensor", "Tensor"]   # run, never traced into
+
+
+def _op_call(inp, seq=None):
+    """The public function's outputs and gradients, through the custom op itself."""
+    op = torch.ops.mamba2_cutile.ssd_forward
+    y, fin, _ = op(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 64, inp["D"], inp["z"],
+                   inp["dt_bias"], inp["initial_states"], seq, None, True, 0.0, float("inf"),
+                   torch.float64)
+    return y, fin
+
+
+def test_eager_call_bypasses_the_op_and_equals_it(cutile_backward_on_cpu):
+    """An eager call with gradients runs `_EagerScan` (the op's body and backward, no
+    dispatch): outputs and gradients bit-equal to the op's; without gradients the body alone;
+    a double backward through the CUDA backward raises as through the op, whether or not the
+    cotangent has a graph (never a silent constant)."""
+    from mamba2_cutile.ssd import custom_ops as ops
+
+    inp = tiny(l=70, b=2, h=4, g=2, p=3, n=5, seed=4)
+    seq = torch.zeros(2, 70, dtype=torch.int32)
+    seq[1, 30:] = 1
+    gen = torch.Generator().manual_seed(9)
+    g_out = torch.randn(2, 70, 4, 3, generator=gen, dtype=torch.float64)
+    g_fin = torch.randn(2, 4, 3, 5, generator=gen, dtype=torch.float32)
+    results = []
+    for path in ("eager", "op"):
+        leaves = {k: v.clone().requires_grad_(True) for k, v in inp.items()}
+        if path == "eager":
+            y, fin = mamba_chunk_scan_combined(**leaves, chunk_size=64, seq_idx=seq,
+                                               dt_softplus=True, return_final_states=True)
+            assert type(y.grad_fn).__name__ == "_EagerScanBackward"
+        else:
+            y, fin = _op_call(leaves, seq)
+        grads = torch.autograd.grad([y, fin], list(leaves.values()), [g_out, g_fin])
+        results.append((y, fin) + grads)
+    assert cutile_backward_on_cpu == ["Tensor", "Tensor"]      # both took the CUDA branch
+    for name, a, b in zip(("y", "final") + NAMES, *results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+    with torch.no_grad():
+        y = mamba_chunk_scan_combined(**inp, chunk_size=64)
+    assert y.grad_fn is None and ops.eager_call_ok((inp["x"], 3))
+
+    for path in ("eager", "op"):      # a constant cotangent, then one that has a graph
+        for cot in (lambda y: g_out, lambda y: 2 * y):
+            leaves = {k: v.clone().requires_grad_(True) for k, v in inp.items()}
+            y = (mamba_chunk_scan_combined(**leaves, chunk_size=64, dt_softplus=True)
+                 if path == "eager" else _op_call(leaves)[0])
+            (gx,) = torch.autograd.grad(y, [leaves["x"]], cot(y), create_graph=True)
+            assert gx.requires_grad
+            with pytest.raises(RuntimeError, match="backward"):
+                gx.sum().backward()
+
+
+def test_eager_call_double_backward_on_the_torch_backward():
+    """Off the CUDA backward (the PyTorch stages), the eager path keeps the op's double
+    backward: the second derivative equals the op's."""
+    inp = tiny(l=30, seed=2)
+    out = []
+    for path in ("eager", "op"):
+        leaves = {k: v.clone().requires_grad_(True) for k, v in inp.items()}
+        y = (mamba_chunk_scan_combined(**leaves, chunk_size=64, dt_softplus=True)
+             if path == "eager" else _op_call(leaves)[0])
+        (gx,) = torch.autograd.grad((y * y).sum(), [leaves["x"]], create_graph=True)
+        out.append(torch.autograd.grad(gx.sum(), [leaves["dt"]])[0])
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
+
+
+def test_fake_and_meta_tensors_take_the_op():
+    """Under FakeTensorMode, and for meta tensors, the call goes through the op (its fake
+    implementation): shapes come out, nothing runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from mamba2_cutile.ssd import custom_ops as ops
+
+    inp = tiny(l=20, b=2)
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) for k, v in inp.items()}
+        assert not ops.eager_call_ok(tuple(fake.values()))
+        y, fin = mamba_chunk_scan_combined(**fake, chunk_size=64, return_final_states=True)
+        assert y.shape == inp["x"].shape and fin.shape == inp["initial_states"].shape
+    meta = {k: v.to("meta") for k, v in inp.items()}
+    assert not ops.eager_call_ok(tuple(meta.values()))
+    assert mamba_chunk_scan_combined(**meta, chunk_size=64).device.type == "meta"

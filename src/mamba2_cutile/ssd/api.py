@@ -4,7 +4,8 @@ Arguments are validated once here (shapes, dtypes, devices; values only on CPU o
 MAMBA2_CUTILE_CHECK=1, so the GPU path never synchronizes), then the custom op
 `torch.ops.mamba2_cutile.ssd_forward` (`custom_ops.py`) runs: the cuTile kernels for CUDA
 tensors (`forward.py`), the chunked PyTorch version (`reference.chunked`) for CPU tensors
-(correct, slow).
+(correct, slow). Eager calls run the op's implementation and autograd without its dispatch
+(`custom_ops.ssd_scan`); torch.compile sees the op.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 
 import torch
 
-from . import custom_ops  # noqa: F401 - registers torch.ops.mamba2_cutile
+from . import custom_ops  # registers torch.ops.mamba2_cutile; ssd_scan calls it
 from ..checks import (FLOATS, GPU_FLOATS, INTS, check_gpu_dtypes, check_same_device,
                       check_tensor, expect_shape, shape_of, value_checks_enabled)
 from .forward import MAX_DSTATE, MAX_HEADDIM, SUPPORTED_CHUNK_SIZES
@@ -117,7 +118,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     varlen_cu = cu_seqlens if return_varlen_states else None
     keep_dtype = state_dtype if state_dtype is not None else C.dtype
     lo, hi = (float(v) for v in dt_limit)
-    out, final, varlen = torch.ops.mamba2_cutile.ssd_forward(
+    out, final, varlen = custom_ops.ssd_scan(
         x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, varlen_cu,
         bool(dt_softplus), lo, hi, keep_dtype)
     result = (out,)
