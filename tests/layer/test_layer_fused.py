@@ -9,7 +9,7 @@ import torch
 
 from layer_cases import TENSORS, Case, call, cotangents, leaves, make_inputs, reference
 from mamba2_cutile.layer import mamba_split_conv1d_scan_combined as fused
-from mamba2_cutile.layer import parts
+from mamba2_cutile.layer import custom_ops, parts
 
 #: float64: the chunked scan and the recurrence agree to rounding (measured at most 1.2e-15 on
 #: the outputs and 3.1e-15 on the gradients over CASES); the final states are float32
@@ -286,3 +286,28 @@ def test_short_and_empty_sequences(norm):
     g_init, g_A = torch.autograd.grad(final, [t["initial_states"], t["A"]], dfin)
     torch.testing.assert_close(g_init, dfin.double())
     assert (g_A == 0).all()
+
+
+def test_eager_call_equals_the_op():
+    """An eager call with gradients runs `_EagerLayer` (the op's body and backward, no
+    dispatch): outputs and every gradient bit-equal to the op's; a double backward raises on
+    both paths."""
+    c = CASES["norm-after-gate-mlp-seq-init-limit-Dp"]
+    t, seq = make_inputs(c)
+    dout, dfin = cotangents((c.b, c.l, c.out_dim or c.d_mlp + c.dim), (c.b, c.h, c.p, c.n))
+    results = []
+    for path in ("eager", "op"):
+        lv = leaves(t)
+        args = _op_args(c, lv, seq)
+        fn = custom_ops.split_conv1d_scan_call if path == "eager" else \
+            torch.ops.mamba2_cutile.split_conv1d_scan
+        out, fin = fn(*args)
+        assert (type(out.grad_fn).__name__ == "_EagerLayerBackward") == (path == "eager")
+        wrt = [v for v in lv.values() if v is not None and v.requires_grad]
+        results.append((out, fin) + torch.autograd.grad([out, fin], wrt, [dout, dfin.float()],
+                                                           retain_graph=True))
+        (g0,) = torch.autograd.grad(out, [wrt[0]], dout, create_graph=True)
+        with pytest.raises(RuntimeError, match="backward"):
+            g0.sum().backward()
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -564,3 +564,28 @@ def test_backward_latency_hint_reaches_both_kernels():
         assert kernel_arg(bwd[0], "LATENCY") == 4, hidden
     with pytest.raises(ValueError, match="bwd_latency"):
         replace(norm_shape_config(1536), bwd_latency=11)
+
+
+def test_eager_call_equals_the_op():
+    """An eager call with gradients runs `_EagerNorm` (the op's body and backward, no
+    dispatch): output and gradients bit-equal to the op's; a double backward raises on both
+    paths; without gradients the body alone."""
+    from mamba2_cutile.norm import custom_ops
+
+    wide = torch.randn(5, 40, dtype=torch.float64)
+    _, w, b, _ = make((5,), 12, torch.float64)
+    g = torch.randn(5, 12, dtype=torch.float64)
+    results = []
+    for path in ("eager", "op"):
+        x, z, ww, bb = (t.clone().requires_grad_() for t in (wide[:, :12], wide[:, 20:32], w, b))
+        fn = custom_ops.rmsnorm_gated if path == "eager" else torch.ops.mamba2_cutile.rmsnorm_gated_fwd
+        out, rstd = fn(x, ww, bb, z, 1e-6, 4, False)
+        assert (type(out.grad_fn).__name__ == "_EagerNormBackward") == (path == "eager")
+        results.append((out, rstd) + torch.autograd.grad(out, [x, ww, bb, z], g, retain_graph=True))
+        (gx,) = torch.autograd.grad(out, [x], g, create_graph=True)
+        with pytest.raises(RuntimeError, match="backward"):
+            gx.sum().backward()
+    for a, b_ in zip(*results):
+        torch.testing.assert_close(a, b_, rtol=0, atol=0)
+    with torch.no_grad():
+        assert custom_ops.rmsnorm_gated(wide[:, :12], w, b, None, 1e-6, 4, True)[0].grad_fn is None

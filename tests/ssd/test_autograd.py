@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mamba2_cutile import mamba_chunk_scan_combined, reference
+from mamba2_cutile.eager import eager_call_ok
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
@@ -183,8 +184,6 @@ def test_eager_call_bypasses_the_op_and_equals_it(cutile_backward_on_cpu):
     dispatch): outputs and gradients bit-equal to the op's; without gradients the body alone;
     a double backward through the CUDA backward raises as through the op, whether or not the
     cotangent has a graph (never a silent constant)."""
-    from mamba2_cutile.ssd import custom_ops as ops
-
     inp = tiny(l=70, b=2, h=4, g=2, p=3, n=5, seed=4)
     seq = torch.zeros(2, 70, dtype=torch.int32)
     seq[1, 30:] = 1
@@ -208,7 +207,7 @@ def test_eager_call_bypasses_the_op_and_equals_it(cutile_backward_on_cpu):
 
     with torch.no_grad():
         y = mamba_chunk_scan_combined(**inp, chunk_size=64)
-    assert y.grad_fn is None and ops.eager_call_ok((inp["x"], 3))
+    assert y.grad_fn is None and eager_call_ok((inp["x"], 3))
 
     for path in ("eager", "op"):      # a constant cotangent, then one that has a graph
         for cot in (lambda y: g_out, lambda y: 2 * y):
@@ -239,14 +238,13 @@ def test_fake_and_meta_tensors_take_the_op():
     """Under FakeTensorMode, and for meta tensors, the call goes through the op (its fake
     implementation): shapes come out, nothing runs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from mamba2_cutile.ssd import custom_ops as ops
 
     inp = tiny(l=20, b=2)
     with FakeTensorMode() as mode:
         fake = {k: mode.from_tensor(v) for k, v in inp.items()}
-        assert not ops.eager_call_ok(tuple(fake.values()))
+        assert not eager_call_ok(tuple(fake.values()))
         y, fin = mamba_chunk_scan_combined(**fake, chunk_size=64, return_final_states=True)
         assert y.shape == inp["x"].shape and fin.shape == inp["initial_states"].shape
     meta = {k: v.to("meta") for k, v in inp.items()}
-    assert not ops.eager_call_ok(tuple(meta.values()))
+    assert not eager_call_ok(tuple(meta.values()))
     assert mamba_chunk_scan_combined(**meta, chunk_size=64).device.type == "meta"

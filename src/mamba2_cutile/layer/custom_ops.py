@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..eager import eager_call_ok, no_double_backward, wants_grad
 from ..reference import chunked_backward
 from ..reference.layer import split_sizes
 from ..ssd import custom_ops as ssd_ops
-from ..norm import custom_ops as _norm_ops  # noqa: F401 - registers the norm's ops
+from ..norm import custom_ops as _norm_ops
 from . import parts
 
 #: inputs of split_conv1d_scan that get a gradient, in the order the backward op returns them
@@ -101,18 +102,19 @@ def conv_backward(d_act, xBC, weight, bias, seq_idx, silu):
 
 
 def gated_norm(y, weight, z, eps, group_size, norm_before_gate):
-    """The gated RMSNorm of y (b, l, dim) with z: (out in y's dtype, rstd), through the norm's
-    own op (the cuTile kernel on CUDA, PyTorch on the CPU)."""
+    """The gated RMSNorm of y (b, l, dim) with z: (out in y's dtype, rstd), by the norm op's
+    body (the cuTile kernel on CUDA, PyTorch on the CPU; called directly: this op is already
+    below autograd and opaque to torch.compile)."""
     rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731 - views of zxbcdt's slices
-    out, rstd = torch.ops.mamba2_cutile.rmsnorm_gated_fwd(rows(y), weight, None, rows(z),
-                                                          eps, group_size, norm_before_gate)
+    out, rstd = _norm_ops.forward_body(rows(y), weight, None, rows(z), eps, group_size,
+                                       norm_before_gate)
     return out.view(y.shape), rstd
 
 
 def _scan(sz, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_lo,
           dt_hi):
-    """The scan (the scan's own op, below autograd here): (y (b, l, dim), final_states)."""
-    y, final, _ = torch.ops.mamba2_cutile.ssd_forward(
+    """The scan (the scan op's body, below autograd here): (y (b, l, dim), final_states)."""
+    y, final, _ = ssd_ops._forward_impl(
         x, dt, A, B, C, chunk_size, D, None if z is None else sz.heads(z), dt_bias,
         initial_states, seq_idx, None, True, dt_lo, dt_hi, C.dtype)
     return y.flatten(-2), final
@@ -126,8 +128,7 @@ def _linear_input(sz, zx0, y):
     return torch.cat([parts.swiglu_forward(zx0.to(cd)).to(y.dtype), y], dim=-1)
 
 
-@torch.library.custom_op("mamba2_cutile::split_conv1d_scan", mutates_args=())
-def split_conv1d_scan(zxbcdt: Tensor, conv1d_weight: Tensor, conv1d_bias: Optional[Tensor],
+def _forward_body(zxbcdt: Tensor, conv1d_weight: Tensor, conv1d_bias: Optional[Tensor],
                       dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
                       initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
                       rmsnorm_weight: Optional[Tensor], outproj_weight: Optional[Tensor],
@@ -152,6 +153,10 @@ def split_conv1d_scan(zxbcdt: Tensor, conv1d_weight: Tensor, conv1d_bias: Option
         y = F.linear(y, outproj_weight.to(y.dtype),
                      None if outproj_bias is None else outproj_bias.to(y.dtype))
     return y.contiguous(), final.contiguous()
+
+
+split_conv1d_scan = torch.library.custom_op("mamba2_cutile::split_conv1d_scan", _forward_body,
+                                            mutates_args=())
 
 
 @split_conv1d_scan.register_fake
@@ -179,8 +184,7 @@ def _scan_backward(x, dt, A, B, C, chunk_size, dy, dfinal, D, z, dt_bias, initia
         dt_limit=(dt_lo, dt_hi), dtype=_compute_dtype(x))
 
 
-@torch.library.custom_op("mamba2_cutile::split_conv1d_scan_backward", mutates_args=())
-def split_conv1d_scan_backward(
+def _backward_body(
         dout: Optional[Tensor], dfinal: Optional[Tensor], zxbcdt: Tensor, conv1d_weight: Tensor,
         conv1d_bias: Optional[Tensor], dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
         initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
@@ -239,7 +243,7 @@ def split_conv1d_scan_backward(
     d_norm_w = None
     if has_norm:
         rows = lambda t: t.reshape(-1, sz.dim)  # noqa: E731
-        dy, d_norm_w, _, dz = torch.ops.mamba2_cutile.rmsnorm_gated_bwd(
+        dy, d_norm_w, _, dz = _norm_ops.backward_body(
             rows(dy), rows(y_scan), rmsnorm_weight, None, rows(z), rstd, group_size,
             norm_before_gate)
         dy = dy.view(sz.batch, sz.seqlen, sz.dim)
@@ -268,6 +272,10 @@ def split_conv1d_scan_backward(
             for k in GRAD_INPUTS]
 
 
+split_conv1d_scan_backward = torch.library.custom_op("mamba2_cutile::split_conv1d_scan_backward",
+                                                     _backward_body, mutates_args=())
+
+
 @split_conv1d_scan_backward.register_fake
 def _(dout, dfinal, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, seq_idx,
       rmsnorm_weight, outproj_weight, outproj_bias, chunk_size, headdim, ngroups, norm_group_size,
@@ -289,9 +297,11 @@ def _setup_context(ctx, inputs, output):
     ctx.scalars = inputs[len(_SAVED):]
 
 
-def _backward(ctx, g_out, g_final):
+def _backward(ctx, g_out, g_final, bwd=None):
+    """`bwd`: how the backward is called, the opaque op by default (what torch.compile must
+    see), its body in eager calls."""
     saved = ctx.saved_tensors
-    grads = split_conv1d_scan_backward(g_out, g_final, *saved, *ctx.scalars)
+    grads = (bwd or split_conv1d_scan_backward)(g_out, g_final, *saved, *ctx.scalars)
     by_name = dict(zip(_SAVED, saved))
     g = [None if by_name[k] is None else d for k, d in zip(GRAD_INPUTS, grads)]
     # inputs: zxbcdt conv_w conv_b dt_bias A D initial_states seq_idx norm_w proj_w proj_b,
@@ -302,3 +312,30 @@ def _backward(ctx, g_out, g_final):
 
 torch.library.register_autograd("mamba2_cutile::split_conv1d_scan", _backward,
                                 setup_context=_setup_context)
+
+
+class _EagerLayer(torch.autograd.Function):
+    """The forward op's body and registered backward without torch.library's dispatch, for
+    eager calls (`split_conv1d_scan_call`, `mamba2_cutile.eager`)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        out = _forward_body(*args)
+        _setup_context(ctx, args, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_out, g_final):
+        with torch.no_grad():       # the op's body, as below autograd: it builds no graph
+            grads = _backward(ctx, g_out, g_final, _backward_body)
+        return no_double_backward(grads, (*ctx.saved_tensors, g_out, g_final),
+                                  "the fused layer's backward")
+
+
+def split_conv1d_scan_call(*args):
+    """`torch.ops.mamba2_cutile.split_conv1d_scan(*args)` with its autograd: an eager call
+    through `_EagerLayer` (without a gradient, the body alone), a traced, fake or meta one
+    through the op (`mamba2_cutile.eager`)."""
+    if not eager_call_ok(args):
+        return split_conv1d_scan(*args)
+    return _EagerLayer.apply(*args) if wants_grad(args) else _forward_body(*args)

@@ -3,7 +3,8 @@ one autograd node, with mamba_ssm's signature and return conventions.
 
 Arguments are validated here (shapes, dtypes, devices; seq_idx's values only on CPU or with
 MAMBA2_CUTILE_CHECK=1, so the GPU path never synchronizes), then the custom op
-`torch.ops.mamba2_cutile.split_conv1d_scan` runs (`custom_ops.py`).
+`torch.ops.mamba2_cutile.split_conv1d_scan` runs (`custom_ops.py`); an eager call runs the
+op's body and autograd without its dispatch (`custom_ops.split_conv1d_scan_call`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..checks import (FLOATS, GPU_FLOATS, INTS, check_gpu_dtypes, check_same_dev
                       check_tensor, expect_shape, shape_of, value_checks_enabled)
 from ..conv1d.plan import MAX_WIDTH
 from ..ssd.forward import MAX_DSTATE, MAX_HEADDIM, SUPPORTED_CHUNK_SIZES
-from . import custom_ops  # noqa: F401 - registers torch.ops.mamba2_cutile.split_conv1d_scan
+from . import custom_ops  # registers torch.ops.mamba2_cutile.split_conv1d_scan
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -182,7 +183,7 @@ def split_conv1d_scan_norm_groups(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx,
         dt_limit, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias,
         headdim, ngroups, state_dtype, norm_groups)
-    out, final = torch.ops.mamba2_cutile.split_conv1d_scan(
+    out, final = custom_ops.split_conv1d_scan_call(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, seq_idx,
         rmsnorm_weight, outproj_weight, outproj_bias, chunk_size, headdim, ngroups, group_size,
         float(rmsnorm_eps), bool(norm_before_gate), activation is not None, lo, hi)

@@ -3,7 +3,8 @@
 Arguments are validated here (shapes, dtypes, devices, group size; no tensor values are read,
 so the GPU path never synchronizes), x and z are seen as (M, hidden) rows without a copy where
 their strides allow it, then the custom op `torch.ops.mamba2_cutile.rmsnorm_gated_fwd`
-(`custom_ops.py`) runs: the cuTile kernels for CUDA tensors, PyTorch for CPU tensors.
+(`custom_ops.py`) runs: the cuTile kernels for CUDA tensors, PyTorch for CPU tensors (an
+eager call runs its body and autograd without the dispatch: `custom_ops.rmsnorm_gated`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 
 import torch
 
-from . import custom_ops  # noqa: F401 - registers torch.ops.mamba2_cutile.rmsnorm_gated_*
+from . import custom_ops  # registers torch.ops.mamba2_cutile.rmsnorm_gated_*
 from ..checks import FLOATS, check_gpu_dtypes, check_same_device, check_tensor, expect_shape, \
     shape_of
 from .plan import MAX_GROUP_SIZE, MAX_GROUPS
@@ -80,7 +81,7 @@ def rmsnorm_fn(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_bef
     """
     gs = _validate(x, weight, bias, z, eps, group_size, norm_before_gate)
     hidden = x.shape[-1]
-    out, _ = torch.ops.mamba2_cutile.rmsnorm_gated_fwd(
+    out, _ = custom_ops.rmsnorm_gated(
         _rows(x, hidden), weight, bias, None if z is None else _rows(z, hidden), float(eps),
         gs, bool(norm_before_gate))
     return out.view(x.shape)

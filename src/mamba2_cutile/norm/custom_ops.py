@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..eager import eager_call_ok, no_double_backward, wants_grad
+
 from ..reference.norm import rmsnorm_gated_backward, rmsnorm_gated_forward
 
 
@@ -28,8 +30,7 @@ def _compute_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-@torch.library.custom_op("mamba2_cutile::rmsnorm_gated_fwd", mutates_args=())
-def rmsnorm_gated_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Optional[Tensor],
+def forward_body(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Optional[Tensor],
                       eps: float, group_size: int, norm_before_gate: bool
                       ) -> tuple[Tensor, Tensor]:
     if x.is_cuda:
@@ -41,6 +42,10 @@ def rmsnorm_gated_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Opti
     return out.to(x.dtype).contiguous(), rstd.to(_compute_dtype(x)).contiguous()
 
 
+rmsnorm_gated_fwd = torch.library.custom_op("mamba2_cutile::rmsnorm_gated_fwd", forward_body,
+                                            mutates_args=())
+
+
 @rmsnorm_gated_fwd.register_fake
 def _(x, weight, bias, z, eps, group_size, norm_before_gate):
     m, hidden = x.shape
@@ -48,8 +53,7 @@ def _(x, weight, bias, z, eps, group_size, norm_before_gate):
             x.new_empty((hidden // group_size, m), dtype=_compute_dtype(x)))
 
 
-@torch.library.custom_op("mamba2_cutile::rmsnorm_gated_bwd", mutates_args=())
-def rmsnorm_gated_bwd(dout: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+def backward_body(dout: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor],
                       z: Optional[Tensor], rstd: Tensor, group_size: int,
                       norm_before_gate: bool) -> list[Tensor]:
     """[dx, dweight, dbias, dz], an empty tensor for dbias / dz without bias / z."""
@@ -69,6 +73,10 @@ def rmsnorm_gated_bwd(dout: Tensor, x: Tensor, weight: Tensor, bias: Optional[Te
             x.new_empty((0,)) if dz is None else dz.contiguous()]
 
 
+rmsnorm_gated_bwd = torch.library.custom_op("mamba2_cutile::rmsnorm_gated_bwd", backward_body,
+                                            mutates_args=())
+
+
 @rmsnorm_gated_bwd.register_fake
 def _(dout, x, weight, bias, z, rstd, group_size, norm_before_gate):
     def like(t):
@@ -84,15 +92,43 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _backward(ctx, g_out, g_rstd):
+def _backward(ctx, g_out, g_rstd, bwd=None):
+    """`bwd`: how the backward is called, the opaque op by default (what torch.compile must
+    see), its body in eager calls."""
     x, weight, bias, z, rstd = ctx.saved_tensors
     if g_out is None:
         return None, None, None, None, None, None, None
-    dx, dw, db, dz = rmsnorm_gated_bwd(g_out, x, weight, bias, z, rstd, ctx.group_size,
-                                       ctx.norm_before_gate)
+    dx, dw, db, dz = (bwd or rmsnorm_gated_bwd)(g_out, x, weight, bias, z, rstd,
+                                                ctx.group_size, ctx.norm_before_gate)
     # inputs: x weight bias z eps group_size norm_before_gate
     return (dx, dw, None if bias is None else db, None if z is None else dz, None, None, None)
 
 
 torch.library.register_autograd("mamba2_cutile::rmsnorm_gated_fwd", _backward,
                                 setup_context=_setup_context)
+
+
+class _EagerNorm(torch.autograd.Function):
+    """The forward op's body and registered backward without torch.library's dispatch, for
+    eager calls (`rmsnorm_gated`, `mamba2_cutile.eager`)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        out = forward_body(*args)
+        _setup_context(ctx, args, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_out, g_rstd):
+        with torch.no_grad():       # the op's body, as below autograd: it builds no graph
+            grads = _backward(ctx, g_out, g_rstd, backward_body)
+        return no_double_backward(grads, (*ctx.saved_tensors, g_out), "the gated RMSNorm")
+
+
+def rmsnorm_gated(*args):
+    """`torch.ops.mamba2_cutile.rmsnorm_gated_fwd(*args)` with its autograd: an eager call
+    through `_EagerNorm` (without a gradient, the body alone), a traced, fake or meta one
+    through the op (`mamba2_cutile.eager`)."""
+    if not eager_call_ok(args):
+        return rmsnorm_gated_fwd(*args)
+    return _EagerNorm.apply(*args) if wants_grad(args) else forward_body(*args)

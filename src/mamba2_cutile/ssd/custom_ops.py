@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..eager import eager_call_ok, no_double_backward, wants_grad
 from ..reference import chunked_backward
 from ..reference.chunked import ssd_chunked
 
@@ -144,35 +145,17 @@ torch.library.register_autograd("mamba2_cutile::ssd_forward", _backward,
                                 setup_context=_setup_context)
 
 
-class _NoDoubleBackward(torch.autograd.Function):
-    """The CUDA backward's gradients passed through under create_graph=True (the kernels
-    build no graph), so that differentiating them again raises, as through the opaque op,
-    instead of treating them as constants."""
-
-    @staticmethod
-    def forward(ctx, n, *tensors):
-        return tuple(t.view_as(t) for t in tensors[:n])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError("mamba2_cutile: no double backward through the CUDA backward of "
-                           "the scan (create_graph=True); MAMBA2_CUTILE_BACKWARD=torch has one")
-
-
 def _cuda_backward_eager(ctx, g_out, g_final, g_varlen):
-    grads = list(_backward(ctx, g_out, g_final, g_varlen, _backward_cuda_impl))
-    if torch.is_grad_enabled():                  # create_graph=True
-        idx = [i for i, g in enumerate(grads) if g is not None]
-        deps = [t for t in (*ctx.saved_tensors, g_out, g_final) if t is not None]
-        for i, g in zip(idx, _NoDoubleBackward.apply(len(idx), *(grads[i] for i in idx),
-                                                     *deps)):
-            grads[i] = g
-    return tuple(grads)
+    with torch.no_grad():           # the op's body, as below autograd: it builds no graph
+        grads = _backward(ctx, g_out, g_final, g_varlen, _backward_cuda_impl)
+    return no_double_backward(grads, (*ctx.saved_tensors, g_out, g_final),
+                              "the CUDA backward of the scan (MAMBA2_CUTILE_BACKWARD=torch "
+                              "has one)")
 
 
 class _EagerScan(torch.autograd.Function):
     """The custom op's forward and registered backward without torch.library's dispatch, for
-    eager calls (see `ssd_scan`)."""
+    eager calls (`ssd_scan`, `mamba2_cutile.eager`)."""
 
     @staticmethod
     def forward(ctx, *args):
@@ -187,26 +170,10 @@ class _EagerScan(torch.autograd.Function):
         return _backward(ctx, g_out, g_final, g_varlen)
 
 
-def eager_call_ok(args) -> bool:
-    """Whether a call may bypass its custom op: not under torch.compile's tracing (which must
-    see the op), no dispatch mode active (FakeTensorMode, FlopCounterMode...), and every
-    tensor argument a plain tensor or parameter on the CPU or a CUDA device (not meta, fake
-    or a subclass): the op's real implementation is then what the dispatcher would run."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return False
-    return all(type(a) in (Tensor, torch.nn.Parameter) and a.device.type in ("cuda", "cpu")
-               for a in args if isinstance(a, Tensor))
-
-
 def ssd_scan(*args):
     """`torch.ops.mamba2_cutile.ssd_forward(*args)` with its autograd, as the public function
-    calls it. torch.library's dispatch costs host time on every call (on a CPU, about 0.1 ms
-    per call without autograd and 0.35 ms with it, against 0.05 ms for an autograd.Function),
-    and a short eager scan is host-bound, so an eager call runs the same forward and backward
-    through `_EagerScan` (without a gradient, the forward alone); a traced one the op."""
+    calls it: an eager call through `_EagerScan` (without a gradient, the body alone), a
+    traced, fake or meta one through the op (`mamba2_cutile.eager`)."""
     if not eager_call_ok(args):
         return ssd_forward(*args)
-    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad
-                                       for a in args):
-        return _EagerScan.apply(*args)
-    return _forward_impl(*args)
+    return _EagerScan.apply(*args) if wants_grad(args) else _forward_impl(*args)

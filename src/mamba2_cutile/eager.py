@@ -1,0 +1,62 @@
+"""Eager calls of the library's custom ops without torch.library's dispatch.
+
+Every op (the scan, the fused layer) is a `torch.library` custom op with a fake implementation
+and a registered autograd, which is what torch.compile must see. In eager PyTorch the same
+dispatch costs host time on every call (on a CPU about 0.1 ms per op call, 0.4 ms with its
+generated autograd, against 0.05 ms for an autograd.Function: `scripts/plan_time.py`), and a
+short eager call is host-bound. So the public functions run an eager call through an
+autograd.Function with the op's own body and backward (`eager_call_ok` says when that is the
+same thing), and keep the op for traced, fake and meta calls.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def eager_call_ok(args) -> bool:
+    """Whether a call may bypass its custom op: not under torch.compile's tracing (which must
+    see the op), no dispatch mode active (FakeTensorMode, FlopCounterMode, ...), and every
+    tensor argument a plain tensor or parameter on the CPU or a CUDA device (not meta, fake
+    or a subclass): the op's real implementation is then what the dispatcher would run."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    return all(type(a) in (Tensor, torch.nn.Parameter) and a.device.type in ("cuda", "cpu")
+               for a in args if isinstance(a, Tensor))
+
+
+def wants_grad(args) -> bool:
+    """Whether autograd must record the call."""
+    return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad
+                                           for a in args)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Gradients passed through under create_graph=True where the backward built no graph
+    (kernels, or an opaque op's body): differentiating them again raises, as through the
+    opaque op, instead of treating them as constants."""
+
+    @staticmethod
+    def forward(ctx, what, n, *tensors):
+        ctx.what = what
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"mamba2_cutile: no double backward through {ctx.what} "
+                           "(create_graph=True)")
+
+
+def no_double_backward(grads, deps, what: str):
+    """`grads` (a sequence, None entries allowed) unchanged, or under create_graph=True tied
+    to `deps` (the tensors they depend on) by a node whose backward raises naming `what`."""
+    if not torch.is_grad_enabled():
+        return tuple(grads)
+    grads = list(grads)
+    idx = [i for i, g in enumerate(grads) if g is not None]
+    deps = [t for t in deps if isinstance(t, Tensor)]
+    for i, g in zip(idx, _NoDoubleBackward.apply(what, len(idx), *(grads[i] for i in idx),
+                                                 *deps)):
+        grads[i] = g
+    return tuple(grads)
