@@ -578,7 +578,8 @@ def test_eager_call_equals_the_op():
     results = []
     for path in ("eager", "op"):
         x, z, ww, bb = (t.clone().requires_grad_() for t in (wide[:, :12], wide[:, 20:32], w, b))
-        fn = custom_ops.rmsnorm_gated if path == "eager" else torch.ops.mamba2_cutile.rmsnorm_gated_fwd
+        fn = (custom_ops.rmsnorm_gated if path == "eager"
+              else torch.ops.mamba2_cutile.rmsnorm_gated_fwd)
         out, rstd = fn(x, ww, bb, z, 1e-6, 4, False)
         assert (type(out.grad_fn).__name__ == "_EagerNormBackward") == (path == "eager")
         results.append((out, rstd) + torch.autograd.grad(out, [x, ww, bb, z], g, retain_graph=True))
