@@ -824,3 +824,42 @@ def test_long_sequence_grid_fits(layout, form):
         plan.fit_grid(plan.Conv1dConfig(form=3, bwd_span=64), 40_000_000, True, True)
     with pytest.raises(ValueError, match="seqlen"):
         plan.fit_grid(plan.Conv1dConfig(), 2**40, False, False)
+
+
+def test_eager_calls_equal_the_ops():
+    """Eager calls run the ops' bodies (no dispatch): the forward and every gradient, and the
+    decode update with its in-place state, bit-equal to the ops'; a double backward raises
+    on both paths."""
+    from mamba2_cutile.conv1d import custom_ops
+
+    gen = torch.Generator().manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x0, w0, b0, init0 = r(2, 6, 19), r(6, 4), r(6), r(2, 6, 3)
+    seq = torch.zeros(2, 19, dtype=torch.int32)
+    seq[0, 9:] = 1
+    dout, dfin = r(2, 6, 19), r(2, 6, 3)
+    results = []
+    for path in ("eager", "op"):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        fn = (custom_ops.conv1d_call if path == "eager"
+              else torch.ops.mamba2_cutile.causal_conv1d_fwd)
+        out, fin = fn(x, w, b, None, init0, True, True)
+        assert (type(out.grad_fn).__name__ == "_EagerConvBackward") == (path == "eager")
+        results.append((out, fin) + torch.autograd.grad([out, fin], [x, w, b], [dout, dfin],
+                                                        retain_graph=True))
+        (gx,) = torch.autograd.grad(out, [x], dout, create_graph=True)
+        with pytest.raises(RuntimeError, match="backward"):
+            gx.sum().backward()
+        out2, _ = fn(x0, w0, b0, seq, None, False, False)
+        results[-1] += (out2,)
+    for a, b_ in zip(*results):
+        torch.testing.assert_close(a, b_, rtol=0, atol=0)
+
+    states, outs = [], []
+    for fn in (custom_ops.conv1d_update_call, torch.ops.mamba2_cutile.causal_conv1d_update):
+        state = torch.arange(2 * 6 * 5, dtype=torch.float64).reshape(2, 6, 5) / 7
+        lens = torch.tensor([3, 7], dtype=torch.int32)
+        outs.append(fn(x0[:, :, :2], state, w0, b0, True, lens, None))
+        states.append(state)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    torch.testing.assert_close(states[0], states[1], rtol=0, atol=0)

@@ -103,8 +103,8 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None,
     seq_idx = _int32("seq_idx", seq_idx, x.is_cuda)
     if seq_idx is not None:
         seq_idx = seq_idx.contiguous()
-    out, final = custom_ops.conv1d_fwd(x, weight, bias, seq_idx, initial_states, silu,
-                                       bool(return_final_states))
+    out, final = custom_ops.conv1d_call(x, weight, bias, seq_idx, initial_states, silu,
+                                        bool(return_final_states))
     if not return_final_states:
         return out
     if final_states_out is not None:
@@ -169,6 +169,6 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     conv_state_indices = _int32("conv_state_indices", conv_state_indices, x.is_cuda)
     if b == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
-    out = custom_ops.conv1d_update(x3, conv_state, weight, bias, silu, cache_seqlens,
-                                   conv_state_indices)
+    out = custom_ops.conv1d_update_call(x3, conv_state, weight, bias, silu, cache_seqlens,
+                                        conv_state_indices)
     return out.squeeze(-1) if x.dim() == 2 else out

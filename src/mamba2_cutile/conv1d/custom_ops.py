@@ -11,7 +11,8 @@ registered autograd, so `torch.compile(fullgraph=True)` traces models that call 
 - `mamba2_cutile::causal_conv1d_update(x, conv_state, ...) -> out`, conv_state mutated.
 
 Arguments arrive validated (`api`), seq_idx / cache_seqlens / conv_state_indices as int32.
-No double backward.
+No double backward. Eager calls run the ops' bodies without the dispatch (`conv1d_call`,
+`conv1d_update_call`, `mamba2_cutile.eager`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..eager import eager_call_ok, no_double_backward, wants_grad
 from . import cpu
 from .plan import empty_like_layout, kernel_layout
 
@@ -29,8 +31,7 @@ def _layout_of(x):
     return kernel_layout(x)[1]
 
 
-@torch.library.custom_op("mamba2_cutile::causal_conv1d_fwd", mutates_args=())
-def conv1d_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optional[Tensor],
+def _forward_body(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optional[Tensor],
                initial_states: Optional[Tensor], silu: bool,
                want_final: bool) -> tuple[Tensor, Tensor]:
     if x.is_cuda:
@@ -48,6 +49,10 @@ def conv1d_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optio
     return out, final
 
 
+conv1d_fwd = torch.library.custom_op("mamba2_cutile::causal_conv1d_fwd", _forward_body,
+                                     mutates_args=())
+
+
 @conv1d_fwd.register_fake
 def _(x, weight, bias, seq_idx, initial_states, silu, want_final):
     b, d, _ = x.shape
@@ -56,8 +61,7 @@ def _(x, weight, bias, seq_idx, initial_states, silu, want_final):
     return out, final
 
 
-@torch.library.custom_op("mamba2_cutile::causal_conv1d_bwd", mutates_args=())
-def conv1d_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optional[Tensor],
+def _backward_body(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optional[Tensor],
                initial_states: Optional[Tensor], dout: Optional[Tensor],
                dfinal: Optional[Tensor], silu: bool) -> list[Tensor]:
     if x.is_cuda:
@@ -76,6 +80,10 @@ def conv1d_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optio
             x.new_empty((0,)) if dinit is None else dinit]
 
 
+conv1d_bwd = torch.library.custom_op("mamba2_cutile::causal_conv1d_bwd", _backward_body,
+                                     mutates_args=())
+
+
 @conv1d_bwd.register_fake
 def _(x, weight, bias, seq_idx, initial_states, dout, dfinal, silu):
     return [empty_like_layout(x, _layout_of(x)), torch.empty_like(weight,
@@ -91,11 +99,13 @@ def _setup_context(ctx, inputs, output):
     ctx.silu, ctx.want_final = silu, want_final
 
 
-def _backward(ctx, g_out, g_final):
+def _backward(ctx, g_out, g_final, bwd=None):
+    """`bwd`: how the backward is called, the opaque op by default (what torch.compile must
+    see), its body in eager calls."""
     x, weight, bias, seq_idx, initial_states = ctx.saved_tensors
     dfinal = g_final if ctx.want_final else None
-    dx, dw, db, dinit = conv1d_bwd(x, weight, bias, seq_idx, initial_states, g_out, dfinal,
-                                   ctx.silu)
+    dx, dw, db, dinit = (bwd or conv1d_bwd)(x, weight, bias, seq_idx, initial_states, g_out,
+                                            dfinal, ctx.silu)
     return (dx, dw, None if bias is None else db, None,
             None if initial_states is None else dinit, None, None)
 
@@ -104,8 +114,7 @@ torch.library.register_autograd("mamba2_cutile::causal_conv1d_fwd", _backward,
                                 setup_context=_setup_context)
 
 
-@torch.library.custom_op("mamba2_cutile::causal_conv1d_update", mutates_args=("conv_state",))
-def conv1d_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
+def _update_body(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
                   silu: bool, cache_seqlens: Optional[Tensor],
                   conv_state_indices: Optional[Tensor]) -> Tensor:
     """x (batch, dim, k) -> out (batch, dim, k) contiguous; conv_state updated in place."""
@@ -117,6 +126,46 @@ def conv1d_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[
                              conv_state_indices).contiguous()
 
 
+conv1d_update = torch.library.custom_op("mamba2_cutile::causal_conv1d_update", _update_body,
+                                        mutates_args=("conv_state",))
+
+
 @conv1d_update.register_fake
 def _(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+class _EagerConv(torch.autograd.Function):
+    """The forward op's body and registered backward without torch.library's dispatch, for
+    eager calls (`conv1d_call`, `mamba2_cutile.eager`)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        out = _forward_body(*args)
+        _setup_context(ctx, args, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_out, g_final):
+        with torch.no_grad():       # the op's body, as below autograd: it builds no graph
+            grads = _backward(ctx, g_out, g_final, _backward_body)
+        return no_double_backward(grads, (*ctx.saved_tensors, g_out, g_final),
+                                  "the causal conv1d's backward")
+
+
+def conv1d_call(*args):
+    """`torch.ops.mamba2_cutile.causal_conv1d_fwd(*args)` with its autograd: an eager call
+    through `_EagerConv` (without a gradient, the body alone), a traced, fake or meta one
+    through the op (`mamba2_cutile.eager`)."""
+    if not eager_call_ok(args):
+        return conv1d_fwd(*args)
+    return _EagerConv.apply(*args) if wants_grad(args) else _forward_body(*args)
+
+
+def conv1d_update_call(*args):
+    """`torch.ops.mamba2_cutile.causal_conv1d_update(*args)`: an eager call without a
+    gradient (a decode step) runs the body directly, one call per layer and token without
+    torch.library's dispatch; anything else the op."""
+    if eager_call_ok(args) and not wants_grad(args):
+        return _update_body(*args)
+    return conv1d_update(*args)
