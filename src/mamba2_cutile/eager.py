@@ -60,3 +60,36 @@ def no_double_backward(grads, deps, what: str):
                                                  *deps)):
         grads[i] = g
     return tuple(grads)
+
+
+def eager_function(name: str, body, setup_context, backward):
+    """An autograd.Function named `name` whose forward runs an op's `body` and the op's
+    `setup_context(ctx, inputs, output)`, and whose backward is `backward(ctx, *grads)`: the
+    op's registered autograd, without torch.library's dispatch."""
+    def forward(ctx, *args):
+        out = body(*args)
+        setup_context(ctx, args, out)
+        return out
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "backward": staticmethod(backward)})
+
+
+def opaque_backward(backward, what: str):
+    """`backward(ctx, *grads)` run as an opaque op's body would be: building no graph, its
+    gradients guarded by `no_double_backward` naming `what`."""
+    def run(ctx, *grads):
+        with torch.no_grad():
+            out = backward(ctx, *grads)
+        return no_double_backward(out, (*ctx.saved_tensors, *grads), what)
+    return run
+
+
+def eager_dispatch(op, body, function):
+    """The call of custom op `op` as the public functions make it: an eager call through
+    `function` (an `eager_function` of the op; without a gradient, `body` alone), a traced,
+    fake or meta one through `op`."""
+    def call(*args):
+        if not eager_call_ok(args):
+            return op(*args)
+        return function.apply(*args) if wants_grad(args) else body(*args)
+    return call

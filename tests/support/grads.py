@@ -4,6 +4,10 @@ import torch
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
+#: what a double backward through an opaque backward raises: the eager path's guard
+#: (`mamba2_cutile.eager.no_double_backward`), or torch.library on the op's path
+DOUBLE_BACKWARD = {"eager": "no double backward through", "op": "no autograd formula"}
+
 
 def assert_grads_close(got, ref, tol, check_dtype=True):
     """Every gradient present in `ref` is present in `got` with its shape (and dtype), finite,

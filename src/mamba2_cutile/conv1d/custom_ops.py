@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..eager import eager_call_ok, no_double_backward, wants_grad
+from ..eager import (eager_call_ok, eager_dispatch, eager_function, opaque_backward,
+                     wants_grad)
 from . import cpu
 from .plan import empty_like_layout, kernel_layout
 
@@ -135,31 +136,14 @@ def _(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-class _EagerConv(torch.autograd.Function):
-    """The forward op's body and registered backward without torch.library's dispatch, for
-    eager calls (`conv1d_call`, `mamba2_cutile.eager`)."""
+_EagerConv = eager_function(
+    "_EagerConv", _forward_body, _setup_context,
+    opaque_backward(lambda ctx, g_out, g_final: _backward(ctx, g_out, g_final, _backward_body),
+                    "the causal conv1d's backward"))
 
-    @staticmethod
-    def forward(ctx, *args):
-        out = _forward_body(*args)
-        _setup_context(ctx, args, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, g_out, g_final):
-        with torch.no_grad():       # the op's body, as below autograd: it builds no graph
-            grads = _backward(ctx, g_out, g_final, _backward_body)
-        return no_double_backward(grads, (*ctx.saved_tensors, g_out, g_final),
-                                  "the causal conv1d's backward")
-
-
-def conv1d_call(*args):
-    """`torch.ops.mamba2_cutile.causal_conv1d_fwd(*args)` with its autograd: an eager call
-    through `_EagerConv` (without a gradient, the body alone), a traced, fake or meta one
-    through the op (`mamba2_cutile.eager`)."""
-    if not eager_call_ok(args):
-        return conv1d_fwd(*args)
-    return _EagerConv.apply(*args) if wants_grad(args) else _forward_body(*args)
+#: `torch.ops.mamba2_cutile.causal_conv1d_fwd(*args)` with its autograd, eager calls without
+#: the dispatch (`mamba2_cutile.eager`)
+conv1d_call = eager_dispatch(conv1d_fwd, _forward_body, _EagerConv)
 
 
 def conv1d_update_call(*args):

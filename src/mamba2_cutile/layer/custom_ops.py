@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..eager import eager_call_ok, no_double_backward, wants_grad
+from ..eager import eager_dispatch, eager_function, opaque_backward
 from ..reference import chunked_backward
 from ..reference.layer import split_sizes
 from ..ssd import custom_ops as ssd_ops
@@ -314,28 +314,11 @@ torch.library.register_autograd("mamba2_cutile::split_conv1d_scan", _backward,
                                 setup_context=_setup_context)
 
 
-class _EagerLayer(torch.autograd.Function):
-    """The forward op's body and registered backward without torch.library's dispatch, for
-    eager calls (`split_conv1d_scan_call`, `mamba2_cutile.eager`)."""
+_EagerLayer = eager_function(
+    "_EagerLayer", _forward_body, _setup_context,
+    opaque_backward(lambda ctx, g_out, g_final: _backward(ctx, g_out, g_final, _backward_body),
+                    "the fused layer's backward"))
 
-    @staticmethod
-    def forward(ctx, *args):
-        out = _forward_body(*args)
-        _setup_context(ctx, args, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, g_out, g_final):
-        with torch.no_grad():       # the op's body, as below autograd: it builds no graph
-            grads = _backward(ctx, g_out, g_final, _backward_body)
-        return no_double_backward(grads, (*ctx.saved_tensors, g_out, g_final),
-                                  "the fused layer's backward")
-
-
-def split_conv1d_scan_call(*args):
-    """`torch.ops.mamba2_cutile.split_conv1d_scan(*args)` with its autograd: an eager call
-    through `_EagerLayer` (without a gradient, the body alone), a traced, fake or meta one
-    through the op (`mamba2_cutile.eager`)."""
-    if not eager_call_ok(args):
-        return split_conv1d_scan(*args)
-    return _EagerLayer.apply(*args) if wants_grad(args) else _forward_body(*args)
+#: `torch.ops.mamba2_cutile.split_conv1d_scan(*args)` with its autograd, eager calls without
+#: the dispatch (`mamba2_cutile.eager`)
+split_conv1d_scan_call = eager_dispatch(split_conv1d_scan, _forward_body, _EagerLayer)

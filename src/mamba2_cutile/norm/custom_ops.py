@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..eager import eager_call_ok, no_double_backward, wants_grad
+from ..eager import eager_dispatch, eager_function, opaque_backward
 
 from ..reference.norm import rmsnorm_gated_backward, rmsnorm_gated_forward
 
@@ -108,27 +108,11 @@ torch.library.register_autograd("mamba2_cutile::rmsnorm_gated_fwd", _backward,
                                 setup_context=_setup_context)
 
 
-class _EagerNorm(torch.autograd.Function):
-    """The forward op's body and registered backward without torch.library's dispatch, for
-    eager calls (`rmsnorm_gated`, `mamba2_cutile.eager`)."""
+_EagerNorm = eager_function(
+    "_EagerNorm", forward_body, _setup_context,
+    opaque_backward(lambda ctx, g_out, g_rstd: _backward(ctx, g_out, g_rstd, backward_body),
+                    "the gated RMSNorm"))
 
-    @staticmethod
-    def forward(ctx, *args):
-        out = forward_body(*args)
-        _setup_context(ctx, args, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, g_out, g_rstd):
-        with torch.no_grad():       # the op's body, as below autograd: it builds no graph
-            grads = _backward(ctx, g_out, g_rstd, backward_body)
-        return no_double_backward(grads, (*ctx.saved_tensors, g_out), "the gated RMSNorm")
-
-
-def rmsnorm_gated(*args):
-    """`torch.ops.mamba2_cutile.rmsnorm_gated_fwd(*args)` with its autograd: an eager call
-    through `_EagerNorm` (without a gradient, the body alone), a traced, fake or meta one
-    through the op (`mamba2_cutile.eager`)."""
-    if not eager_call_ok(args):
-        return rmsnorm_gated_fwd(*args)
-    return _EagerNorm.apply(*args) if wants_grad(args) else forward_body(*args)
+#: `torch.ops.mamba2_cutile.rmsnorm_gated_fwd(*args)` with its autograd, eager calls without
+#: the dispatch (`mamba2_cutile.eager`)
+rmsnorm_gated = eager_dispatch(rmsnorm_gated_fwd, forward_body, _EagerNorm)

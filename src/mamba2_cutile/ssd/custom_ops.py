@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..eager import eager_call_ok, no_double_backward, wants_grad
+from ..eager import eager_dispatch, eager_function, opaque_backward
 from ..reference import chunked_backward
 from ..reference.chunked import ssd_chunked
 
@@ -145,35 +145,21 @@ torch.library.register_autograd("mamba2_cutile::ssd_forward", _backward,
                                 setup_context=_setup_context)
 
 
-def _cuda_backward_eager(ctx, g_out, g_final, g_varlen):
-    with torch.no_grad():           # the op's body, as below autograd: it builds no graph
-        grads = _backward(ctx, g_out, g_final, g_varlen, _backward_cuda_impl)
-    return no_double_backward(grads, (*ctx.saved_tensors, g_out, g_final),
-                              "the CUDA backward of the scan (MAMBA2_CUTILE_BACKWARD=torch "
-                              "has one)")
+_cuda_backward_eager = opaque_backward(
+    lambda ctx, g_out, g_final, g_varlen: _backward(ctx, g_out, g_final, g_varlen,
+                                                    _backward_cuda_impl),
+    "the CUDA backward of the scan (MAMBA2_CUTILE_BACKWARD=torch has one)")
 
 
-class _EagerScan(torch.autograd.Function):
-    """The custom op's forward and registered backward without torch.library's dispatch, for
-    eager calls (`ssd_scan`, `mamba2_cutile.eager`)."""
-
-    @staticmethod
-    def forward(ctx, *args):
-        out = _forward_impl(*args)
-        _setup_context(ctx, args, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, g_out, g_final, g_varlen):
-        if backward_impl(ctx.saved_tensors[0]) == "cutile":
-            return _cuda_backward_eager(ctx, g_out, g_final, g_varlen)
-        return _backward(ctx, g_out, g_final, g_varlen)
+def _backward_eager(ctx, g_out, g_final, g_varlen):
+    # the PyTorch stages build their graph (a double backward works through them)
+    if backward_impl(ctx.saved_tensors[0]) == "cutile":
+        return _cuda_backward_eager(ctx, g_out, g_final, g_varlen)
+    return _backward(ctx, g_out, g_final, g_varlen)
 
 
-def ssd_scan(*args):
-    """`torch.ops.mamba2_cutile.ssd_forward(*args)` with its autograd, as the public function
-    calls it: an eager call through `_EagerScan` (without a gradient, the body alone), a
-    traced, fake or meta one through the op (`mamba2_cutile.eager`)."""
-    if not eager_call_ok(args):
-        return ssd_forward(*args)
-    return _EagerScan.apply(*args) if wants_grad(args) else _forward_impl(*args)
+_EagerScan = eager_function("_EagerScan", _forward_impl, _setup_context, _backward_eager)
+
+#: `torch.ops.mamba2_cutile.ssd_forward(*args)` with its autograd, as the public function
+#: calls it; eager calls without the dispatch (`mamba2_cutile.eager`)
+ssd_scan = eager_dispatch(ssd_forward, _forward_impl, _EagerScan)
