@@ -240,8 +240,8 @@ def test_int64_indexing(hidden, gs):
 # ------------------------------------------------------------ chunked and padded kernels, configs
 
 #: (rows, hidden, group_size): the chunked kernels at the other widths m * 2^k of real models
-#: (3072 = 3 * 1024, 7680 = 15 * 512, 10240 = 5 * 2048 in 1024-chunks, six groups of 1536)
-#: and widths the rule pads (15360 = 15 * 1024, past the chunked limit; 1000 = 125 * 8);
+#: (3072 = 3 * 1024, 10240 = 5 * 2048 in 1024-chunks, six groups of 1536) and widths the rule
+#: pads (7680 = 15 * 512 in 8192; 15360 = 15 * 1024, past the chunked limit; 1000 = 125 * 8);
 #: rows not multiples of the tiles
 CHUNKED_SHAPES = [(1001, 3072, None), (257, 7680, None), (129, 10240, None), (65, 15360, None),
                   (333, 9216, 1536), (300, 1000, None)]

@@ -299,13 +299,14 @@ def warm_compile(tasks, jobs):
 
 
 def sweep_norm(shapes=None, dtype=torch.bfloat16, reps=30, space="candidates", jobs=0,
-               norm_before_gate=True):
+               norm_before_gate=True, on_row=None):
     """Times the forward and the backward under each override of the sweep space ("candidates":
     `candidate_space`, at CANDIDATE_SHAPES by default; "full": `sweep_space` around the rule,
     at FULL_SWEEP_SHAPES) through MAMBA2_CUTILE_NORM_CONFIG, checks each result against the
     rule's, and returns rows {shape, pass, overrides, ms, GB/s}. `jobs` > 1 compiles the
     candidates first in that many processes. `norm_before_gate`: the gate order timed (its
-    rule is the candidates' base: the gate-first order has its own hints)."""
+    rule is the candidates' base: the gate-first order has its own hints). `on_row`: called
+    with each row as it is timed."""
     from ..norm.plan import ENV_NORM
     from .accuracy import rel_err
     from .timing import time_graph
@@ -343,12 +344,15 @@ def sweep_norm(shapes=None, dtype=torch.bfloat16, reps=30, space="candidates", j
                                       if a.numel())
                         ms = time_graph(call, reps=reps)["median_ms"]
                     except Exception as e:  # noqa: BLE001 - one failed candidate, not the sweep
-                        rows.append(dict(row, ms=float("inf"), gb_s=0.0, frac_hbm=0.0,
-                                         rel_err_vs_rule=float("nan"), error=repr(e)[:300]))
-                        continue
-                    rows.append(dict(row, ms=ms, gb_s=nbytes / (ms * 1e-3) / 1e9,
-                                     frac_hbm=nbytes / (ms * 1e-3) / HBM_BYTES_PER_S,
-                                     rel_err_vs_rule=err))
+                        row = dict(row, ms=float("inf"), gb_s=0.0, frac_hbm=0.0,
+                                   rel_err_vs_rule=float("nan"), error=repr(e)[:300])
+                    else:
+                        row = dict(row, ms=ms, gb_s=nbytes / (ms * 1e-3) / 1e9,
+                                   frac_hbm=nbytes / (ms * 1e-3) / HBM_BYTES_PER_S,
+                                   rel_err_vs_rule=err)
+                    rows.append(row)
+                    if on_row is not None:
+                        on_row(row)
     finally:
         if saved is None:
             os.environ.pop(ENV_NORM, None)
@@ -423,13 +427,17 @@ def main(argv=None):
                     help="processes compiling the sweep's kernels before timing (1: none)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--jsonl", action="store_true",
+                    help="with --sweep: print each row as a JSON line as it is timed")
     args = ap.parse_args(argv)
     dtype = _DTYPES[args.dtype]
     if args.sweep:
         space = parse_configs(args.configs) if args.configs else args.space
         rows = sweep_norm(args.sweep_shapes or (CANDIDATE_SHAPES if args.configs else None),
                           dtype=dtype, reps=args.reps, space=space, jobs=args.jobs,
-                          norm_before_gate=not args.gate_first)
+                          norm_before_gate=not args.gate_first,
+                          on_row=(lambda r: print(json.dumps(r), flush=True))
+                          if args.jsonl else None)
         print(format_rows(rows))
         print("fastest:")
         print(format_rows(best_of_sweep(rows)))

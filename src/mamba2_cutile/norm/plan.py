@@ -171,8 +171,8 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
     64% at 65536 rows); 2560: forward 105.3 us (56%; 99.0 under the later hints below),
     backward 187.6 -> 161.5 us (60%); 5120:
     occupancy 4 forward 295.7 -> 191.2 us (61%), backward occupancy 2 420.6 -> 312.7 us (62%).
-    The padded kernels at these widths: 106.6, 138.9, 184.7, 215.6, 405.9, 510.5 us. Widths
-    above 5120 are untimed. sm_90 compiles (bf16, `bench.resources`): with the norm before
+    The padded kernels at these widths: 106.6, 138.9, 184.7, 215.6, 405.9, 510.5 us. Above
+    5120 channels only 7680 (padded since: see `group_chunk`) and 10240 are timed. sm_90 compiles (bf16, `bench.resources`): with the norm before
     the gate the forward has 64 registers and no stack up to 5120 channels but at 1536 (8
     warps: 40 registers, 56 bytes) and, under the later hints, 2560 (88 bytes), the backward no stack but at 2560 (four per SM: 64
     registers, 16 bytes) and 7680 (168, 24); with the gate first (mamba_ssm's Mamba2 default;
@@ -298,8 +298,16 @@ def group_chunk(group_size: int, max_chunk: int = 1024) -> int:
     whose chunks would be narrower than MIN_CHUNK or more than MAX_CHUNKS (1000 = 125 * 8),
     and above MAX_CHUNKED_GROUP, where the chunks held in registers spill (15360 = 15 * 1024:
     536 bytes per thread in the backward, sm_90 compile) and padding to 16384 wastes at most
-    3/8 of a tile."""
+    3/8 of a tile; and above 5120 channels where padding wastes at most 1/16 of the tile
+    (7680 = 15 * 512 in 8192): the chunked kernels hold the row at one or two programs per SM
+    there, 168 registers in the backward, and ran at 42-43% / 35-36% of 4.3 TB/s (forward /
+    backward, 16384 rows, bf16, both gate orders) against 69-73% / 74-78% for the padded
+    kernels at 8 warps (benchmarks/results/2026-12-03-h200-norm-sweep-wide-groups.jsonl; no
+    chunked hint came within 1.5x: occupancy 3-6, 8 warps, plain loads, a persistent grid,
+    and a backward reloading every row tile in its second pass, 1.2-1.9 ms)."""
     if group_size & (group_size - 1) == 0 or group_size > MAX_CHUNKED_GROUP:
+        return 0
+    if group_size > 5120 and 16 * (next_pow2(group_size) - group_size) <= next_pow2(group_size):
         return 0
     chunk = min(group_size & -group_size, max_chunk)
     if chunk < MIN_CHUNK or group_size // chunk > MAX_CHUNKS:
