@@ -65,7 +65,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     procs = {}
     for name in names:
-        cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-m", "gpu", "-p", "no:cacheprovider",
+        cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider",
                "-n", str(args.workers), "--dist", "loadgroup", *GROUPS[name]] + (["-k", args.k] if args.k else [])
         log = open(os.path.join(args.out, f"{name}.txt"), "w")
         procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

@@ -70,7 +70,12 @@ def require_mamba_ssm_state_update():
 def mamba_refused(e):
     """Skip the running comparison test: mamba_ssm raised on this option combination (its
     asserts and NotImplementedError/ValueError/RuntimeError). A TypeError, NameError,
-    AttributeError, KeyError or IndexError is a wrong call from the test itself: re-raised."""
-    if isinstance(e, (TypeError, NameError, AttributeError, KeyError, IndexError)):
+    AttributeError, KeyError or IndexError is a wrong call from the test itself, and an
+    out-of-memory or CUDA error says nothing of the inputs: those are re-raised."""
+    import torch
+    cuda_errors = tuple(getattr(torch, n) for n in ("OutOfMemoryError", "AcceleratorError")
+                        if hasattr(torch, n))
+    if isinstance(e, (TypeError, NameError, AttributeError, KeyError, IndexError,
+                      *cuda_errors)):
         raise e
     pytest.skip(f"mamba_ssm refuses these inputs: {type(e).__name__}: {str(e)[:300]}")

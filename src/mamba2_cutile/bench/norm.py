@@ -101,10 +101,11 @@ def _ours_bwd(x, z, w, dout, gs, nbg):
 
 
 def bench_norm(shapes=None, dtype=torch.bfloat16, has_z=True, norm_before_gate=True, reps=50,
-               baseline=True):
+               baseline=True, on_row=None):
     """Rows of {shape, impl, mode, ms, GB/s, fraction of 4.3 TB/s} for ours (fwd, bwd, fwdbwd)
     and mamba_ssm's Triton rmsnorm_fn (fwd, fwdbwd) when importable; each result is checked
-    against the other implementation before timing (max relative difference logged)."""
+    against the other implementation before timing (max relative difference logged).
+    `on_row`: called with each row once its shape is done."""
     from ..norm import rmsnorm_fn
     from .accuracy import rel_err
     from .timing import time_graph
@@ -117,7 +118,7 @@ def bench_norm(shapes=None, dtype=torch.bfloat16, has_z=True, norm_before_gate=T
         x, z, w, dout = make_inputs(tokens, hidden, dtype, has_z)
         fwd_b, bwd_b = norm_bytes(tokens, hidden, ngroups, elem, has_z)
         impls = [("mamba2-cutile", rmsnorm_fn)] + ([("mamba_ssm", mamba)] if mamba else [])
-        outs = {}
+        outs, first = {}, len(rows)
         for name, fn in impls:
             fwd, fwdbwd = _callables(fn, x, z, w, dout, gs, norm_before_gate)
             outs[name] = fwd()
@@ -135,6 +136,9 @@ def bench_norm(shapes=None, dtype=torch.bfloat16, has_z=True, norm_before_gate=T
             diff = rel_err(outs["mamba2-cutile"], outs["mamba_ssm"])
             for r in rows[-5:]:
                 r["rel_diff_vs_mamba_ssm"] = diff
+        if on_row is not None:
+            for r in rows[first:]:
+                on_row(r)
     return rows
 
 
@@ -428,7 +432,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--jsonl", action="store_true",
-                    help="with --sweep: print each row as a JSON line as it is timed")
+                    help="print each row as a JSON line as it is timed")
     args = ap.parse_args(argv)
     dtype = _DTYPES[args.dtype]
     if args.sweep:
@@ -446,7 +450,9 @@ def main(argv=None):
                   "targets": TARGET_SHAPES}[args.shapes]
         rows = bench_norm(shapes, dtype, has_z=not args.no_z,
                           norm_before_gate=not args.gate_first, reps=args.reps,
-                          baseline=not args.no_baseline)
+                          baseline=not args.no_baseline,
+                          on_row=(lambda r: print(json.dumps(r), flush=True))
+                          if args.jsonl else None)
         print(format_rows(rows))
     if args.json:
         with open(args.json, "w") as f:
