@@ -495,7 +495,7 @@ def test_chunked_rule_values():
     assert norm_shape_config(768, gate_first=True) == replace(_chunked_base_config(768, 256),
                                                               bwd_tma=2)
     assert all(c.bwd_tma == 2 for c in (*got.values(), *first.values()) if c.chunk)
-    # 7680 (15 * 512, a 1/16 padding in 8192) takes the padded kernels: timed 1.7-2.2x faster
+    # 7680 (15 * 512, a 1/16 padding in 8192) takes the padded kernels: timed 1.6-2.2x faster
     assert norm_shape_config(7680) == norm_shape_config(7680, gate_first=True) == \
         padded_shape_config(7680)
     assert norm_shape_config(4096, gate_first=True) == norm_shape_config(4096)   # padded

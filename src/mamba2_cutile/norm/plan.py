@@ -172,10 +172,11 @@ def norm_shape_config(group_size: int, gate_first: bool = False) -> NormConfig:
     backward 187.6 -> 161.5 us (60%); 5120:
     occupancy 4 forward 295.7 -> 191.2 us (61%), backward occupancy 2 420.6 -> 312.7 us (62%).
     The padded kernels at these widths: 106.6, 138.9, 184.7, 215.6, 405.9, 510.5 us. Above
-    5120 channels only 7680 (padded since: see `group_chunk`) and 10240 are timed. sm_90 compiles (bf16, `bench.resources`): with the norm before
-    the gate the forward has 64 registers and no stack up to 5120 channels but at 1536 (8
-    warps: 40 registers, 56 bytes) and, under the later hints, 2560 (88 bytes), the backward no stack but at 2560 (four per SM: 64
-    registers, 16 bytes) and 7680 (168, 24); with the gate first (mamba_ssm's Mamba2 default;
+    5120 channels only 7680 (padded since: see `group_chunk`) and 10240 are timed. sm_90
+    compiles (bf16, `bench.resources`): with the norm before the gate the forward has 64
+    registers and no stack up to 5120 channels but at 1536 (8 warps: 40 registers, 56 bytes)
+    and, under the later hints, 2560 (88 bytes), the backward no stack but at 2560 (four per
+    SM: 64 registers, 16 bytes) and 7680 (168, 24); with the gate first (mamba_ssm's Mamba2 default;
     these hints were timed with the norm first only) the forward spills 56 bytes at 1536 and
     16 at 3072, the backward 8 at 1536 with a bias, 160 at 2560, 24 at 3072, 128 at 5120 and
     176 at 7680. So the gate-first order keeps the chunked kernels' first hints
@@ -302,9 +303,10 @@ def group_chunk(group_size: int, max_chunk: int = 1024) -> int:
     (7680 = 15 * 512 in 8192): the chunked kernels hold the row at one or two programs per SM
     there, 168 registers in the backward, and ran at 42-43% / 35-36% of 4.3 TB/s (forward /
     backward, 16384 rows, bf16, both gate orders) against 69-73% / 74-78% for the padded
-    kernels at 8 warps (benchmarks/results/2026-12-03-h200-norm-sweep-wide-groups.jsonl; no
-    chunked hint came within 1.5x: occupancy 3-6, 8 warps, plain loads, a persistent grid,
-    and a backward reloading every row tile in its second pass, 1.2-1.9 ms)."""
+    kernels at 8 warps (benchmarks/results/2026-12-03-h200-norm-sweep-wide-groups.jsonl; the
+    nearest chunked variant was 1.49x slower: occupancy 3-6, 8 warps, plain loads, a
+    persistent grid, and a backward reloading every row tile in its second pass, 1.2-2.2 ms,
+    were timed)."""
     if group_size & (group_size - 1) == 0 or group_size > MAX_CHUNKED_GROUP:
         return 0
     if group_size > 5120 and 16 * (next_pow2(group_size) - group_size) <= next_pow2(group_size):
