@@ -22,8 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..eager import (eager_call_ok, eager_dispatch, eager_function, opaque_backward,
-                     wants_grad)
+from ..eager import eager_dispatch, eager_function, opaque_backward
 from . import cpu
 from .plan import empty_like_layout, kernel_layout
 
@@ -33,8 +32,8 @@ def _layout_of(x):
 
 
 def _forward_body(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optional[Tensor],
-               initial_states: Optional[Tensor], silu: bool,
-               want_final: bool) -> tuple[Tensor, Tensor]:
+                  initial_states: Optional[Tensor], silu: bool,
+                  want_final: bool) -> tuple[Tensor, Tensor]:
     if x.is_cuda:
         from .plan import conv1d_forward_cuda
         out, final = conv1d_forward_cuda(x, weight, bias, seq_idx, initial_states, silu,
@@ -63,8 +62,8 @@ def _(x, weight, bias, seq_idx, initial_states, silu, want_final):
 
 
 def _backward_body(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optional[Tensor],
-               initial_states: Optional[Tensor], dout: Optional[Tensor],
-               dfinal: Optional[Tensor], silu: bool) -> list[Tensor]:
+                   initial_states: Optional[Tensor], dout: Optional[Tensor],
+                   dfinal: Optional[Tensor], silu: bool) -> list[Tensor]:
     if x.is_cuda:
         from .plan import conv1d_backward_cuda
         dx, dw, db, dinit = conv1d_backward_cuda(x, weight, bias, seq_idx, initial_states,
@@ -116,8 +115,8 @@ torch.library.register_autograd("mamba2_cutile::causal_conv1d_fwd", _backward,
 
 
 def _update_body(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
-                  silu: bool, cache_seqlens: Optional[Tensor],
-                  conv_state_indices: Optional[Tensor]) -> Tensor:
+                 silu: bool, cache_seqlens: Optional[Tensor],
+                 conv_state_indices: Optional[Tensor]) -> Tensor:
     """x (batch, dim, k) -> out (batch, dim, k) contiguous; conv_state updated in place."""
     if x.is_cuda:
         from .plan import conv1d_update_cuda
@@ -146,10 +145,6 @@ _EagerConv = eager_function(
 conv1d_call = eager_dispatch(conv1d_fwd, _forward_body, _EagerConv)
 
 
-def conv1d_update_call(*args):
-    """`torch.ops.mamba2_cutile.causal_conv1d_update(*args)`: an eager call without a
-    gradient (a decode step) runs the body directly, one call per layer and token without
-    torch.library's dispatch; anything else the op."""
-    if eager_call_ok(args) and not wants_grad(args):
-        return _update_body(*args)
-    return conv1d_update(*args)
+#: `torch.ops.mamba2_cutile.causal_conv1d_update(*args)`: an eager call without a gradient (a
+#: decode step, one call per layer and token) runs the body without the dispatch
+conv1d_update_call = eager_dispatch(conv1d_update, _update_body)

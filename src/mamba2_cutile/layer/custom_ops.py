@@ -129,13 +129,13 @@ def _linear_input(sz, zx0, y):
 
 
 def _forward_body(zxbcdt: Tensor, conv1d_weight: Tensor, conv1d_bias: Optional[Tensor],
-                      dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
-                      initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
-                      rmsnorm_weight: Optional[Tensor], outproj_weight: Optional[Tensor],
-                      outproj_bias: Optional[Tensor], chunk_size: int, headdim: int,
-                      ngroups: int, norm_group_size: int, rmsnorm_eps: float,
-                      norm_before_gate: bool, silu: bool, dt_lo: float,
-                      dt_hi: float) -> tuple[Tensor, Tensor]:
+                  dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
+                  initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
+                  rmsnorm_weight: Optional[Tensor], outproj_weight: Optional[Tensor],
+                  outproj_bias: Optional[Tensor], chunk_size: int, headdim: int,
+                  ngroups: int, norm_group_size: int, rmsnorm_eps: float,
+                  norm_before_gate: bool, silu: bool, dt_lo: float,
+                  dt_hi: float) -> tuple[Tensor, Tensor]:
     """(out (b, l, out_dim) in zxbcdt's dtype, final_states (b, h, p, n) float32); arguments
     validated by `fused.mamba_split_conv1d_scan_combined`. The gated norm normalises groups of
     `norm_group_size` channels (mamba_ssm's dim // ngroups unless a caller asks otherwise)."""

@@ -31,8 +31,8 @@ def _compute_dtype(x):
 
 
 def forward_body(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Optional[Tensor],
-                      eps: float, group_size: int, norm_before_gate: bool
-                      ) -> tuple[Tensor, Tensor]:
+                 eps: float, group_size: int, norm_before_gate: bool
+                 ) -> tuple[Tensor, Tensor]:
     if x.is_cuda:
         from .plan import rmsnorm_forward_cuda
         return rmsnorm_forward_cuda(x, weight, bias, z, eps, group_size, norm_before_gate)
@@ -54,8 +54,8 @@ def _(x, weight, bias, z, eps, group_size, norm_before_gate):
 
 
 def backward_body(dout: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor],
-                      z: Optional[Tensor], rstd: Tensor, group_size: int,
-                      norm_before_gate: bool) -> list[Tensor]:
+                  z: Optional[Tensor], rstd: Tensor, group_size: int,
+                  norm_before_gate: bool) -> list[Tensor]:
     """[dx, dweight, dbias, dz], an empty tensor for dbias / dz without bias / z."""
     if x.is_cuda:
         from .plan import rmsnorm_backward_cuda

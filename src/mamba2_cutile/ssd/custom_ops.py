@@ -32,10 +32,10 @@ def _compute_dtype(x):
 
 
 def _forward_impl(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
-                D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
-                initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
-                cu_seqlens: Optional[Tensor], dt_softplus: bool, dt_lo: float, dt_hi: float,
-                state_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+                  D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
+                  initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
+                  cu_seqlens: Optional[Tensor], dt_softplus: bool, dt_lo: float, dt_hi: float,
+                  state_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     if x.is_cuda:
         from .forward import ssd_forward_cuda
         out, final, varlen = ssd_forward_cuda(x, dt, A, B, C, chunk_size, D, z, dt_bias,
@@ -59,7 +59,7 @@ ssd_forward = torch.library.custom_op("mamba2_cutile::ssd_forward", _forward_imp
 
 @ssd_forward.register_fake
 def _forward_fake(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
-      dt_softplus, dt_lo, dt_hi, state_dtype):
+                  dt_softplus, dt_lo, dt_hi, state_dtype):
     b, l, h, p = x.shape
     n = B.shape[3]
     out = x.new_empty((b, l, h, p))
@@ -93,10 +93,10 @@ def backward_impl(x) -> str:
 
 
 def _backward_cuda_impl(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
-                    dout: Optional[Tensor], dfinal: Optional[Tensor], D: Optional[Tensor],
-                    z: Optional[Tensor], dt_bias: Optional[Tensor],
-                    initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
-                    dt_softplus: bool, dt_lo: float, dt_hi: float) -> list[Tensor]:
+                        dout: Optional[Tensor], dfinal: Optional[Tensor], D: Optional[Tensor],
+                        z: Optional[Tensor], dt_bias: Optional[Tensor],
+                        initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
+                        dt_softplus: bool, dt_lo: float, dt_hi: float) -> list[Tensor]:
     """The cuTile backward as an opaque op (torch.compile must not trace into its launches):
     the gradients of _GRAD_INPUTS in order, an empty tensor for each absent input."""
     from .backward import ssd_backward_cuda
