@@ -100,6 +100,7 @@ TILINGS = {
                           bc_load_latency=8),
     "dbc_fused_wide": dict(bc_fused=1, bc_block_p=64, bc_block_n=32, lowp=1),
     "head_split": dict(bc_fused=1, da_mode=1, bc_head_split=2),
+    "group_dcb": dict(bc_fused=2, da_mode=1, bc_block_q=32, lowp=1),
 }
 
 
@@ -191,6 +192,22 @@ def test_emulated_segmented_passes_uneven_runs():
     args, kw, dout, dfinal = make_problem(OPTIONS["all"], l=150, Q=Q, seed=7, g=1, p=24, n=20)
     assert dfinal is not None
     cfg = small_config(Q, 24, 20, bc_block_q=16, bstate_segments=4, state_segments=4)
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("bq,bn,bp", [(16, 16, 16), (32, 32, 8), (8, 16, 32)])
+@pytest.mark.parametrize("opt", ["D_head_z_seq", "init_no_dfinal", "all", "none"])
+def test_emulated_group_dcb(opt, bq, bn, bp):
+    """dB and dC through the gradient of each group's C B^T (bc_fused=2): dS summed over the
+    group's 3 heads in (bq x bq) blocks, then dB and dC per whole chunk and n-tile; a last chunk
+    of 20 tokens (l = 84), so at bq = 8 its last block holds none; seq_idx resets inside
+    chunks, z, no dfinal."""
+    Q = 32
+    args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=84, Q=Q, seed=11, h=6, g=2, p=24,
+                                          n=20)
+    cfg = small_config(Q, 24, 20, bc_fused=2, da_mode=1, bc_block_q=bq, bc_block_n=bn,
+                       bc_block_p=bp)
     assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
                  reference_grads(args, kw, Q, dout, dfinal))
 

@@ -356,6 +356,9 @@ CONFIGS = [
     {"bstate_load_latency": 4, "dx_load_latency": 4, "bc_load_latency": 4},
     {"bstate_segments": 2}, {"bstate_segments": 3, "state_segments": 3, "state_occupancy": 4},
     {"bc_head_split": 2}, {"bc_head_split": 2, "da_mode": 2},
+    {"bc_fused": 2}, {"bc_fused": 2, "bc_block_q": 32, "dcb_occupancy": 4},
+    {"bc_fused": 2, "bc_block_q": 128, "bc_block_n": 32, "bc_occupancy": 2, "bc_warps": 4,
+     "lowp": 0},
 ]
 
 

@@ -83,6 +83,10 @@ def backward_variants():
                                                    chunk_size=256)))
     items.append(("bf16-int64-head-split", dict(dtype=bf, int64=True,
                                                 overrides=dict(bc_head_split=2, da_mode=2))))
+    # dB and dC through the gradient of the groups' C B^T (bc_fused 2)
+    items.append(("bf16-group-dcb", dict(dtype=bf, overrides=dict(bc_fused=2))))
+    items.append(("bf16-int64-group-dcb", dict(dtype=bf, int64=True,
+                                               overrides=dict(bc_fused=2, dcb_occupancy=4))))
     # the dispatcher computes a chunk-256 backward at chunk 128; 256 stays selectable
     items.append(("bf16-Q256-internal-256", dict(dtype=bf, chunk_size=256,
                                                  overrides=dict(chunk_size=256))))

@@ -28,6 +28,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from .. import config as _config
+from ..kernels.bwd_chunk_dcb import (bwd_chunk_dbc_group, bwd_chunk_dbc_group_i64, bwd_chunk_dcb,
+                                      bwd_chunk_dcb_i64)
 from ..kernels.bwd_chunk_dbc import (bwd_chunk_dbc, bwd_chunk_dbc_fused, bwd_chunk_dbc_fused_i64,
                                      bwd_chunk_dbc_i64)
 from ..kernels.bwd_chunk_dx import bwd_chunk_dx, bwd_chunk_dx_i64
@@ -79,7 +81,11 @@ class BackwardConfig:
     dx_load_latency: int = 0      # per-chunk loads, bwd_chunk_dx's block loops,
     bc_load_latency: int = 0      # bwd_chunk_dbc_fused's head loop
     bc_fused: int = 0            # 1: one program per whole chunk forms M once for dB and dC
-                                 # (bc_block_q is then unused)
+                                 # (bc_block_q is then unused); 2: the gradient of the group's
+                                 # C B^T summed over its heads first (bwd_chunk_dcb, in
+                                 # bc_block_q blocks), then dB and dC from it per whole chunk
+    dcb_occupancy: int = 0       # bwd_chunk_dcb's hints (bc_fused=2; bc_occupancy, bc_warps
+    dcb_warps: int = 0           # and bc_load_latency are bwd_chunk_dbc_group's)
     state_segments: int = 1      # the recompute's state pass in parallel segments and its
     state_occupancy: int = 0     # occupancy hint (ForwardConfig's fields of the same names)
     bstate_segments: int = 1     # bwd_state_pass's reverse loop in parallel segments, then
@@ -102,19 +108,21 @@ class BackwardConfig:
                              f"{self.bc_block_q} must divide chunk_size={self.chunk_size}")
         for name in ("bstate_load_latency", "dx_load_latency", "bc_load_latency"):
             c.check_range(self, name, 0, 10)
-        for name in ("bstate_occupancy", "dx_occupancy", "bc_occupancy", "state_occupancy"):
+        for name in ("bstate_occupancy", "dx_occupancy", "bc_occupancy", "state_occupancy",
+                     "dcb_occupancy"):
             c.check_range(self, name, 0, 32)
         c.check_range(self, "state_segments", 1, 64)
         c.check_range(self, "bstate_segments", 1, 64)
         c.check_range(self, "bc_head_split", 1, 64)
-        if self.bc_head_split > 1 and not self.bc_fused:
+        if self.bc_head_split > 1 and self.bc_fused != 1:
             raise ValueError(f"BackwardConfig: bc_head_split={self.bc_head_split} needs "
-                             "bc_fused=1 (the per-block dB/dC programs do not split heads)")
-        for name in ("dx_warps", "bc_warps"):
+                             "bc_fused=1 (the other dB/dC launches do not split heads)")
+        for name in ("dx_warps", "bc_warps", "dcb_warps"):
             c.check_choice(self, name, (0, 4, 8))
-        for name in ("lowp", "dx_lowp", "bc_fused"):
+        for name in ("lowp", "dx_lowp"):
             c.check_choice(self, name, (0, 1))
-        if self.da_mode not in (0, 1, 2) or (self.da_mode == 2 and not self.bc_fused):
+        c.check_choice(self, "bc_fused", (0, 1, 2))
+        if self.da_mode not in (0, 1, 2) or (self.da_mode == 2 and self.bc_fused != 1):
             raise ValueError(f"BackwardConfig: da_mode={self.da_mode} must be 0, 1, or 2 with "
                              "bc_fused=1")
 
@@ -238,6 +246,7 @@ class BackwardBuffers:
     dbias_part: torch.Tensor | None  # (B * nc, H) fp32
     db_part: torch.Tensor | None     # (splits, B, L, G, N) fp32 per-split dB (head_splits > 1)
     dc_part: torch.Tensor | None     # the same for dC
+    dcb: torch.Tensor | None   # (B, G, Lp, Q) fp32: the gradient of the groups' C B^T (bc_fused 2)
     dx: torch.Tensor
     dz: torch.Tensor | None
     dB: torch.Tensor
@@ -277,6 +286,7 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
         dA_part=e(b * nc, h), dbias_part=None if dt_bias is None else e(b * nc, h),
         db_part=e(splits, b, l, g, n) if splits > 1 else None,
         dc_part=e(splits, b, l, g, n) if splits > 1 else None,
+        dcb=e(b, g, lp, Q) if cfg.bc_fused == 2 else None,
         dx=e(b, l, h, p, dt=od["x"]), dz=None if z is None else e(b, l, h, p, dt=od["z"]),
         dB=e(b, l, g, n, dt=od["B"]), dC=e(b, l, g, n, dt=od["C"]), ddt=e(b, l, h, dt=od["dt"]),
     )
@@ -363,8 +373,26 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
     split = bufs.db_part is not None
     db_out, dc_out = (bufs.db_part, bufs.dc_part) if split else (bufs.dB, bufs.dC)
     int64 = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
-                      bufs.dstates, db_out, dc_out, bufs.da_part if cfg.bc_fused else None)
-    if cfg.bc_fused:
+                      bufs.dstates, db_out, dc_out, bufs.da_part if cfg.bc_fused else None,
+                      bufs.dcb)
+    if cfg.bc_fused == 2:
+        # dS in bc_block_q blocks; bwd_chunk_dbc_group reads it in (Q, <= 64) slices (a
+        # (128, 128) fp32 slice staged with the chunk's rows needs more than an SM's 227 KB)
+        nbpc = Q // cfg.bc_block_q
+        calls.append(KernelCall(
+            with_hints(bwd_chunk_dcb_i64 if int64 else bwd_chunk_dcb, cfg.dcb_occupancy,
+                       cfg.dcb_warps),
+            (nchunks * batch * ngroups, nbpc * nbpc, 1),
+            (x, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.dcb, Q,
+             cfg.bc_block_q, cfg.bc_block_p, hpg, has_z, has_seq, lowp, cfg.bc_load_latency)))
+        calls.append(KernelCall(
+            with_hints(bwd_chunk_dbc_group_i64 if int64 else bwd_chunk_dbc_group,
+                       cfg.bc_occupancy, cfg.bc_warps),
+            (nchunks * batch * ngroups, -(-dstate // cfg.bc_block_n), 2),
+            (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
+             bufs.dstates, bufs.dcb, bufs.dB, bufs.dC, Q, min(cfg.bc_block_q, 64),
+             cfg.bc_block_p, cfg.bc_block_n, hpg, has_z, has_seq, lowp, cfg.bc_load_latency)))
+    elif cfg.bc_fused:
         splits = db_out.shape[0] if split else 1
         calls.append(KernelCall(
             with_hints(bwd_chunk_dbc_fused_i64 if int64 else bwd_chunk_dbc_fused, cfg.bc_occupancy,

@@ -1,0 +1,186 @@
+"""Backward kernels 3a and 3b (parallel over chunks): dB and dC through the gradient of the
+group's C B^T.
+
+Within a chunk, with S = C B^T (one Q x Q matrix per group, shared by its heads) and L_h the
+masked decay of head h (bwd_common), the intra-chunk output is y_h = (L_h o S o dt'_h) X_h, so
+
+  dS = sum_{h in group} (dY_h X_h^T) o L_h o dt'_h,col                        [3a: bwd_chunk_dcb]
+  dC = sum_h (state_w_h dY_h) h_c,h  +  dS B        dB = sum_h (exit_w_h dt'_h X_h) dS_c,h  +  dS^T C
+                                                                             [3b: bwd_chunk_dbc_group]
+
+(h_c the chunk's entry state, dS_c its exit-state gradient, per head; the same sums as
+bwd_chunk_dbc_fused, regrouped). The fused launch forms each head's M = (dY X^T) o L o dt' and
+multiplies it by B and by C per head and n-tile: 2 Q x Q x N products per head. Here the head
+loop of 3a only forms and adds M, once per head, and 3b multiplies the group's sum by B and C
+once per group; what 3b loops over heads is the (Q x P) x (P x N) state terms. The price is dS
+through HBM, (B, G, Lp, Q) fp32: Q / (H / G * P * 2) of the bytes of x and dout (1/80 at 80
+heads of 64, chunk 128).
+
+3a: one program = a (BLOCK_Q x BLOCK_Q) block (i, j) of one chunk's dS and one group, the
+group's heads walked in a fixed order (deterministic). Blocks above the diagonal and blocks of
+rows past the sequence are stored as zeros, so every element of dS that 3b reads is written
+and finite (3b multiplies the columns past the sequence by zero-padded rows of B and C).
+Grid: (nc * B * G, (Q / BLOCK_Q)^2).
+
+3b: one program = one whole chunk x one n-tile (BLOCK_N) of one group; grid axis 2 picks the
+output (0: dC, 1: dB). Grid: (nc * B * G, cdiv(N, BLOCK_N), 2).
+"""
+
+import cuda.tile as ct
+
+from ._common import int64_variant, mma_operand
+from .bwd_common import (
+    block_decay,
+    block_seq,
+    chunk_last_decay,
+    dy_op,
+    exit_weight,
+    intra_decay,
+    load_dy,
+    load_rows,
+    load_state,
+    seq_bounds,
+    state_weight,
+    wop,
+)
+
+
+def bwd_chunk_dcb_fn(
+    x,           # (B, L, H, P)
+    z,           # (B, L, H, P) (ignored unless HAS_Z)
+    dout,        # (B, L, H, P)
+    dt,          # (B, H, Lp) float32 dt'
+    cum,         # (B, H, Lp) float32 G2
+    seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
+    dcb,         # (B, G, Lp, Q) float32 out: dS, row = token, column = token within its chunk
+    Q: ct.Constant[int],
+    BLOCK_Q: ct.Constant[int],
+    BLOCK_P: ct.Constant[int],
+    HEADS_PER_GROUP: ct.Constant[int],
+    HAS_Z: ct.Constant[bool],
+    HAS_SEQ: ct.Constant[bool],
+    LOWP: ct.Constant[bool],
+    LAT: ct.Constant[int],        # load latency hint in the head loop (0: none)
+):
+    NBPC = Q // BLOCK_Q
+    seqlen = x.shape[1]
+    ngroups = dcb.shape[1]
+    nc = ct.cdiv(seqlen, Q)
+    n_pt = ct.cdiv(x.shape[3], BLOCK_P)
+    chunk = ct.bid(0) % nc
+    bg = ct.bid(0) // nc
+    batch = bg // ngroups
+    group = bg % ngroups
+    i = ct.bid(1) // NBPC
+    j = ct.bid(1) % NBPC
+    row_blk = chunk * NBPC + i
+    col_blk = chunk * NBPC + j
+    mm = x.dtype
+
+    acc = ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32)
+    if j <= i:
+        if row_blk * BLOCK_Q < seqlen:
+            tok_i = row_blk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
+            tok_j = col_blk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
+            s_i = block_seq(seq_idx, batch, row_blk, BLOCK_Q, HAS_SEQ)
+            s_j = block_seq(seq_idx, batch, col_blk, BLOCK_Q, HAS_SEQ)
+            for hh in range(HEADS_PER_GROUP):
+                head = group * HEADS_PER_GROUP + hh
+                g_i = block_decay(cum, batch, head, row_blk, BLOCK_Q, LAT)
+                g_j = block_decay(cum, batch, head, col_blk, BLOCK_Q, LAT)
+                dt_j = block_decay(dt, batch, head, col_blk, BLOCK_Q, LAT)
+                dyx = ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32)
+                for pt in range(n_pt):
+                    dy = load_dy(dout, z, batch, row_blk, head, pt, BLOCK_Q, BLOCK_P, HAS_Z, LAT)
+                    xj = load_rows(x, batch, col_blk, head, pt, BLOCK_Q, BLOCK_P, LAT)
+                    dyx = ct.mma(dy_op(dy, mm, LOWP, HAS_Z),
+                                 dy_op(xj.transpose(), mm, LOWP, HAS_Z), dyx)
+                acc = acc + dyx * intra_decay(g_i, g_j, tok_i, tok_j, s_i, s_j,
+                                              HAS_SEQ) * dt_j[None, :]
+    ct.store(dcb, index=(batch, group, row_blk, j), tile=acc.reshape((1, 1, BLOCK_Q, BLOCK_Q)))
+
+
+def bwd_chunk_dbc_group_fn(
+    x,           # (B, L, H, P)
+    b,           # (B, L, G, N)
+    c,           # (B, L, G, N)
+    z,           # (B, L, H, P) (ignored unless HAS_Z)
+    dout,        # (B, L, H, P)
+    dt,          # (B, H, Lp) float32 dt'
+    cum,         # (B, H, Lp) float32 G2
+    seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
+    states,      # (B, H, C, P, N) entry states h_c
+    dstates,     # (B, H, C, P, N) exit-state gradients dS_c
+    dcb,         # (B, G, Lp, Q) float32: dS from bwd_chunk_dcb
+    db,          # (B, L, G, N) out
+    dc,          # (B, L, G, N) out
+    Q: ct.Constant[int],
+    BLOCK_K: ct.Constant[int],    # tokens of dS's inner dimension per MMA
+    BLOCK_P: ct.Constant[int],
+    BLOCK_N: ct.Constant[int],
+    HEADS_PER_GROUP: ct.Constant[int],
+    HAS_Z: ct.Constant[bool],
+    HAS_SEQ: ct.Constant[bool],
+    LOWP: ct.Constant[bool],
+    LAT: ct.Constant[int],        # load latency hint in the head loop (0: none)
+):
+    NKB = Q // BLOCK_K
+    seqlen = x.shape[1]
+    ngroups = b.shape[2]
+    nc = ct.cdiv(seqlen, Q)
+    n_pt = ct.cdiv(x.shape[3], BLOCK_P)
+    chunk = ct.bid(0) % nc
+    bg = ct.bid(0) // nc
+    n_tile = ct.bid(1)
+    batch = bg // ngroups
+    group = bg % ngroups
+    mm = x.dtype
+
+    s = block_seq(seq_idx, batch, chunk, Q, HAS_SEQ)
+    before, last = seq_bounds(seq_idx, batch, chunk, seqlen, Q, HAS_SEQ)
+    # inner blocks holding tokens (a block wholly past the sequence is not loaded)
+    k_end = ct.minimum(NKB, ct.cdiv(seqlen - chunk * Q, BLOCK_K))
+    acc = ct.full((Q, BLOCK_N), 0.0, dtype=ct.float32)
+    if ct.bid(2) == 0:
+        for hh in range(HEADS_PER_GROUP):
+            head = group * HEADS_PER_GROUP + hh
+            state_w = state_weight(block_decay(cum, batch, head, chunk, Q, LAT), s, before,
+                                   HAS_SEQ)
+            for pt in range(n_pt):
+                dy = load_dy(dout, z, batch, chunk, head, pt, Q, BLOCK_P, HAS_Z, LAT)
+                h = load_state(states, batch, head, chunk, pt, n_tile, BLOCK_P, BLOCK_N, LAT)
+                acc = ct.mma(mma_operand(dy * state_w[:, None], mm), mma_operand(h, mm), acc)
+        for kb in range(k_end):
+            m = ct.load(dcb, index=(batch, group, chunk, kb),
+                        shape=(1, 1, Q, BLOCK_K)).reshape((Q, BLOCK_K))
+            bk = load_rows(b, batch, chunk * NKB + kb, group, n_tile, BLOCK_K, BLOCK_N)
+            acc = ct.mma(wop(m, mm, LOWP), wop(bk, mm, LOWP), acc)
+        ct.store(dc, index=(batch, chunk, group, n_tile),
+                 tile=acc.reshape((1, Q, 1, BLOCK_N)).astype(dc.dtype))
+    else:
+        for hh in range(HEADS_PER_GROUP):
+            head = group * HEADS_PER_GROUP + hh
+            g = block_decay(cum, batch, head, chunk, Q, LAT)
+            dtv = block_decay(dt, batch, head, chunk, Q, LAT)
+            g_last = chunk_last_decay(cum, batch, head, chunk, Q)
+            x_w = exit_weight(g, g_last, s, last, HAS_SEQ) * dtv
+            for pt in range(n_pt):
+                xt = load_rows(x, batch, chunk, head, pt, Q, BLOCK_P, LAT).astype(ct.float32)
+                ds = load_state(dstates, batch, head, chunk, pt, n_tile, BLOCK_P, BLOCK_N, LAT)
+                acc = ct.mma(mma_operand(xt * x_w[:, None], mm), mma_operand(ds, mm), acc)
+        for kb in range(k_end):
+            m = ct.load(dcb, index=(batch, group, chunk * NKB + kb, 0),
+                        shape=(1, 1, BLOCK_K, Q)).reshape((BLOCK_K, Q))
+            ck = load_rows(c, batch, chunk * NKB + kb, group, n_tile, BLOCK_K, BLOCK_N)
+            acc = ct.mma(wop(m.transpose(), mm, LOWP), wop(ck, mm, LOWP), acc)
+        ct.store(db, index=(batch, chunk, group, n_tile),
+                 tile=acc.reshape((1, Q, 1, BLOCK_N)).astype(db.dtype))
+
+
+bwd_chunk_dcb = ct.kernel(bwd_chunk_dcb_fn)
+bwd_chunk_dcb_i64 = ct.kernel(int64_variant(
+    bwd_chunk_dcb_fn, ["x", "z", "dout", "dt", "cum", "seq_idx", "dcb"]))
+bwd_chunk_dbc_group = ct.kernel(bwd_chunk_dbc_group_fn)
+bwd_chunk_dbc_group_i64 = ct.kernel(int64_variant(
+    bwd_chunk_dbc_group_fn, ["x", "b", "c", "z", "dout", "dt", "cum", "seq_idx", "states",
+                             "dstates", "dcb", "db", "dc"]))
