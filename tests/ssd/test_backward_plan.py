@@ -22,7 +22,8 @@ def test_plan_grids_respect_cuda_limits():
         assert call.grid[0] < 2**31
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(da_mode=2), dict(bc_fused=0, da_mode=0)],
+@pytest.mark.parametrize("overrides", [dict(), dict(da_mode=2, bc_fused=1),
+                                       dict(bc_fused=0, da_mode=0)],
                          ids=["default", "da_mode2", "unfused"])
 def test_int64_variant_whenever_an_argument_needs_it(overrides):
     """Every launch with an array argument of 2^31 elements or more gets its 64-bit variant
@@ -82,21 +83,25 @@ def test_dispatcher_head_split(b, l, h, g, splits):
     dispatcher splits each group's heads over up to SMs / programs programs (the largest
     divisor of the heads per group); the launch's third grid axis is the split, it writes
     (splits, B, L, G, N) fp32 partials, and one sum_partials launch adds them into dB and dC
-    (the last launch before bwd_dt). Long sequences keep one program per group."""
+    (the last launch before bwd_dt). Long sequences take dB and dC through the groups' C B^T
+    gradient (bc_fused 2: bwd_chunk_dcb, then bwd_chunk_dbc_group writing dB and dC)."""
     cfg = backward.backward_config(b, h, g, 64, 128, 256, torch.bfloat16, 132, seqlen=l)
     assert backward.head_splits(cfg, h, g) == splits
     calls = plans.backward_problem_plan(batch=b, seqlen=l, nheads=h, ngroups=g,
                                         chunk_size=256)
     names = [_name(c) for c in calls]
+    assert "sum_partials_fn" in names if splits > 1 else "sum_partials_fn" not in names
+    if splits == 1:
+        assert cfg.bc_fused == 2 and "bwd_chunk_dbc_fused_fn" not in names
+        i = names.index("bwd_chunk_dcb_fn")
+        assert names[i + 1] == "bwd_chunk_dbc_group_fn"
+        assert calls[i + 1].args[11].dtype == torch.bfloat16     # dB, written directly
+        return
     dbc = calls[names.index("bwd_chunk_dbc_fused_fn")]
     assert dbc.grid[2] == splits
-    if splits > 1:
-        assert dbc.args[10].shape == (splits, b, l, g, 128)
-        assert dbc.args[10].dtype == torch.float32
-        assert names[names.index("bwd_chunk_dbc_fused_fn") + 1] == "sum_partials_fn"
-    else:
-        assert "sum_partials_fn" not in names
-        assert dbc.args[10].dtype == torch.bfloat16
+    assert dbc.args[10].shape == (splits, b, l, g, 128)
+    assert dbc.args[10].dtype == torch.float32
+    assert names[names.index("bwd_chunk_dbc_fused_fn") + 1] == "sum_partials_fn"
 
 
 def test_head_split_needs_the_fused_launch():

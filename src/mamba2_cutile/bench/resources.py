@@ -66,7 +66,9 @@ def problem_calls(family: str, problem: dict, overrides: dict):
     arguments of `bench.plans`'s builders) with config `overrides`."""
     from dataclasses import replace
 
-    from . import plans
+    from . import plans, problems
+    problem = {k: problems.parse_dtype(v) if k.endswith("dtype") and isinstance(v, str) else v
+               for k, v in problem.items()}
     if family == "forward":
         return plans.forward_problem_plan(**problem, overrides=overrides)
     if family == "backward":

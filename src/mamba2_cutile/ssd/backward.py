@@ -9,7 +9,8 @@ Six launches (no host synchronization, CUDA-graph capturable), following the sta
   4. bwd_chunk_dx        per chunk: dx, dz, and per-tile partials of dD, ddt_direct, da
   5. bwd_chunk_dbc       per chunk: dB and dC, summed over each group's heads in-program
                          (short sequences: the heads split over programs, whose fp32 partials
-                         one sum_partials launch adds)
+                         one sum_partials launch adds; bc_fused 2: the gradient of each
+                         group's C B^T first, bwd_chunk_dcb, then bwd_chunk_dbc_group)
   6. bwd_dt              da -> ddt' -> ddt (clamp, softplus, dt_bias), partials of dA, ddt_bias
 
 then three small fixed-shape torch sums (dA, ddt_bias, dD partials; deterministic) and dtype
@@ -215,10 +216,15 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         bc_load_latency=4,
         bstate_load_latency=8,
     )
+    programs = 0
     if seqlen is not None:
         programs = -(-seqlen // chunk_size) * batch * ngroups * -(-dstate // cfg.bc_block_n)
-        if 0 < programs < sms:
-            cfg = replace(cfg, bc_head_split=max(1, min(64, sms // programs)))
+    if 0 < programs < sms:
+        cfg = replace(cfg, bc_head_split=max(1, min(64, sms // programs)))
+    else:
+        # CANDIDATE (to be measured): dB/dC through the groups' C B^T gradient
+        cfg = replace(cfg, bc_fused=2, bc_block_q=min(chunk_size, 32),
+                      dcb_occupancy=4, bc_occupancy=2, bc_warps=4)
     return cfg
 
 
@@ -310,8 +316,8 @@ def _recompute_config(cfg: BackwardConfig, b, h, p, n, dtype) -> ForwardConfig:
 def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
                   dout, dfinal, bufs: BackwardBuffers, cfg: BackwardConfig):
     """The six launches of the backward (one more for each of state_segments,
-    bstate_segments and a head split of the dB/dC launch). Inputs as the kernels take them (B, C, z, dout in x's
-    dtype with unit innermost stride; A, D, dt_bias, init, dfinal fp32; seq_idx int32);
+    bstate_segments, bc_fused 2 and a head split of the dB/dC launch). Inputs as the
+    kernels take them (B, C, z, dout in x's dtype with unit innermost stride; A, D, dt_bias, init, dfinal fp32; seq_idx int32);
     unused optional inputs None. Reads no tensor values."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
