@@ -75,14 +75,16 @@ def backward_variants():
     items.append(("bf16-unfused-stable-da", dict(dtype=bf, overrides=dict(bc_fused=0,
                                                                            da_mode=0))))
     items.append(("bf16-split-da-latency", dict(dtype=bf, overrides=dict(
-        da_mode=2, bstate_load_latency=4, dx_load_latency=4, bc_load_latency=4))))
+        da_mode=2, bc_fused=1, bstate_load_latency=4, dx_load_latency=4, bc_load_latency=4))))
     items.append(("bf16-fp16-dt-bf16-states", dict(dtype=bf, dt_dtype=torch.float16,
                                                    state_dtype=torch.bfloat16)))
     # short sequences: the dispatcher splits the fused dB/dC launch's heads (12 programs of 2)
     items.append(("bf16-T512-h24-head-split", dict(dtype=bf, batch=1, seqlen=512, nheads=24,
                                                    chunk_size=256)))
-    items.append(("bf16-int64-head-split", dict(dtype=bf, int64=True,
-                                                overrides=dict(bc_head_split=2, da_mode=2))))
+    items.append(("bf16-int64-head-split", dict(dtype=bf, int64=True, overrides=dict(
+        bc_head_split=2, da_mode=2, bc_fused=1))))
+    # the whole-chunk fused dB/dC launch at long sequences too (bc_fused 1)
+    items.append(("bf16-fused-dbc", dict(dtype=bf, overrides=dict(bc_fused=1, bc_block_q=64))))
     # dB and dC through the gradient of the groups' C B^T (bc_fused 2)
     items.append(("bf16-group-dcb", dict(dtype=bf, overrides=dict(bc_fused=2))))
     items.append(("bf16-int64-group-dcb", dict(dtype=bf, int64=True,
