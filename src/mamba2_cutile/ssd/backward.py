@@ -151,7 +151,8 @@ def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
 
     With `seqlen`, a fused dB/dC grid of fewer programs than `sms` (one chunk x n-tile x
     group per program, one program per SM: short sequences) splits each group's heads over
-    up to sms / programs programs (`bc_head_split`)."""
+    up to sms / programs programs (`bc_head_split`); otherwise dB and dC go through the
+    gradient of each group's C B^T (`bc_fused=2`), as without `seqlen`."""
     return _config.with_env(backward_shape_config(batch, nheads, ngroups, headdim, dstate,
                                                   chunk_size, dtype, sms, seqlen),
                             _config.ENV_BACKWARD)
@@ -222,7 +223,11 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
     if 0 < programs < sms:
         cfg = replace(cfg, bc_head_split=max(1, min(64, sms // programs)))
     else:
-        # CANDIDATE (to be measured): dB/dC through the groups' C B^T gradient
+        # dB/dC through the groups' C B^T gradient: dS summed over the heads in 32-token
+        # blocks at four programs per SM, then per whole chunk two programs per SM of 4 warps
+        # (H200, bf16, B=2 T=8192 H=80 G=1 and H=128 G=8, chunk 256: the fused launch 0.999
+        # and 1.627 ms -> 0.256 + 0.384 and 0.439 + 0.690 ms, whole backward 2.79 -> 2.43 and
+        # 4.40 -> 3.90 ms; benchmarks/results/2026-12-04-h200-backward-sweep-group-dcb.jsonl)
         cfg = replace(cfg, bc_fused=2, bc_block_q=min(chunk_size, 32),
                       dcb_occupancy=4, bc_occupancy=2, bc_warps=4)
     return cfg
