@@ -34,7 +34,8 @@ def test_launch_compiles(arch, family, name, index):
 def test_plans_have_their_launches():
     """Each forward plan holds the 3 forward launches (with scan_causal 1, 2 or 3 a fourth,
     chunk_scan's flagged-tile pass), each backward plan the 6 backward ones (2 recompute + 4
-    backward kernels; with a head split of the dB/dC launch, the partials' sum too)."""
+    backward kernels; with a head split of the dB/dC launch, the partials' sum too; at long
+    sequences dB/dC in two launches, through the groups' C B^T gradient)."""
     from mamba2_cutile.kernels.chunk_scan import FIX_SPAN
 
     for name, problem in variants.forward_variants():
@@ -56,10 +57,16 @@ def test_plans_have_their_launches():
                 assert plan[3].grid == (-(-flags.shape[0] // FIX_SPAN), 1, 1), name
     for name, problem in variants.backward_variants():
         names = [variants.kernel_name(c) for c in plans.backward_problem_plan(**problem)]
-        split = ["sum_partials"] if "head-split" in name else []     # the head split's sum
+        if "unfused" in name:
+            dbc = ["bwd_chunk_dbc"]
+        elif "head-split" in name:                          # the head split's sum
+            dbc = ["bwd_chunk_dbc_fused", "sum_partials"]
+        elif "fused-dbc" in name or "split-da" in name:
+            dbc = ["bwd_chunk_dbc_fused"]
+        else:
+            dbc = ["bwd_chunk_dcb", "bwd_chunk_dbc_group"]
         assert names == ["decay_cumsum", "chunk_state_pass", "bwd_state_pass", "bwd_chunk_dx",
-                         "bwd_chunk_dbc_fused" if "unfused" not in name else "bwd_chunk_dbc",
-                         *split, "bwd_dt"], name
+                         *dbc, "bwd_dt"], name
 
 
 @pytest.mark.parametrize("causal", [1, 2, 3])
@@ -115,12 +122,12 @@ def test_segmented_state_pass_compiles(over, options):
                                        state_segments=4, state_occupancy=4)],
                          ids=["seg4", "seg8-occ4"])
 def test_segmented_backward_state_passes_compile(over):
-    """The backward with both state passes in segments (all options): its eight launches,
+    """The backward with both state passes in segments (all options): its nine launches,
     the two state passes and their chunk_state_carry launches compile for sm_90."""
     calls = plans.backward_problem_plan(overrides=over)
     names = [variants.kernel_name(c) for c in calls]
     assert names[:5] == ["decay_cumsum", "chunk_state_pass", "chunk_state_carry",
-                         "bwd_state_pass", "chunk_state_carry"] and len(calls) == 8
+                         "bwd_state_pass", "chunk_state_carry"] and len(calls) == 9
     assert calls[4].args[-2:] == (True, True)          # REVERSE, and dinit (init given)
     for call in calls[1:5]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
