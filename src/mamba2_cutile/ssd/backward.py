@@ -322,8 +322,8 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
                   dout, dfinal, bufs: BackwardBuffers, cfg: BackwardConfig):
     """The six launches of the backward (one more for each of state_segments,
     bstate_segments, bc_fused 2 and a head split of the dB/dC launch). Inputs as the
-    kernels take them (B, C, z, dout in x's dtype with unit innermost stride; A, D, dt_bias, init, dfinal fp32; seq_idx int32);
-    unused optional inputs None. Reads no tensor values."""
+    kernels take them (B, C, z, dout in x's dtype with unit innermost stride; A, D, dt_bias,
+    init, dfinal fp32; seq_idx int32); unused optional inputs None. Reads no tensor values."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
