@@ -5,8 +5,8 @@ Within a chunk, with S = C B^T (one Q x Q matrix per group, shared by its heads)
 masked decay of head h (bwd_common), the intra-chunk output is y_h = (L_h o S o dt'_h) X_h, so
 
   dS = sum_{h in group} (dY_h X_h^T) o L_h o dt'_h,col                        [3a: bwd_chunk_dcb]
-  dC = sum_h (state_w_h dY_h) h_c,h  +  dS B        dB = sum_h (exit_w_h dt'_h X_h) dS_c,h  +  dS^T C
-                                                                             [3b: bwd_chunk_dbc_group]
+  dC = sum_h (state_w_h dY_h) h_c,h  +  dS B
+  dB = sum_h (exit_w_h dt'_h X_h) dS_c,h  +  dS^T C                        [3b: bwd_chunk_dbc_group]
 
 (h_c the chunk's entry state, dS_c its exit-state gradient, per head; the same sums as
 bwd_chunk_dbc_fused, regrouped). The fused launch forms each head's M = (dY X^T) o L o dt' and
