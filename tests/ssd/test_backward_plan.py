@@ -83,7 +83,7 @@ def test_dispatcher_head_split(b, l, h, g, splits):
     dispatcher splits each group's heads over up to SMs / programs programs (the largest
     divisor of the heads per group); the launch's third grid axis is the split, it writes
     (splits, B, L, G, N) fp32 partials, and one sum_partials launch adds them into dB and dC
-    (the last launch before bwd_dt). Long sequences take dB and dC through the groups' C B^T
+    (before bwd_chunk_dx). Long sequences take dB and dC through the groups' C B^T
     gradient (bc_fused 2: bwd_chunk_dcb, then bwd_chunk_dbc_group writing dB and dC)."""
     cfg = backward.backward_config(b, h, g, 64, 128, 256, torch.bfloat16, 132, seqlen=l)
     assert backward.head_splits(cfg, h, g) == splits
@@ -108,3 +108,41 @@ def test_head_split_needs_the_fused_launch():
     cfg = backward.backward_config(1, 24, 1, 64, 128, 256, torch.bfloat16)
     with pytest.raises(ValueError, match="bc_head_split=2 needs bc_fused=1"):
         replace(cfg, bc_fused=0, da_mode=0, bc_head_split=2)
+
+
+@pytest.mark.parametrize("b,l,h,g,p,n", [(2, 8192, 80, 1, 64, 128), (2, 8192, 128, 8, 64, 128),
+                                         (1, 300, 3, 1, 40, 24)])
+@pytest.mark.parametrize("d_dim", [0, 1, 2])
+def test_dcb_shares_the_dx_partials_memory(b, l, h, g, p, n, d_dim):
+    """bc_fused 2's dS (written and read by the dB/dC launches) and bwd_chunk_dx's partials
+    (written after them, read by bwd_dt and the host's sums) share one fp32 block of the larger
+    size; the dB/dC launches run before bwd_chunk_dx, which runs before bwd_dt. A D of shape
+    (H,) gets its partials summed over each p-tile: (cdiv(L, dx_block_q), B, H, n_pt)."""
+    cfg = replace(backward.backward_config(b, h, g, p, n, 256, torch.bfloat16),
+                  bc_fused=2)
+    e = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
+    x, dt = e(b, l, h, p), e(b, l, h, dt=torch.float32)
+    B = e(b, l, g, n)
+    D = None if d_dim == 0 else e(*((h,) if d_dim == 1 else (h, p)), dt=torch.float32)
+    bufs = backward.allocate_buffers(x, dt, B, B, None, D, None, cfg)
+    Q, lp = cfg.chunk_size, -(-l // cfg.chunk_size) * cfg.chunk_size
+    n_pt, n_q = -(-p // cfg.dx_block_p), -(-l // cfg.dx_block_q)
+    parts = [bufs.da_part, bufs.ddt_part] + ([] if D is None else [bufs.dD_part])
+    block = bufs.dcb._base
+    assert block is not None and all(t._base is block for t in parts)
+    assert bufs.dcb.shape == (b, g, lp, Q) and bufs.dcb.storage_offset() == 0
+    assert block.numel() == max(b * g * lp * Q, sum(t.numel() for t in parts))
+    # the partials tile the block without overlapping each other
+    at = 0
+    for t in parts:
+        assert t.storage_offset() == at and t.is_contiguous()
+        at += t.numel()
+    if D is not None:
+        assert bufs.dD_part.shape == (n_q, b, h, n_pt if d_dim == 1 else p)
+    calls = []
+    xk = torch.empty((b, l, h, p), dtype=torch.bfloat16, device="meta")
+    backward.run_backward(xk, dt, e(h, dt=torch.float32), B, B, 256, xk, D=D,
+                          launch_fn=calls.extend, config=cfg)
+    names = [_name(c) for c in calls]
+    assert (names.index("bwd_chunk_dcb_fn") < names.index("bwd_chunk_dbc_group_fn")
+            < names.index("bwd_chunk_dx_fn") < names.index("bwd_dt_fn"))

@@ -79,7 +79,8 @@ def bwd_chunk_dx_fn(
     da_part,     # (n_pt * Q // BQ, B, H, Lp) float32 out: da terms per slot (DA_MODE 2:
                  # (n_pt + n_nt, B, H, Lp), this kernel writing slots 0..n_pt-1)
     ddt_part,    # (n_pt, B, H, Lp) float32 out: ddt_direct per p-tile
-    dD_part,     # (cdiv(L, BQ), B, H, P) float32 out: colsum(dY o X) (only if D_MODE)
+    dD_part,     # float32 out (only if D_MODE): colsum(dY o X), (cdiv(L, BQ), B, H, P); D_MODE 1
+                 # its sum over the p-tile, (cdiv(L, BQ), B, H, n_pt)
     v_part,      # (n_pt, B, H, Lp) float32 out: V (+ carry on the chunk's first token), DA_MODE 2
     Q: ct.Constant[int],
     BLOCK_Q: ct.Constant[int],
@@ -235,8 +236,13 @@ def bwd_chunk_dx_fn(
     dxt = acc * dt_t[:, None]
     if D_MODE != 0:
         dxt = dxt + dh_ * dy
-        ct.store(dD_part, index=(t, batch, head, p_tile),
-                 tile=ct.sum(dy * xt, axis=0).reshape((1, 1, 1, BLOCK_P)))
+        if D_MODE == 1:
+            ct.store(dD_part, index=(t, batch, head, p_tile),
+                     tile=ct.sum(ct.sum(dy * xt, axis=1), axis=0, keepdims=True).reshape(
+                         (1, 1, 1, 1)))
+        else:
+            ct.store(dD_part, index=(t, batch, head, p_tile),
+                     tile=ct.sum(dy * xt, axis=0).reshape((1, 1, 1, BLOCK_P)))
     ct.store(dx, index=(batch, t, head, p_tile),
              tile=dxt.reshape((1, BLOCK_Q, 1, BLOCK_P)).astype(dx.dtype))
     ct.store(ddt_part, index=(p_tile, batch, head, t),

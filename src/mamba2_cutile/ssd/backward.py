@@ -6,11 +6,12 @@ Six launches (no host synchronization, CUDA-graph capturable), following the sta
   1. decay_cumsum        (forward kernel 1) recompute dt' and G2 = log2(e) cumsum(A dt')
   2. chunk_state_pass    (forward kernel 2) recompute the chunk entry states h_c (fp32)
   3. bwd_state_pass      reverse pass over chunks: exit-state gradients dS_c, dinitial_states
-  4. bwd_chunk_dx        per chunk: dx, dz, and per-tile partials of dD, ddt_direct, da
-  5. bwd_chunk_dbc       per chunk: dB and dC, summed over each group's heads in-program
+  4. bwd_chunk_dbc       per chunk: dB and dC, summed over each group's heads in-program
                          (short sequences: the heads split over programs, whose fp32 partials
                          one sum_partials launch adds; bc_fused 2: the gradient of each
                          group's C B^T first, bwd_chunk_dcb, then bwd_chunk_dbc_group)
+  5. bwd_chunk_dx        per chunk: dx, dz, and per-tile partials of dD, ddt_direct, da
+                         (after dB/dC: its partials reuse the memory of bc_fused 2's dS)
   6. bwd_dt              da -> ddt' -> ddt (clamp, softplus, dt_bias), partials of dA, ddt_bias
 
 then three small fixed-shape torch sums (dA, ddt_bias, dD partials; deterministic) and dtype
@@ -24,6 +25,7 @@ or CPU float64 tensors for the tile-program emulation in tests/ssd/test_backward
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -252,21 +254,19 @@ class BackwardBuffers:
                                # (n_pt + cdiv(N, bc_block_n), B, H, Lp)
     v_part: torch.Tensor | None    # (n_pt, B, H, Lp) fp32 (da_mode 2)
     ddt_part: torch.Tensor     # (n_pt, B, H, Lp) fp32
-    dD_part: torch.Tensor | None   # (cdiv(L, dx_block_q), B, H, P) fp32
+    dD_part: torch.Tensor | None   # (cdiv(L, dx_block_q), B, H, P) fp32; D of shape (H,):
+                                   # (cdiv(L, dx_block_q), B, H, n_pt), summed in the p-tile
     dA_part: torch.Tensor      # (B * nc, H) fp32
     dbias_part: torch.Tensor | None  # (B * nc, H) fp32
     db_part: torch.Tensor | None     # (splits, B, L, G, N) fp32 per-split dB (head_splits > 1)
     dc_part: torch.Tensor | None     # the same for dC
-    dcb: torch.Tensor | None   # (B, G, Lp, Q) fp32: the gradient of the groups' C B^T (bc_fused 2)
+    dcb: torch.Tensor | None   # (B, G, Lp, Q) fp32: the gradient of the groups' C B^T (bc_fused 2),
+                               # in the memory of da_part, v_part, ddt_part, dD_part
     dx: torch.Tensor
     dz: torch.Tensor | None
     dB: torch.Tensor
     dC: torch.Tensor
     ddt: torch.Tensor
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.__dict__.values()
-                   if t is not None)
 
 
 def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtype=None,
@@ -286,18 +286,29 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
     e = lambda *s, dt=buf_dtype: torch.empty(s, dtype=dt, device=dev)  # noqa: E731
     sdt = state_dtype or buf_dtype
     splits = head_splits(cfg, h, g)
+    # bwd_chunk_dx's partials, and (bc_fused 2) the dS that the dB/dC launches before it
+    # write and read, in one fp32 block: dS lives until bwd_chunk_dx starts, the partials
+    # from then on, so the block is the larger of the two, not their sum
+    shapes = dict(
+        da_part=((n_pt + -(-n // cfg.bc_block_n), b, h, lp) if cfg.da_mode == 2
+                 else (n_pt * (Q // cfg.dx_block_q), b, h, lp)),
+        v_part=(n_pt, b, h, lp) if cfg.da_mode == 2 else None,
+        ddt_part=(n_pt, b, h, lp),
+        dD_part=None if D is None else (n_q, b, h, n_pt if D.dim() == 1 else p))
+    sizes = {k: 0 if s is None else math.prod(s) for k, s in shapes.items()}
+    dcb_shape = (b, g, lp, Q)
+    block = e(max(sum(sizes.values()), math.prod(dcb_shape) if cfg.bc_fused == 2 else 0))
+    parts, at = {}, 0
+    for k, s in shapes.items():
+        parts[k] = None if s is None else block[at:at + sizes[k]].view(s)
+        at += sizes[k]
     return BackwardBuffers(
         dt_buf=e(b, h, lp), cum_buf=e(b, h, lp), states=e(b, h, nc, p, n, dt=sdt),
-        hbuf=e(b, h, p, n), dstates=e(b, h, nc, p, n, dt=sdt),
-        da_part=(e(n_pt + -(-n // cfg.bc_block_n), b, h, lp) if cfg.da_mode == 2
-                 else e(n_pt * (Q // cfg.dx_block_q), b, h, lp)),
-        v_part=e(n_pt, b, h, lp) if cfg.da_mode == 2 else None,
-        ddt_part=e(n_pt, b, h, lp),
-        dD_part=None if D is None else e(n_q, b, h, p),
+        hbuf=e(b, h, p, n), dstates=e(b, h, nc, p, n, dt=sdt), **parts,
         dA_part=e(b * nc, h), dbias_part=None if dt_bias is None else e(b * nc, h),
         db_part=e(splits, b, l, g, n) if splits > 1 else None,
         dc_part=e(splits, b, l, g, n) if splits > 1 else None,
-        dcb=e(b, g, lp, Q) if cfg.bc_fused == 2 else None,
+        dcb=block[:math.prod(dcb_shape)].view(dcb_shape) if cfg.bc_fused == 2 else None,
         dx=e(b, l, h, p, dt=od["x"]), dz=None if z is None else e(b, l, h, p, dt=od["z"]),
         dB=e(b, l, g, n, dt=od["B"]), dC=e(b, l, g, n, dt=od["C"]), ddt=e(b, l, h, dt=od["dt"]),
     )
@@ -365,22 +376,23 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
             (seg_final, seg_factor, chunk_factor, bufs.dstates, bufs.hbuf, cfg.bstate_block_p,
              cfg.bstate_block_n, segs, cfg.bstate_load_latency, True, init is not None)))
 
-    # 4: dx, dz, partials of dD, ddt, da
+    # 5: dx, dz, partials of dD, ddt, da (launched after dB and dC)
     v_part = bufs.v_part if bufs.v_part is not None else bufs.ddt_part
     n_q = -(-seqlen // cfg.dx_block_q)
     d_mode = 0 if D is None else D.dim()
     int64 = needs_int64(x, B, C, z, dout, D, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
                       bufs.dstates, bufs.dx, bufs.dz, bufs.da_part, bufs.ddt_part, bufs.dD_part)
-    calls.append(KernelCall(
+    dx_call = KernelCall(
         with_hints(bwd_chunk_dx_i64 if int64 else bwd_chunk_dx, cfg.dx_occupancy, cfg.dx_warps),
         (n_q * batch * nheads, -(-headdim // cfg.dx_block_p), 1),
         (x, B, C, z if has_z else x, dout, D if D is not None else A, bufs.dt_buf, bufs.cum_buf,
          seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
          bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
          v_part, Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z,
-         has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency)))
+         has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency))
 
-    # 5: dB, dC (with a head split: per-split fp32 partials, then their sum in one launch)
+    # 4: dB, dC, launched before dx: bc_fused 2's dS shares its memory with the partials
+    # bwd_chunk_dx writes (allocate_buffers) (with a head split: per-split fp32 partials, then their sum in one launch)
     split = bufs.db_part is not None
     db_out, dc_out = (bufs.db_part, bufs.dc_part) if split else (bufs.dB, bufs.dC)
     int64 = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
@@ -425,6 +437,8 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
              bufs.dstates, bufs.dB, bufs.dC, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.bc_block_n,
              hpg, has_z, has_seq, lowp)))
+
+    calls.append(dx_call)
 
     # 6: dt chain, dA and ddt_bias partials
     int64 = needs_int64(dt, bufs.dt_buf, bufs.da_part, bufs.ddt_part, bufs.ddt, bufs.dA_part)
