@@ -196,17 +196,20 @@ def test_emulated_segmented_passes_uneven_runs():
                  reference_grads(args, kw, Q, dout, dfinal))
 
 
+@pytest.mark.parametrize("da_mode", [1, 3])
 @pytest.mark.parametrize("bq,bn,bp", [(16, 16, 16), (32, 32, 8), (8, 16, 32)])
 @pytest.mark.parametrize("opt", ["D_head_z_seq", "init_no_dfinal", "all", "none"])
-def test_emulated_group_dcb(opt, bq, bn, bp):
+def test_emulated_group_dcb(opt, bq, bn, bp, da_mode):
     """dB and dC through the gradient of each group's C B^T (bc_fused=2): dS summed over the
     group's 3 heads in (bq x bq) blocks, then dB and dC per whole chunk and n-tile; a last chunk
     of 20 tokens (l = 84), so at bq = 8 its last block holds none; seq_idx resets inside
-    chunks, z, no dfinal."""
+    chunks, z, no dfinal. da_mode 3: the decay gradient's W terms from the dS launch too (4,
+    1 and 8 slots of its blocks against 2 p-tiles of bwd_chunk_dx's 16 channels: each slot
+    count above, equal to and below the p-tiles')."""
     Q = 32
     args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=84, Q=Q, seed=11, h=6, g=2, p=24,
                                           n=20)
-    cfg = small_config(Q, 24, 20, bc_fused=2, da_mode=1, bc_block_q=bq, bc_block_n=bn,
+    cfg = small_config(Q, 24, 20, bc_fused=2, da_mode=da_mode, bc_block_q=bq, bc_block_n=bn,
                        bc_block_p=bp)
     assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
                  reference_grads(args, kw, Q, dout, dfinal))

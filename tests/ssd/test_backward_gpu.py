@@ -361,6 +361,7 @@ CONFIGS = [
     {"bc_fused": 2}, {"bc_fused": 2, "bc_block_q": 32, "dcb_occupancy": 4},
     {"bc_fused": 2, "bc_block_q": 128, "bc_block_n": 32, "bc_occupancy": 2, "bc_warps": 4,
      "lowp": 0},
+    {"bc_fused": 2, "da_mode": 3}, {"bc_fused": 2, "da_mode": 3, "bc_block_q": 128},
 ]
 
 
@@ -372,6 +373,22 @@ def test_config_variants(overrides):
     dtype = torch.bfloat16
     inp, kw, dout, dfinal = make_problem(b, l, h, g, p, n, dtype, OPTS["all"], seed=3, Q=Q)
     cfg = replace(backward.backward_config(b, h, g, p, n, Q, dtype), **overrides)
+    check(inp, kw, Q, dout, dfinal, dtype, config=cfg)
+
+
+DA3 = {"bc_fused": 2, "da_mode": 3, "bc_block_q": 32, "dcb_occupancy": 4, "bc_occupancy": 2,
+       "bc_warps": 4}
+
+
+@pytest.mark.parametrize("opt", ["none", "D_head", "z", "seq_idx", "no_dfinal", "all"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_da_from_the_dcb_launch(opt, dtype):
+    """da_mode 3 (the decay gradient's W terms from bwd_chunk_dcb, bwd_chunk_dx without its
+    key-block loop when there is no z) at the long-sequence tiles, 64 heads in 8 groups and a
+    partial last chunk, against the float64 definitions."""
+    b, l, h, g, p, n, Q = 1, 1000, 64, 8, 64, 128, 256
+    inp, kw, dout, dfinal = make_problem(b, l, h, g, p, n, dtype, OPTS[opt], seed=5, Q=Q)
+    cfg = replace(backward.backward_config(b, h, g, p, n, Q, dtype), **DA3)
     check(inp, kw, Q, dout, dfinal, dtype, config=cfg)
 
 

@@ -146,3 +146,55 @@ def test_dcb_shares_the_dx_partials_memory(b, l, h, g, p, n, d_dim):
     names = [_name(c) for c in calls]
     assert (names.index("bwd_chunk_dcb_fn") < names.index("bwd_chunk_dbc_group_fn")
             < names.index("bwd_chunk_dx_fn") < names.index("bwd_dt_fn"))
+
+
+@pytest.mark.parametrize("over, ok", [(dict(da_mode=3, bc_fused=2), True),
+                                      (dict(da_mode=3, bc_fused=1), False),
+                                      (dict(da_mode=2, bc_fused=2), False),
+                                      (dict(da_mode=4, bc_fused=2), False)])
+def test_da_mode_needs_its_dbc_launch(over, ok):
+    """da_mode 2 takes its W terms from the fused dB/dC launch (bc_fused 1), 3 from
+    bwd_chunk_dcb (bc_fused 2); any other pairing is refused, naming the field."""
+    cfg = backward.backward_config(2, 80, 1, 64, 128, 256, torch.bfloat16)
+    if ok:
+        assert replace(cfg, **over).da_mode == over["da_mode"]
+    else:
+        with pytest.raises(ValueError, match=f"da_mode={over['da_mode']} must be"):
+            replace(cfg, **over)
+
+
+@pytest.mark.parametrize("b,l,h,g,p,n", [(2, 8192, 80, 1, 64, 128), (2, 8192, 48, 1, 128, 128),
+                                         (1, 300, 3, 1, 40, 24)])
+def test_da_mode3_buffers(b, l, h, g, p, n):
+    """da_mode 3: da_part, which bwd_chunk_dcb writes beside dS, has its own memory,
+    max(Q / bc_block_q, n_pt) slots; v_part holds one number per bwd_chunk_dx program and
+    shares the block of dS with ddt_part and dD_part; bwd_chunk_dcb gets da_part and its W
+    flag, bwd_chunk_dx the slot count."""
+    base = replace(backward.backward_config(b, h, g, p, n, 256, torch.bfloat16), bc_fused=2,
+                   bc_block_q=32)
+    cfg = replace(base, da_mode=3)
+    e = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
+    x, dt, B, D = e(b, l, h, p), e(b, l, h, dt=torch.float32), e(b, l, g, n), e(h, dt=torch.float32)
+    bufs = backward.allocate_buffers(x, dt, B, B, None, D, None, cfg)
+    Q, lp = cfg.chunk_size, -(-l // cfg.chunk_size) * cfg.chunk_size
+    n_pt, nc = -(-p // cfg.dx_block_p), -(-l // cfg.chunk_size)
+    assert bufs.da_part._base is None
+    assert bufs.da_part.shape == (max(Q // 32, n_pt), b, h, lp)
+    assert bufs.v_part.shape == (n_pt, b, h, nc * (Q // cfg.dx_block_q))
+    block = bufs.dcb._base
+    assert all(t._base is block for t in (bufs.v_part, bufs.ddt_part, bufs.dD_part))
+
+    def scratch(c):
+        u = backward.allocate_buffers(x, dt, B, B, None, D, None, c)
+        return u.dcb._base.numel() + (u.da_part.numel() if u.da_part._base is None else 0)
+    # at model shapes (many heads: dS smaller than the partials) one v_part number per dx
+    # program more, and at 4 p-tiles half of da_mode 1's da slots fewer
+    if h >= 48:
+        assert scratch(cfg) <= scratch(base) * (1.01 if n_pt <= 2 else 0.75)
+    calls = []
+    backward.run_backward(x, dt, e(h, dt=torch.float32), B, B, 256, x, D=D,
+                          launch_fn=calls.extend, config=cfg)
+    names = [_name(c) for c in calls]
+    dcb, dx = calls[names.index("bwd_chunk_dcb_fn")], calls[names.index("bwd_chunk_dx_fn")]
+    assert dcb.args[-1] is True and dcb.args[9].shape == bufs.da_part.shape
+    assert dx.args[-2] == Q // 32

@@ -65,8 +65,8 @@ def test_plans_have_their_launches():
             dbc = ["bwd_chunk_dbc_fused"]
         else:
             dbc = ["bwd_chunk_dcb", "bwd_chunk_dbc_group"]
-        assert names == ["decay_cumsum", "chunk_state_pass", "bwd_state_pass", "bwd_chunk_dx",
-                         *dbc, "bwd_dt"], name
+        assert names == ["decay_cumsum", "chunk_state_pass", "bwd_state_pass", *dbc,
+                         "bwd_chunk_dx", "bwd_dt"], name
 
 
 @pytest.mark.parametrize("causal", [1, 2, 3])

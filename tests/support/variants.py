@@ -89,6 +89,13 @@ def backward_variants():
     items.append(("bf16-group-dcb", dict(dtype=bf, overrides=dict(bc_fused=2))))
     items.append(("bf16-int64-group-dcb", dict(dtype=bf, int64=True,
                                                overrides=dict(bc_fused=2, dcb_occupancy=4))))
+    # the decay gradient's W terms in bwd_chunk_dcb (da_mode 3), with and without z
+    items.append(("bf16-group-dcb-da3", dict(dtype=bf, overrides=dict(
+        bc_fused=2, da_mode=3, bc_block_q=32, dcb_occupancy=4, bc_occupancy=2, bc_warps=4))))
+    items.append(("bf16-group-dcb-da3-no-z", dict(dtype=bf, options=("D_head",), overrides=dict(
+        bc_fused=2, da_mode=3, bc_block_q=32, dcb_occupancy=4, bc_occupancy=2, bc_warps=4))))
+    items.append(("bf16-int64-group-dcb-da3", dict(dtype=bf, int64=True, overrides=dict(
+        bc_fused=2, da_mode=3))))
     # the dispatcher computes a chunk-256 backward at chunk 128; 256 stays selectable
     items.append(("bf16-Q256-internal-256", dict(dtype=bf, chunk_size=256,
                                                  overrides=dict(chunk_size=256))))

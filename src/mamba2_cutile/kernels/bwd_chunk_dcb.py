@@ -20,6 +20,11 @@ heads of 64, chunk 128).
 group's heads walked in a fixed order (deterministic). Blocks above the diagonal and blocks of
 rows past the sequence are stored as zeros, so every element of dS that 3b reads is written
 and finite (3b multiplies the columns past the sequence by zero-padded rows of B and C).
+With DA_W (da_mode 3) it also writes the decay gradient's W terms of each head, W = M o S
+with S = C B^T (bwd_chunk_dx's docstring): of block (i, j), j <= i, the row sums of W to the
+tokens of block i in slot j and minus its column sums to the tokens of block j in slot i (both
+in slot i on the diagonal), so each token's slots add up to r - c of its row and column of W,
+every (slot, block) written by one program; bwd_chunk_dx then adds its own terms.
 Grid: (nc * B * G, (Q / BLOCK_Q)^2).
 
 3b: one program = one whole chunk x one n-tile (BLOCK_N) of one group; grid axis 2 picks the
@@ -47,20 +52,25 @@ from .bwd_common import (
 
 def bwd_chunk_dcb_fn(
     x,           # (B, L, H, P)
+    b,           # (B, L, G, N) (read only if DA_W)
+    c,           # (B, L, G, N) (read only if DA_W)
     z,           # (B, L, H, P) (ignored unless HAS_Z)
     dout,        # (B, L, H, P)
     dt,          # (B, H, Lp) float32 dt'
     cum,         # (B, H, Lp) float32 G2
     seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
     dcb,         # (B, G, Lp, Q) float32 out: dS, row = token, column = token within its chunk
+    da_part,     # (>= Q / BLOCK_Q, B, H, Lp) float32 out (only if DA_W): W terms, slot = block
     Q: ct.Constant[int],
     BLOCK_Q: ct.Constant[int],
     BLOCK_P: ct.Constant[int],
+    NP: ct.Constant[int],         # padded dstate (DA_W: C_i B_j^T over all of N)
     HEADS_PER_GROUP: ct.Constant[int],
     HAS_Z: ct.Constant[bool],
     HAS_SEQ: ct.Constant[bool],
     LOWP: ct.Constant[bool],
     LAT: ct.Constant[int],        # load latency hint in the head loop (0: none)
+    DA_W: ct.Constant[bool],      # also the W terms of the decay gradient (da_mode 3)
 ):
     NBPC = Q // BLOCK_Q
     seqlen = x.shape[1]
@@ -84,6 +94,12 @@ def bwd_chunk_dcb_fn(
             tok_j = col_blk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
             s_i = block_seq(seq_idx, batch, row_blk, BLOCK_Q, HAS_SEQ)
             s_j = block_seq(seq_idx, batch, col_blk, BLOCK_Q, HAS_SEQ)
+            if DA_W:
+                # S_ij = C_i B_j^T, the group's, once for all its heads
+                ci = load_rows(c, batch, row_blk, group, 0, BLOCK_Q, NP)
+                bj = load_rows(b, batch, col_blk, group, 0, BLOCK_Q, NP)
+                s_ij = ct.mma(mma_operand(ci, mm), mma_operand(bj.transpose(), mm),
+                              ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
             for hh in range(HEADS_PER_GROUP):
                 head = group * HEADS_PER_GROUP + hh
                 g_i = block_decay(cum, batch, head, row_blk, BLOCK_Q, LAT)
@@ -95,8 +111,28 @@ def bwd_chunk_dcb_fn(
                     xj = load_rows(x, batch, col_blk, head, pt, BLOCK_Q, BLOCK_P, LAT)
                     dyx = ct.mma(dy_op(dy, mm, LOWP, HAS_Z),
                                  dy_op(xj.transpose(), mm, LOWP, HAS_Z), dyx)
-                acc = acc + dyx * intra_decay(g_i, g_j, tok_i, tok_j, s_i, s_j,
-                                              HAS_SEQ) * dt_j[None, :]
+                m = dyx * intra_decay(g_i, g_j, tok_i, tok_j, s_i, s_j, HAS_SEQ) * dt_j[None, :]
+                acc = acc + m
+                if DA_W:
+                    w = m * s_ij
+                    r = ct.sum(w, axis=1)
+                    cs = ct.sum(w, axis=0)
+                    if i == j:
+                        ct.store(da_part, index=(i, batch, head, row_blk),
+                                 tile=(r - cs).reshape((1, 1, 1, BLOCK_Q)))
+                    else:
+                        ct.store(da_part, index=(j, batch, head, row_blk),
+                                 tile=r.reshape((1, 1, 1, BLOCK_Q)))
+                        ct.store(da_part, index=(i, batch, head, col_blk),
+                                 tile=(-cs).reshape((1, 1, 1, BLOCK_Q)))
+        else:
+            if DA_W:
+                # a row block past the sequence: its slot of block j still needs writing
+                zero = ct.full((1, 1, 1, BLOCK_Q), 0.0, dtype=ct.float32)
+                for hh in range(HEADS_PER_GROUP):
+                    head = group * HEADS_PER_GROUP + hh
+                    ct.store(da_part, index=(i, batch, head, col_blk), tile=zero)
+                    ct.store(da_part, index=(j, batch, head, row_blk), tile=zero)
     ct.store(dcb, index=(batch, group, row_blk, j), tile=acc.reshape((1, 1, BLOCK_Q, BLOCK_Q)))
 
 
@@ -179,7 +215,7 @@ def bwd_chunk_dbc_group_fn(
 
 bwd_chunk_dcb = ct.kernel(bwd_chunk_dcb_fn)
 bwd_chunk_dcb_i64 = ct.kernel(int64_variant(
-    bwd_chunk_dcb_fn, ["x", "z", "dout", "dt", "cum", "seq_idx", "dcb"]))
+    bwd_chunk_dcb_fn, ["x", "b", "c", "z", "dout", "dt", "cum", "seq_idx", "dcb", "da_part"]))
 bwd_chunk_dbc_group = ct.kernel(bwd_chunk_dbc_group_fn)
 bwd_chunk_dbc_group_i64 = ct.kernel(int64_variant(
     bwd_chunk_dbc_group_fn, ["x", "b", "c", "z", "dout", "dt", "cum", "seq_idx", "states",

@@ -15,7 +15,7 @@ h_c the entry state and dS_c the exit-state gradient of the chunk (p-tile rows, 
             + sum_{j<s} V_j                              V = exit_w dt' rowsum(X o Bds)
             + carry_w <dS_c, h_c>_F                      (all s of the chunk)
             + sum_{i>=s} dGs_i                           dGs = state_w rowsum(dY o Ch)
-  Three ways to get da (DA_MODE, a compile-time constant; all deterministic, no atomics):
+  Four ways to get da (DA_MODE, a compile-time constant; all deterministic, no atomics):
   0 (stable form: every contribution a plain sum of terms, nothing large cancels). Program t
      owns rows i in block t. Walking key blocks k = first..t it keeps the row prefix
      pre_i = sum_{j in blocks < k} W_ij, so for s in block k
@@ -37,6 +37,11 @@ h_c the entry state and dS_c the exit-state gradient of the chunk (p-tile rows, 
      (n_pt + n_nt slots) and V (+ the carry term on the chunk's first token) into v_part; the
      dt kernel forms da_s = suffix_sum(all slots)_s + sum_tokens(v_part). Without z the
      key-block loop is then skipped entirely.
+  3: the same with the W terms from bwd_chunk_dcb (bc_fused 2), which runs first and writes
+     r - c in W_SLOTS slots; this kernel adds dGs - V of its rows into slot p_tile (a read,
+     add and write: no other program touches that slot's block) and writes one number per
+     program, sum_block V (+ the carry term on the chunk's first block), into v_part, which
+     the dt kernel adds to the chunk's suffix sums: max(W_SLOTS, n_pt) slots in all.
 
 Tiles: x, dout, z (BQ, BP); B, C (BQ, NP) with NP the padded dstate; h_c, dS_c (BP, NP);
 Q x Q work in BQ x BQ blocks (BQ = BLOCK_Q <= Q). Grid: (cdiv(L, BQ) * B * H, cdiv(P, BP)),
@@ -77,11 +82,13 @@ def bwd_chunk_dx_fn(
     dx,          # (B, L, H, P) out
     dz,          # (B, L, H, P) out (written only if HAS_Z)
     da_part,     # (n_pt * Q // BQ, B, H, Lp) float32 out: da terms per slot (DA_MODE 2:
-                 # (n_pt + n_nt, B, H, Lp), this kernel writing slots 0..n_pt-1)
+                 # (n_pt + n_nt, B, H, Lp), this kernel writing slots 0..n_pt-1; DA_MODE 3:
+                 # (max(W_SLOTS, n_pt), B, H, Lp), slots < W_SLOTS read and written)
     ddt_part,    # (n_pt, B, H, Lp) float32 out: ddt_direct per p-tile
     dD_part,     # float32 out (only if D_MODE): colsum(dY o X), (cdiv(L, BQ), B, H, P); D_MODE 1
                  # its sum over the p-tile, (cdiv(L, BQ), B, H, n_pt)
-    v_part,      # (n_pt, B, H, Lp) float32 out: V (+ carry on the chunk's first token), DA_MODE 2
+    v_part,      # (n_pt, B, H, Lp) float32 out: V (+ carry on the chunk's first token), DA_MODE 2;
+                 # DA_MODE 3: (n_pt, B, H, nc * Q // BQ), sum_block V (+ carry on the first block)
     Q: ct.Constant[int],
     BLOCK_Q: ct.Constant[int],
     BLOCK_P: ct.Constant[int],
@@ -91,7 +98,8 @@ def bwd_chunk_dx_fn(
     HAS_Z: ct.Constant[bool],
     HAS_SEQ: ct.Constant[bool],
     LOWP: ct.Constant[bool],
-    DA_MODE: ct.Constant[int],    # 0: stable form, 1: local terms, 2: split (see above)
+    DA_MODE: ct.Constant[int],    # 0: stable form, 1: local terms, 2, 3: split (see above)
+    W_SLOTS: ct.Constant[int],    # DA_MODE 3: the slots bwd_chunk_dcb wrote (Q // its BLOCK_Q)
     LAT: ct.Constant[int],        # load latency hint in the key/query block loops (0: none)
 ):
     ZERO = ct.PaddingMode.ZERO
@@ -152,9 +160,9 @@ def bwd_chunk_dx_fn(
         last_tok = ct.minimum(chunk * Q + Q - 1, seqlen - 1)
         k_part = ct.sum(v, axis=0, keepdims=True) + carry
     dy_x = dy_op(dy, mm, LOWP, HAS_Z)
-    # DA_MODE 2 without z: the key blocks are needed for nothing (dbc_fused forms W)
+    # DA_MODE 2, 3 without z: the key blocks are needed for nothing (the dB/dC launch forms W)
     k_end = t + 1
-    if DA_MODE == 2 and not HAS_Z:
+    if DA_MODE >= 2 and not HAS_Z:
         k_end = first
     for k in range(first, k_end):
         tok_k = k * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
@@ -168,7 +176,7 @@ def bwd_chunk_dx_fn(
         xk = load_rows(x, batch, k, head, p_tile, BLOCK_Q, BLOCK_P, LAT)
         if HAS_Z:
             y = ct.mma(wop(cb, mm, LOWP), wop(xk, mm, LOWP), y)
-        if DA_MODE != 2:
+        if DA_MODE < 2:
             dyx = ct.mma(dy_x, dy_op(xk.transpose(), mm, LOWP, HAS_Z),
                          ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
             w = cb * dyx
@@ -186,7 +194,7 @@ def bwd_chunk_dx_fn(
             if k == t:
                 contrib = contrib + carry
             pre = pre + ct.sum(w, axis=1)
-        if DA_MODE != 2:
+        if DA_MODE < 2:
             ct.store(da_part, index=(slot, batch, head, k),
                      tile=contrib.reshape((1, 1, 1, BLOCK_Q)))
     if DA_MODE == 2:
@@ -194,9 +202,18 @@ def bwd_chunk_dx_fn(
                  tile=(dgs - v).reshape((1, 1, 1, BLOCK_Q)))
         ct.store(v_part, index=(p_tile, batch, head, t),
                  tile=(v + ct.where(tok_t == chunk * Q, carry, 0.0)).reshape((1, 1, 1, BLOCK_Q)))
+    if DA_MODE == 3:
+        # slot p_tile of block t: bwd_chunk_dcb wrote its W terms there (p_tile < W_SLOTS)
+        u = dgs - v
+        if p_tile < W_SLOTS:
+            u = u + ct.load(da_part, index=(p_tile, batch, head, t),
+                            shape=(1, 1, 1, BLOCK_Q)).reshape((BLOCK_Q,))
+        ct.store(da_part, index=(p_tile, batch, head, t), tile=u.reshape((1, 1, 1, BLOCK_Q)))
+        ct.store(v_part, index=(p_tile, batch, head, t),
+                 tile=(ct.sum(v, axis=0, keepdims=True) + carry).reshape((1, 1, 1, 1)))
     # key blocks k > t of the chunk: only the exit term (every i < s) and the carry
     k_rest = first + NBPC
-    if DA_MODE == 2:
+    if DA_MODE >= 2:
         k_rest = t + 1
     for k in range(t + 1, k_rest):
         if DA_MODE == 1:

@@ -4,7 +4,8 @@ Per chunk (Q tokens) x head tile (BLOCK_H heads), in the [batch, head, token] la
 
     da    = sum over the valid slots of da_part (p-tiles x row blocks, fixed order);
             DA_MODE 1: their suffix sum over the chunk; DA_MODE 2: the suffix sum of all
-            slots plus the chunk's sum of v_part (see bwd_chunk_dx)
+            slots plus the chunk's sum of v_part (see bwd_chunk_dx); DA_MODE 3: the same
+            with v_part one number per dx program (the chunk's programs added)
     ddt'  = A * da + sum_{p-tiles} ddt_part                         (stage 5)
     dA    += sum_tokens dt' * da           -> dA_part[b * nc + c, h]
     v     = dt + dt_bias;  w = softplus(v) (SOFTPLUS) or v          (stage 6)
@@ -37,7 +38,8 @@ def bwd_dt_fn(
     dtp,         # (B, H, Lp) float32 dt' (decay_cumsum)
     da_part,     # (n_pt * NBPC, B, H, Lp) float32 (bwd_chunk_dx); DA_MODE 2: (n_pt + n_nt, ...)
     ddt_part,    # (n_pt, B, H, Lp) float32 (bwd_chunk_dx)
-    v_part,      # (n_pt, B, H, Lp) float32 (bwd_chunk_dx, DA_MODE 2 only)
+    v_part,      # (n_pt, B, H, Lp) float32 (bwd_chunk_dx, DA_MODE 2); DA_MODE 3: one
+                 # number per dx program, (n_pt, B, H, nc * NBPC)
     ddt,         # (B, L, H) out, dt's dtype
     dA_part,     # (B * nc, H) float32 out
     dbias_part,  # (B * nc, H) float32 out (written only if HAS_BIAS)
@@ -48,7 +50,8 @@ def bwd_dt_fn(
     SOFTPLUS: ct.Constant[bool],
     DA_MODE: ct.Constant[int],   # 0: da_part holds da contributions per (p-tile, row block);
                                  # 1: per-token terms whose suffix sum is da; 2: the same in
-                                 # every slot, plus v_part (summed over the chunk)
+                                 # every slot, plus v_part (summed over the chunk); 3: every
+                                 # slot, plus v_part's chunk constants
 ):
     NBPC = Q // BLOCK_Q
     ZERO = ct.PaddingMode.ZERO
@@ -63,16 +66,23 @@ def bwd_dt_fn(
     da = ct.full((BLOCK_H, Q), 0.0, dtype=ct.float32)
     ddt_d = ct.full((BLOCK_H, Q), 0.0, dtype=ct.float32)
     vsum = ct.full((BLOCK_H, Q), 0.0, dtype=ct.float32)
-    if DA_MODE == 2:
+    vconst = ct.full((BLOCK_H, 1), 0.0, dtype=ct.float32)
+    if DA_MODE >= 2:
         for sl in range(da_part.shape[0]):
             part = ct.load(da_part, index=(sl, batch, head_tile, chunk),
                            shape=(1, 1, BLOCK_H, Q), padding_mode=ZERO)
             da = da + part.reshape((BLOCK_H, Q))
+    ran = (ct.arange(NBPC, dtype=ct.int32) < n_blk)[None, :]
     for pt in range(n_pt):
         if DA_MODE == 2:
             part = ct.load(v_part, index=(pt, batch, head_tile, chunk),
                            shape=(1, 1, BLOCK_H, Q), padding_mode=ZERO)
             vsum = vsum + part.reshape((BLOCK_H, Q))
+        elif DA_MODE == 3:
+            part = ct.load(v_part, index=(pt, batch, head_tile, chunk),
+                           shape=(1, 1, BLOCK_H, NBPC), padding_mode=ZERO)
+            vconst = vconst + ct.sum(ct.where(ran, part.reshape((BLOCK_H, NBPC)), 0.0), axis=1,
+                                     keepdims=True)
         else:
             for k in range(n_blk):
                 part = ct.load(da_part, index=(pt * NBPC + k, batch, head_tile, chunk),
@@ -89,6 +99,8 @@ def bwd_dt_fn(
     if DA_MODE == 2:
         da = ct.where(valid, da + ct.sum(ct.where(valid, vsum, 0.0), axis=1, keepdims=True),
                       0.0)
+    if DA_MODE == 3:
+        da = ct.where(valid, da + vconst, 0.0)
     ddt_d = ct.where(valid, ddt_d, 0.0)
     d = ct.load(dtp, index=(batch, head_tile, chunk), shape=(1, BLOCK_H, Q),
                 padding_mode=ZERO).reshape((BLOCK_H, Q))

@@ -79,7 +79,8 @@ class BackwardConfig:
     da_mode: int = 0             # the decay gradient da (see bwd_chunk_dx): 0 the stable form
                                  # in bwd_chunk_dx; 1 per-token row/column-sum terms there
                                  # (no cumsum per block pair), bwd_dt suffix-sums them; 2 the
-                                 # W terms in bwd_chunk_dbc_fused (needs bc_fused=1)
+                                 # W terms in bwd_chunk_dbc_fused (needs bc_fused=1); 3 in
+                                 # bwd_chunk_dcb (needs bc_fused=2)
     bstate_load_latency: int = 0  # load latency hints (1-10; 0: none): bwd_state_pass's
     dx_load_latency: int = 0      # per-chunk loads, bwd_chunk_dx's block loops,
     bc_load_latency: int = 0      # bwd_chunk_dbc_fused's head loop
@@ -125,9 +126,10 @@ class BackwardConfig:
         for name in ("lowp", "dx_lowp"):
             c.check_choice(self, name, (0, 1))
         c.check_choice(self, "bc_fused", (0, 1, 2))
-        if self.da_mode not in (0, 1, 2) or (self.da_mode == 2 and self.bc_fused != 1):
-            raise ValueError(f"BackwardConfig: da_mode={self.da_mode} must be 0, 1, or 2 with "
-                             "bc_fused=1")
+        if (self.da_mode not in (0, 1, 2, 3) or (self.da_mode == 2 and self.bc_fused != 1)
+                or (self.da_mode == 3 and self.bc_fused != 2)):
+            raise ValueError(f"BackwardConfig: da_mode={self.da_mode} must be 0, 1, 2 with "
+                             "bc_fused=1, or 3 with bc_fused=2")
 
 
 def head_splits(cfg: BackwardConfig, nheads: int, ngroups: int) -> int:
@@ -251,8 +253,10 @@ class BackwardBuffers:
     hbuf: torch.Tensor         # (B, H, P, N) fp32: the recompute's final state, then dh_0
     dstates: torch.Tensor      # (B, H, nc, P, N) exit-state gradients dS_c
     da_part: torch.Tensor      # (n_pt * Q / dx_block_q, B, H, Lp) fp32; da_mode 2:
-                               # (n_pt + cdiv(N, bc_block_n), B, H, Lp)
-    v_part: torch.Tensor | None    # (n_pt, B, H, Lp) fp32 (da_mode 2)
+                               # (n_pt + cdiv(N, bc_block_n), B, H, Lp); da_mode 3:
+                               # (max(Q / bc_block_q, n_pt), B, H, Lp)
+    v_part: torch.Tensor | None    # (n_pt, B, H, Lp) fp32 (da_mode 2); da_mode 3:
+                                   # (n_pt, B, H, nc * Q / dx_block_q)
     ddt_part: torch.Tensor     # (n_pt, B, H, Lp) fp32
     dD_part: torch.Tensor | None   # (cdiv(L, dx_block_q), B, H, P) fp32; D of shape (H,):
                                    # (cdiv(L, dx_block_q), B, H, n_pt), summed in the p-tile
@@ -261,7 +265,8 @@ class BackwardBuffers:
     db_part: torch.Tensor | None     # (splits, B, L, G, N) fp32 per-split dB (head_splits > 1)
     dc_part: torch.Tensor | None     # the same for dC
     dcb: torch.Tensor | None   # (B, G, Lp, Q) fp32: the gradient of the groups' C B^T (bc_fused 2),
-                               # in the memory of da_part, v_part, ddt_part, dD_part
+                               # in the memory of v_part, ddt_part, dD_part (and da_part but
+                               # in da_mode 3)
     dx: torch.Tensor
     dz: torch.Tensor | None
     dB: torch.Tensor
@@ -288,13 +293,19 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
     splits = head_splits(cfg, h, g)
     # bwd_chunk_dx's partials, and (bc_fused 2) the dS that the dB/dC launches before it
     # write and read, in one fp32 block: dS lives until bwd_chunk_dx starts, the partials
-    # from then on, so the block is the larger of the two, not their sum
+    # from then on, so the block is the larger of the two, not their sum (da_mode 3: da_part,
+    # which bwd_chunk_dcb writes beside dS, has its own)
     shapes = dict(
         da_part=((n_pt + -(-n // cfg.bc_block_n), b, h, lp) if cfg.da_mode == 2
+                 else (max(Q // cfg.bc_block_q, n_pt), b, h, lp) if cfg.da_mode == 3
                  else (n_pt * (Q // cfg.dx_block_q), b, h, lp)),
-        v_part=(n_pt, b, h, lp) if cfg.da_mode == 2 else None,
+        v_part=((n_pt, b, h, lp) if cfg.da_mode == 2
+                else (n_pt, b, h, nc * (Q // cfg.dx_block_q)) if cfg.da_mode == 3 else None),
         ddt_part=(n_pt, b, h, lp),
         dD_part=None if D is None else (n_q, b, h, n_pt if D.dim() == 1 else p))
+    own = {}
+    if cfg.da_mode == 3:
+        own["da_part"] = e(*shapes.pop("da_part"))
     sizes = {k: 0 if s is None else math.prod(s) for k, s in shapes.items()}
     dcb_shape = (b, g, lp, Q)
     block = e(max(sum(sizes.values()), math.prod(dcb_shape) if cfg.bc_fused == 2 else 0))
@@ -304,7 +315,7 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
         at += sizes[k]
     return BackwardBuffers(
         dt_buf=e(b, h, lp), cum_buf=e(b, h, lp), states=e(b, h, nc, p, n, dt=sdt),
-        hbuf=e(b, h, p, n), dstates=e(b, h, nc, p, n, dt=sdt), **parts,
+        hbuf=e(b, h, p, n), dstates=e(b, h, nc, p, n, dt=sdt), **parts, **own,
         dA_part=e(b * nc, h), dbias_part=None if dt_bias is None else e(b * nc, h),
         db_part=e(splits, b, l, g, n) if splits > 1 else None,
         dc_part=e(splits, b, l, g, n) if splits > 1 else None,
@@ -389,7 +400,8 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
          bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
          v_part, Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z,
-         has_seq, dx_lowp, cfg.da_mode, cfg.dx_load_latency))
+         has_seq, dx_lowp, cfg.da_mode, Q // cfg.bc_block_q if cfg.da_mode == 3 else 0,
+         cfg.dx_load_latency))
 
     # 4: dB, dC, launched before dx: bc_fused 2's dS shares its memory with the partials
     # bwd_chunk_dx writes (allocate_buffers) (with a head split: per-split fp32 partials, then their sum in one launch)
@@ -406,8 +418,9 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
             with_hints(bwd_chunk_dcb_i64 if int64 else bwd_chunk_dcb, cfg.dcb_occupancy,
                        cfg.dcb_warps),
             (nchunks * batch * ngroups, nbpc * nbpc, 1),
-            (x, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.dcb, Q,
-             cfg.bc_block_q, cfg.bc_block_p, hpg, has_z, has_seq, lowp, cfg.bc_load_latency)))
+            (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.dcb,
+             bufs.da_part, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.dstate_pad, hpg, has_z,
+             has_seq, lowp, cfg.bc_load_latency, cfg.da_mode == 3)))
         calls.append(KernelCall(
             with_hints(bwd_chunk_dbc_group_i64 if int64 else bwd_chunk_dbc_group,
                        cfg.bc_occupancy, cfg.bc_warps),
