@@ -203,9 +203,9 @@ def test_emulated_group_dcb(opt, bq, bn, bp, da_mode):
     """dB and dC through the gradient of each group's C B^T (bc_fused=2): dS summed over the
     group's 3 heads in (bq x bq) blocks, then dB and dC per whole chunk and n-tile; a last chunk
     of 20 tokens (l = 84), so at bq = 8 its last block holds none; seq_idx resets inside
-    chunks, z, no dfinal. da_mode 3: the decay gradient's W terms from the dS launch too (4,
-    1 and 8 slots of its blocks against 2 p-tiles of bwd_chunk_dx's 16 channels: each slot
-    count above, equal to and below the p-tiles')."""
+    chunks, z, no dfinal. da_mode 3: the decay gradient's W terms from the dS launch too (2,
+    1 and 4 slots of its blocks against 2 p-tiles of bwd_chunk_dx's 16 channels: each slot
+    count equal to, below and above the p-tiles')."""
     Q = 32
     args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=84, Q=Q, seed=11, h=6, g=2, p=24,
                                           n=20)

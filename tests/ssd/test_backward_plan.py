@@ -131,12 +131,13 @@ def test_dcb_shares_the_dx_partials_memory(b, l, h, g, p, n, d_dim):
     block = bufs.dcb._base
     assert block is not None and all(t._base is block for t in parts)
     assert bufs.dcb.shape == (b, g, lp, Q) and bufs.dcb.storage_offset() == 0
-    assert block.numel() == max(b * g * lp * Q, sum(t.numel() for t in parts))
-    # the partials tile the block without overlapping each other
+    pad = lambda k: -(-k // 64) * 64  # noqa: E731
+    assert block.numel() == max(b * g * lp * Q, sum(pad(t.numel()) for t in parts))
+    # the partials tile the block in order, each 64 elements (256 bytes) aligned, disjoint
     at = 0
     for t in parts:
         assert t.storage_offset() == at and t.is_contiguous()
-        at += t.numel()
+        at += pad(t.numel())
     if D is not None:
         assert bufs.dD_part.shape == (n_q, b, h, n_pt if d_dim == 1 else p)
     calls = []
@@ -183,6 +184,7 @@ def test_da_mode3_buffers(b, l, h, g, p, n):
     assert bufs.v_part.shape == (n_pt, b, h, nc * (Q // cfg.dx_block_q))
     block = bufs.dcb._base
     assert all(t._base is block for t in (bufs.v_part, bufs.ddt_part, bufs.dD_part))
+    assert all(t.storage_offset() % 64 == 0 for t in (bufs.v_part, bufs.ddt_part, bufs.dD_part))
 
     def scratch(c):
         u = backward.allocate_buffers(x, dt, B, B, None, D, None, c)

@@ -306,12 +306,13 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
     own = {}
     if cfg.da_mode == 3:
         own["da_part"] = e(*shapes.pop("da_part"))
-    sizes = {k: 0 if s is None else math.prod(s) for k, s in shapes.items()}
+    # each part starts 256-byte aligned (a kernel's array alignment is part of its compile key)
+    sizes = {k: 0 if s is None else -(-math.prod(s) // 64) * 64 for k, s in shapes.items()}
     dcb_shape = (b, g, lp, Q)
     block = e(max(sum(sizes.values()), math.prod(dcb_shape) if cfg.bc_fused == 2 else 0))
     parts, at = {}, 0
     for k, s in shapes.items():
-        parts[k] = None if s is None else block[at:at + sizes[k]].view(s)
+        parts[k] = None if s is None else block[at:at + math.prod(s)].view(s)
         at += sizes[k]
     return BackwardBuffers(
         dt_buf=e(b, h, lp), cum_buf=e(b, h, lp), states=e(b, h, nc, p, n, dt=sdt),
