@@ -486,6 +486,7 @@ def _describe_obj(module, obj):
     here = sys.modules[__name__]
     if getattr(obj, "__module__", None) == here.__name__:
         return "mamba2_cutile" + ("" if obj is not _unfused else " (unfused)")
+    obj = _hub_function(obj)
     inner = inspect.unwrap(obj)
     impl = _closure_var(obj, "implementation")
     if impl is not None and impl is not inner:
@@ -508,8 +509,23 @@ def _closure_var(obj, var):
     return None
 
 
+def _hub_function(obj):
+    """The function behind a `kernels` function layer: with the `kernels` package installed
+    (a dependency of transformers from 5.25), transformers' hub decorator turns each decorated
+    function into an `nn.Module` instance whose forward calls the function (its closure's
+    `func`); anything else is returned as it is."""
+    for _ in range(4):                      # a layer of a layer, defensively
+        if not isinstance(obj, torch.nn.Module):
+            break
+        fn = _closure_var(type(obj).forward, "func")
+        if fn is None:
+            break
+        obj = fn
+    return obj
+
+
 def _torch_definition(module, name):
-    obj = (_originals(module) or {}).get(name, module.__dict__.get(name))
+    obj = _hub_function((_originals(module) or {}).get(name, module.__dict__.get(name)))
     fn = inspect.unwrap(obj)
     if getattr(fn, "__module__", None) != module.__name__:
         # a wrapper without __wrapped__ (another decorator on top): the fallback's closure
