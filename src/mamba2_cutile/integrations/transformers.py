@@ -514,13 +514,8 @@ def _hub_function(obj):
     (a dependency of transformers from 5.25), transformers' hub decorator turns each decorated
     function into an `nn.Module` instance whose forward calls the function (its closure's
     `func`); anything else is returned as it is."""
-    for _ in range(4):                      # a layer of a layer, defensively
-        if not isinstance(obj, torch.nn.Module):
-            break
-        fn = _closure_var(type(obj).forward, "func")
-        if fn is None:
-            break
-        obj = fn
+    if isinstance(obj, torch.nn.Module):
+        return _closure_var(type(obj).forward, "func") or obj
     return obj
 
 

@@ -388,24 +388,8 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
             (seg_final, seg_factor, chunk_factor, bufs.dstates, bufs.hbuf, cfg.bstate_block_p,
              cfg.bstate_block_n, segs, cfg.bstate_load_latency, True, init is not None)))
 
-    # 5: dx, dz, partials of dD, ddt, da (launched after dB and dC)
-    v_part = bufs.v_part if bufs.v_part is not None else bufs.ddt_part
-    n_q = -(-seqlen // cfg.dx_block_q)
-    d_mode = 0 if D is None else D.dim()
-    int64 = needs_int64(x, B, C, z, dout, D, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
-                      bufs.dstates, bufs.dx, bufs.dz, bufs.da_part, bufs.ddt_part, bufs.dD_part)
-    dx_call = KernelCall(
-        with_hints(bwd_chunk_dx_i64 if int64 else bwd_chunk_dx, cfg.dx_occupancy, cfg.dx_warps),
-        (n_q * batch * nheads, -(-headdim // cfg.dx_block_p), 1),
-        (x, B, C, z if has_z else x, dout, D if D is not None else A, bufs.dt_buf, bufs.cum_buf,
-         seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
-         bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
-         v_part, Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z,
-         has_seq, dx_lowp, cfg.da_mode, Q // cfg.bc_block_q if cfg.da_mode == 3 else 0,
-         cfg.dx_load_latency))
-
-    # 4: dB, dC, launched before dx: bc_fused 2's dS shares its memory with the partials
-    # bwd_chunk_dx writes (allocate_buffers) (with a head split: per-split fp32 partials, then their sum in one launch)
+    # 4: dB, dC (with a head split: per-split fp32 partials, then their sum in one launch),
+    # before dx: bc_fused 2's dS shares its memory with the partials bwd_chunk_dx writes
     split = bufs.db_part is not None
     db_out, dc_out = (bufs.db_part, bufs.dc_part) if split else (bufs.dB, bufs.dC)
     int64 = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
@@ -452,7 +436,21 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
              bufs.dstates, bufs.dB, bufs.dC, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.bc_block_n,
              hpg, has_z, has_seq, lowp)))
 
-    calls.append(dx_call)
+    # 5: dx, dz, partials of dD, ddt, da
+    v_part = bufs.v_part if bufs.v_part is not None else bufs.ddt_part
+    n_q = -(-seqlen // cfg.dx_block_q)
+    d_mode = 0 if D is None else D.dim()
+    int64 = needs_int64(x, B, C, z, dout, D, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
+                      bufs.dstates, bufs.dx, bufs.dz, bufs.da_part, bufs.ddt_part, bufs.dD_part)
+    calls.append(KernelCall(
+        with_hints(bwd_chunk_dx_i64 if int64 else bwd_chunk_dx, cfg.dx_occupancy, cfg.dx_warps),
+        (n_q * batch * nheads, -(-headdim // cfg.dx_block_p), 1),
+        (x, B, C, z if has_z else x, dout, D if D is not None else A, bufs.dt_buf, bufs.cum_buf,
+         seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
+         bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
+         v_part, Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z,
+         has_seq, dx_lowp, cfg.da_mode, Q // cfg.bc_block_q if cfg.da_mode == 3 else 0,
+         cfg.dx_load_latency)))
 
     # 6: dt chain, dA and ddt_bias partials
     int64 = needs_int64(dt, bufs.dt_buf, bufs.da_part, bufs.ddt_part, bufs.ddt, bufs.dA_part)
