@@ -161,11 +161,11 @@ def as_kernel_input(t, dtype=None):
 
 
 def dt_clamp_bounds(dt_limit):
-    """The kernels' clamp of dt' for mamba_ssm's `dt_limit`: mamba_ssm clamps only for a
-    non-default limit, so the default (0, inf) becomes no clamp at all (-inf, inf)."""
+    """The kernels' clamp of dt' for mamba_ssm's `dt_limit`, the default (0, inf) included:
+    mamba_ssm's Triton scan clamps dt' to the limit on every call, so without softplus a
+    negative dt (or dt + dt_bias) is 0 there, not a growing decay (only its PyTorch reference
+    `ssd_selective_scan` skips the default clamp)."""
     lo, hi = (float(v) for v in dt_limit)
-    if (lo, hi) == (0.0, float("inf")):
-        return -float("inf"), float("inf")
     return lo, hi
 
 

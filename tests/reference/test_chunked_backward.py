@@ -179,16 +179,18 @@ def test_clamp_and_softplus_boundaries(softplus):
         assert rel.max() < 1e-11
 
 
-def test_default_limit_does_not_clamp_negative_dt():
-    """With the default dt_limit (0, inf) nothing is clamped, not even negative dt."""
+def test_default_limit_clamps_negative_dt():
+    """The default dt_limit (0, inf) clamps, as mamba_ssm's Triton scan does: a negative dt
+    (no softplus) counts as 0 and passes no gradient; the others keep theirs."""
     args, kw = build(dict(), 150)
     args["dt"] = args["dt"] - 0.5
-    assert (args["dt"] < 0).any()
+    neg = args["dt"] < 0
+    assert neg.any() and (~neg).any()
     dout, dfinal = cotangents(args)
     ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, dfinal, dtype=F64)
     got = explicit_grads(args, kw, 64, dout, dfinal)
     assert_close(got, ref)
-    assert (got["dt"][args["dt"] < 0] != 0).all()
+    assert (got["dt"][neg] == 0).all() and (got["dt"][~neg] != 0).all()
 
 
 def test_dfinal_only():

@@ -119,3 +119,27 @@ def test_low_precision_cpu_dtypes():
     assert y.dtype == torch.bfloat16
     err = (y.double() - y_ref).abs().max() / y_ref.abs().max()
     assert err < 2e-2
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_default_limit_clamps_negative_dt(bias):
+    """dt' = clamp(dt + dt_bias, 0, inf) with the default dt_limit, as mamba_ssm's Triton scan
+    (its _chunk_cumsum_fwd_kernel clamps on every call): a negative dt' is 0, so no decay
+    grows the state, and the output equals that of the clamped dt."""
+    inp = make_inputs()
+    inp["dt"] = inp["dt"] - 0.2
+    h = inp["x"].shape[2]
+    dt_bias = torch.linspace(-0.1, 0.1, h, dtype=torch.float64) if bias else None
+    raw = inp["dt"] + (0 if dt_bias is None else dt_bias)
+    assert (raw < 0).any() and (raw > 0).any()
+    D = torch.ones(h, dtype=torch.float64)
+    y, fin = mamba_chunk_scan_combined(**inp, chunk_size=64, D=D, dt_bias=dt_bias,
+                                       return_final_states=True)
+    y0, fin0 = mamba_chunk_scan_combined(**dict(inp, dt=raw.clamp(min=0)), chunk_size=64, D=D,
+                                         return_final_states=True)
+    torch.testing.assert_close(y, y0, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fin, fin0, rtol=1e-12, atol=1e-12)
+    # all negative: no state at all, y = D x
+    y1 = mamba_chunk_scan_combined(**dict(inp, dt=-inp["dt"].abs() - 0.01), chunk_size=64, D=D)
+    torch.testing.assert_close(y1, inp["x"], rtol=0, atol=0)
+

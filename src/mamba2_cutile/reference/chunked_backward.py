@@ -145,14 +145,14 @@ def stage1_dt_and_decay(dt, A, Q, nc, dt_bias=None, dt_softplus=False, dt_limit=
     A; writes dt' and G in the [batch, head, token] layout (here (b, h, nc, Q)):
 
         v    = dt + dt_bias;   w = softplus(v) if dt_softplus else v
-        dt'  = clamp(w, lo, hi)   (only when dt_limit != (0, inf), as mamba_ssm);  0 on padding
+        dt'  = clamp(w, lo, hi)   (the default (0, inf) too, as mamba_ssm's Triton scan);  0 on padding
         G    = cumsum_within_chunk(A * dt')
 
     The forward already stores exactly these two buffers (G as log2(e) * G): keep them.
     """
     v = dt if dt_bias is None else dt + dt_bias
     w = F.softplus(v) if dt_softplus else v
-    dtp = w.clamp(min=dt_limit[0], max=dt_limit[1]) if tuple(dt_limit) != (0.0, INF) else w
+    dtp = w.clamp(min=dt_limit[0], max=dt_limit[1])
     dtp_c = to_chunks(dtp, Q, nc)                                           # (b, h, nc, Q)
     G = torch.cumsum(A[None, :, None, None] * dtp_c, dim=-1)
     return dtp_c, G
@@ -367,15 +367,13 @@ def stage5_decay_to_dt_A(da, ddt_direct, dtp_c, A):
 def stage6_dt_preprocess(dt, ddtp, dt_bias=None, dt_softplus=False, dt_limit=(0.0, INF)):
     """Elementwise over (b, l, h) (fusable into stage 5), recomputing v = dt + dt_bias:
         clamp:     ddt' *= [lo <= w <= hi]  (torch.clamp's convention: the boundary passes the
-                   gradient; only applied for a non-default dt_limit, like the forward)
+                   gradient; the default (0, inf) too, like the forward)
         softplus:  *= 1 if v > 20 else sigmoid(v)   (torch's threshold; v = 20 gives sigmoid)
         ddt = that;  ddt_bias = sum_{b, l} ddt
     """
     v = dt if dt_bias is None else dt + dt_bias
-    g = ddtp
-    if tuple(dt_limit) != (0.0, INF):
-        w = F.softplus(v) if dt_softplus else v
-        g = torch.where((w >= dt_limit[0]) & (w <= dt_limit[1]), g, torch.zeros_like(g))
+    w = F.softplus(v) if dt_softplus else v
+    g = torch.where((w >= dt_limit[0]) & (w <= dt_limit[1]), ddtp, torch.zeros_like(ddtp))
     if dt_softplus:
         g = g * torch.where(v > SOFTPLUS_THRESHOLD, torch.ones_like(v), torch.sigmoid(v))
     ddt_bias = None if dt_bias is None else g.sum(dim=(0, 1))

@@ -6,14 +6,13 @@ import torch.nn.functional as F
 
 
 def process_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
-    """dt <- clamp(softplus?(dt + dt_bias), dt_limit), as mamba_ssm."""
+    """dt <- clamp(softplus?(dt + dt_bias), dt_limit), as mamba_ssm's Triton scan: the
+    default (0, inf) clamps too (a negative dt without softplus is 0). torch.clamp keeps NaN."""
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
         dt = F.softplus(dt)
-    if tuple(dt_limit) != (0.0, float("inf")):
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    return dt
+    return dt.clamp(min=dt_limit[0], max=dt_limit[1])
 
 
 def expand_groups(t, nheads):
