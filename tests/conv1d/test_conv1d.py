@@ -322,6 +322,23 @@ def test_update_errors_name_the_argument(change, exc, match):
         causal_conv1d_update(**args)
 
 
+def test_padding_rows_output_zero_whatever_they_hold():
+    """A padding row (negative slot) outputs exactly 0 even when its x is NaN or the slot it
+    would stand in for holds an Inf, and an empty cache (every row padding) is no error."""
+    gen = torch.Generator().manual_seed(4)
+    st = torch.randn(2, 4, 3, dtype=F64, generator=gen)
+    st[0, 0, 0] = float("inf")
+    x = torch.randn(3, 4, dtype=F64, generator=gen)
+    x[1] = float("nan")
+    w = torch.randn(4, 4, dtype=F64, generator=gen)
+    slots = torch.tensor([1, -1, -1], dtype=torch.int32)
+    out = causal_conv1d_update(x, st.clone(), w, activation="silu", conv_state_indices=slots)
+    assert torch.equal(out[1:], torch.zeros(2, 4, dtype=F64)) and out[0].isfinite().all()
+    empty = torch.zeros(0, 4, 3, dtype=F64)
+    out = causal_conv1d_update(x, empty, w, conv_state_indices=torch.full((3,), -1))
+    assert torch.equal(out, torch.zeros(3, 4, dtype=F64))
+
+
 def test_padding_slots_may_repeat():
     gen = torch.Generator().manual_seed(0)
     st = torch.randn(2, 3, 3, dtype=F64, generator=gen)

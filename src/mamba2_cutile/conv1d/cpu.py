@@ -121,7 +121,10 @@ def conv1d_update(x3, conv_state, weight, bias, silu: bool, cache_seqlens, conv_
     slots = rows if conv_state_indices is None else conv_state_indices.to(torch.int64)
     live = slots >= 0
     safe = torch.where(live, slots, torch.zeros_like(slots))
-    old = conv_state[safe].to(cd)                                   # (b, d, S)
+    if conv_state.shape[0]:
+        old = conv_state[safe].to(cd)                               # (b, d, S)
+    else:                       # an empty cache: every row is padding (slots checked)
+        old = torch.zeros(b, d, S, dtype=cd, device=dev)
     xs = x3.to(cd)
     if cache_seqlens is None:
         full = torch.cat([old, xs], dim=-1)
@@ -147,7 +150,8 @@ def conv1d_update(x3, conv_state, weight, bias, silu: bool, cache_seqlens, conv_
         out = out + bias.to(cd)[:, None]
     if silu:
         out = torch.nn.functional.silu(out)
-    out = out * live[:, None, None]
+    # selected, not multiplied: a padding row's x or its stand-in slot may hold NaN
+    out = torch.where(live[:, None, None], out, torch.zeros_like(out))
     if live.any():
         conv_state[slots[live]] = new[live].to(conv_state.dtype)
     return out.to(x3.dtype)

@@ -708,6 +708,8 @@ def conv1d_backward_cuda(x, weight, bias, seq_idx, initial_states, dout, dfinal,
 def conv1d_update_cuda(x3, conv_state, weight, bias, silu, cache_seqlens, slots):
     """out (batch, dim, k) in x's dtype; conv_state updated in place."""
     b, d, k = x3.shape
+    if conv_state.shape[0] == 0:     # an empty cache: every row is padding (slots checked)
+        return torch.zeros(b, d, k, dtype=x3.dtype, device=x3.device)
     out = torch.empty(b, d, k, dtype=x3.dtype, device=x3.device)
     new_state = torch.empty(b, d, conv_state.shape[2], dtype=conv_state.dtype,
                             device=x3.device)
