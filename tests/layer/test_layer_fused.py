@@ -195,6 +195,7 @@ BAD = [
     ("initial_states", lambda kw: kw["initial_states"][:1], ValueError, "initial_states"),
     ("seq_idx", lambda kw: kw["seq_idx"].float(), TypeError, "seq_idx"),
     ("seq_idx", lambda kw: kw["seq_idx"].flip(1), ValueError, "non-decreasing"),
+    ("seq_idx", lambda kw: kw["seq_idx"].long() + 2**31, ValueError, "fit in int32"),
     ("rmsnorm_weight", lambda kw: kw["rmsnorm_weight"][:-1], ValueError, "rmsnorm_weight"),
     ("outproj_weight", lambda kw: kw["outproj_weight"][:, :-1], ValueError, "outproj_weight"),
     ("outproj_bias", lambda kw: kw["outproj_bias"][:-1], ValueError, "outproj_bias"),

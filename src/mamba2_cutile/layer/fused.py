@@ -131,9 +131,13 @@ def _validate(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, ini
                "outproj_weight": outproj_weight, "outproj_bias": outproj_bias}
     check_same_device(tensors, "zxbcdt")
     check_gpu_dtypes({k: t for k, t in tensors.items() if t is not None and k != "seq_idx"})
-    if seq_idx is not None and l > 1 and value_checks_enabled(zxbcdt.is_cuda):
-        if bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+    if seq_idx is not None and seq_idx.numel() and value_checks_enabled(zxbcdt.is_cuda):
+        if l > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
             raise ValueError("seq_idx must be non-decreasing along each row")
+        # the convolution takes int32 ids (negative: padding); an int64 id past int32 would
+        # saturate onto its neighbour's
+        if int(seq_idx.min()) < -2**31 or int(seq_idx.max()) >= 2**31:
+            raise ValueError("seq_idx values must fit in int32")
     return headdim, lo, hi, group_size
 
 
