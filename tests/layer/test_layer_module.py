@@ -110,6 +110,58 @@ def test_step_after_prefill_equals_forward(name, prefill, fused):
     assert ssm_state.shape == (3, m.nheads, m.headdim, m.d_state)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "parts"])
+def test_step_after_packed_prefill_continues_the_last_sequence(fused):
+    """A prefill with seq_idx keeps the state of each row's last sequence, conv cache
+    included: the steps after it equal the forward of the whole packed row (the last
+    sequence, shorter than d_conv in row 0, never reads the inputs of the one before it)."""
+    m = make("mlp-Dp-groups-bias-limit", use_mem_eff_path=fused)
+    T, prefill = 12, 9
+    u = torch.randn(2, T, m.d_model, dtype=torch.float64)
+    seq = torch.tensor([[0] * 8 + [1] * 4, [0] * 3 + [2] * 9], dtype=torch.int32)
+    full = m(u, seq_idx=seq)
+    params = InferenceParams(max_seqlen=T, max_batch_size=2)
+    outs = [m(u[:, :prefill], seq_idx=seq[:, :prefill], inference_params=params)]
+    params.seqlen_offset += prefill
+    for t in range(prefill, T):
+        outs.append(m(u[:, t:t + 1], inference_params=params))
+        params.seqlen_offset += 1
+    assert rel(torch.cat(outs, dim=1), full) < STEP_TOL
+
+
+def test_varlen_prefill_keeps_a_bad_sequence_to_itself():
+    """An Inf in one packed sequence's last token reaches neither the next sequence's cached
+    conv state (shorter than d_conv: its window starts inside the bad one) nor its decode."""
+    m = make("mlp-Dp-groups-bias-limit")
+    u = torch.randn(1, 7, m.d_model, dtype=torch.float64)
+    u[0, 4, 0] = float("inf")
+    cu = torch.tensor([0, 5, 7], dtype=torch.int32)
+    seq = torch.tensor([[0] * 5 + [1] * 2], dtype=torch.int32)
+    nxt = torch.randn(2, 1, m.d_model, dtype=torch.float64)
+    params = InferenceParams(max_seqlen=8, max_batch_size=2)
+    m(u, seq_idx=seq, cu_seqlens=cu, inference_params=params)
+    conv_state, ssm_state = params.key_value_memory_dict[0]
+    assert conv_state[1].isfinite().all() and ssm_state[1].isfinite().all()
+    params.seqlen_offset = 7
+    step = m(nxt, inference_params=params)
+    alone = m(torch.cat([u[:, 5:7], nxt[1:2]], 1))
+    assert rel(step[1, 0], alone[0, 2]) < STEP_TOL
+
+
+@pytest.mark.parametrize("cu", [[0, 5, 9], [0, 5, 6], [2, 7], [0, 7, 5, 7]])
+def test_varlen_prefill_refuses_bad_cu_seqlens_before_the_cache(cu):
+    """cu_seqlens must run from 0 to seqlen, non-decreasing: a ValueError naming it, and
+    the cache untouched."""
+    m = make("mlp-Dp-groups-bias-limit")
+    params = InferenceParams(max_seqlen=8, max_batch_size=len(cu) - 1)
+    conv_state, ssm_state = m._get_states_from_cache(params, len(cu) - 1)
+    conv_state.fill_(3.0)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        m(torch.randn(1, 7, m.d_model, dtype=torch.float64), cu_seqlens=torch.tensor(cu),
+          inference_params=params)
+    assert (conv_state == 3.0).all()
+
+
 def test_step_with_allocated_cache_from_zero():
     """step from an empty cache is the forward from token 0."""
     m = make("mlp-Dp-groups-bias-limit")

@@ -23,10 +23,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..checks import INTS, check_tensor, shape_of, value_checks_enabled
 from ..conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..decode import selective_state_update
 from ..norm import RMSNorm
 from ..ssd import mamba_chunk_scan_combined
+from ..ssd.api import _check_values
 from .fused import mamba_split_conv1d_scan_combined
 
 _NO_LIMIT = (0.0, float("inf"))
@@ -49,19 +51,28 @@ class InferenceParams:
             self.lengths_per_sample.zero_()
 
 
-def conv_states_from_inputs(xBC, d_conv, cu_seqlens=None):
+def conv_states_from_inputs(xBC, d_conv, cu_seqlens=None, seq_idx=None):
     """The convolution's cache after a prefill: the last d_conv inputs of each sequence, zero
-    where the sequence is shorter. xBC (b, l, c) -> (b, c, d_conv); with cu_seqlens (batch 1)
-    one row per sequence, (num_seqs, c, d_conv). Reads no tensor values on the host."""
+    where the sequence is shorter. xBC (b, l, c) -> (b, c, d_conv): with seq_idx only the
+    inputs of each row's last sequence (the one whose state the scan returns); with cu_seqlens
+    (batch 1) one row per sequence, (num_seqs, c, d_conv). Reads no tensor values on the
+    host."""
     if cu_seqlens is None:
         t = xBC.transpose(1, 2)
         l = t.shape[-1]
-        return F.pad(t, (d_conv - l, 0)) if l < d_conv else t[..., l - d_conv:]
+        t = F.pad(t, (d_conv - l, 0)) if l < d_conv else t[..., l - d_conv:]
+        if seq_idx is not None and l:
+            ids = seq_idx[:, max(0, l - d_conv):]
+            same = F.pad(ids == ids[:, -1:], (d_conv - ids.shape[1], 0))       # (b, d_conv)
+            t = torch.where(same[:, None, :], t, torch.zeros_like(t))
+        return t
     cu = cu_seqlens.to(device=xBC.device, dtype=torch.long)
     start, end = cu[:-1, None], cu[1:, None]
     pos = end - d_conv + torch.arange(d_conv, device=xBC.device)       # (s, d_conv)
     rows = xBC[0][pos.clamp(min=0)]                                     # (s, d_conv, c)
-    rows = rows * (pos >= start)[..., None].to(rows.dtype)
+    # selected, not multiplied: the positions before a sequence's start are another
+    # sequence's inputs, which may hold NaN / Inf
+    rows = torch.where((pos >= start)[..., None], rows, torch.zeros_like(rows))
     return rows.transpose(1, 2)
 
 
@@ -185,10 +196,18 @@ class Mamba2(nn.Module):
                                  f"with seqlen = {seqlen}")
             batch = u.shape[0] // seqlen
         conv_state = ssm_state = None
-        if inference_params is not None and cu_seqlens is not None and batch != 1:
+        if inference_params is not None and cu_seqlens is not None:
             # checked before the cache is touched
-            raise ValueError(f"cu_seqlens (a varlen prefill into inference_params) needs u of "
-                             f"batch 1 (the sequences packed along seqlen), got batch {batch}")
+            if batch != 1:
+                raise ValueError(f"cu_seqlens (a varlen prefill into inference_params) needs u "
+                                 f"of batch 1 (the sequences packed along seqlen), got batch "
+                                 f"{batch}")
+            check_tensor("cu_seqlens", cu_seqlens, 1, INTS)
+            if cu_seqlens.shape[0] < 2:
+                raise ValueError(f"cu_seqlens must have num_seqs + 1 >= 2 entries, got "
+                                 f"{shape_of(cu_seqlens)}")
+            if value_checks_enabled(u.is_cuda):
+                _check_values(None, cu_seqlens, seqlen)
         if inference_params is not None:
             cache_batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else batch
             conv_state, ssm_state = self._get_states_from_cache(inference_params, cache_batch)
@@ -220,7 +239,7 @@ class Mamba2(nn.Module):
             out, final = out
             ssm_state.copy_(final)
             xBC = self._split(zxbcdt)[3]
-            conv_state.copy_(conv_states_from_inputs(xBC, self.d_conv))
+            conv_state.copy_(conv_states_from_inputs(xBC, self.d_conv, seq_idx=seq_idx))
         return out
 
     def _forward_parts(self, zxbcdt, seq_idx, cu_seqlens, conv_state, ssm_state):
@@ -228,7 +247,8 @@ class Mamba2(nn.Module):
         cu_seqlens (a varlen prefill) the cache gets one state per sequence."""
         z0, x0, z, xBC, dt = self._split(zxbcdt)
         if conv_state is not None:
-            conv_state.copy_(conv_states_from_inputs(xBC, self.d_conv, cu_seqlens))
+            conv_state.copy_(conv_states_from_inputs(xBC, self.d_conv, cu_seqlens,
+                                                     None if cu_seqlens is not None else seq_idx))
         xBC = causal_conv1d_fn(xBC.transpose(1, 2), self._conv_weight(), self.conv1d.bias,
                          seq_idx=seq_idx, activation=self.activation).transpose(1, 2)
         x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state,
