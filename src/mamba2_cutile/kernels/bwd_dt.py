@@ -18,7 +18,7 @@ skipped. DA_MODE 2 reads every slot (n_pt from bwd_chunk_dx, then n_nt from
 bwd_chunk_dbc_fused); entries of tokens past L, written or not, are masked out. Tokens past L
 are masked to 0 before any sum. w is recomputed with decay_cumsum's formula, so
 the clamp mask sees the same values the forward clamped (torch.clamp's convention: the
-boundary passes the gradient; the default limit is passed as (-inf, inf)).
+boundary passes the gradient; the default limit (0, inf) clamps too).
 
 Tiles: da/ddt partials, dt', (BLOCK_H, Q); dt and ddt (Q, BLOCK_H) from/to [batch, token, head].
 Grid: (B * num_chunks, cdiv(H, BLOCK_H)).

@@ -59,6 +59,8 @@ import torch.nn.functional as F
 from .common import expand_groups
 
 INF = float("inf")
+#: decay_cumsum's clamp of one token's log decay (2^256 in its log2 units), in natural log
+MAX_LOG_STEP = 256.0 * math.log(2.0)
 SOFTPLUS_THRESHOLD = 20.0     # torch's F.softplus default (beta = 1)
 
 
@@ -146,7 +148,13 @@ def stage1_dt_and_decay(dt, A, Q, nc, dt_bias=None, dt_softplus=False, dt_limit=
 
         v    = dt + dt_bias;   w = softplus(v) if dt_softplus else v
         dt'  = clamp(w, lo, hi)   (the default (0, inf) too, as mamba_ssm's Triton scan);  0 on padding
-        G    = cumsum_within_chunk(A * dt')
+        G    = cumsum_within_chunk(a),  a = A * dt' clamped to +-MAX_LOG_STEP, 0 where dt' = 0
+
+    The step clamp is decay_cumsum's: A = -inf or dt' = +inf give a decay of exactly 0 (in
+    float32; 2^-256 in float64) with G finite, so differences G_i - G_j never form
+    -inf - -inf = NaN (which made dx, dB and dC of an A = -inf head NaN, where the recurrence
+    has finite ones); a NaN step becomes -MAX_LOG_STEP (its NaN reaches the gradients through
+    dt' itself), a NaN A stays NaN.
 
     The forward already stores exactly these two buffers (G as log2(e) * G): keep them.
     """
@@ -154,7 +162,10 @@ def stage1_dt_and_decay(dt, A, Q, nc, dt_bias=None, dt_softplus=False, dt_limit=
     w = F.softplus(v) if dt_softplus else v
     dtp = w.clamp(min=dt_limit[0], max=dt_limit[1])
     dtp_c = to_chunks(dtp, Q, nc)                                           # (b, h, nc, Q)
-    G = torch.cumsum(A[None, :, None, None] * dtp_c, dim=-1)
+    Ab = A[None, :, None, None]
+    step = (Ab * dtp_c).nan_to_num(nan=-MAX_LOG_STEP).clamp(-MAX_LOG_STEP, MAX_LOG_STEP)
+    step = torch.where(Ab.isnan(), Ab, step)
+    G = torch.cumsum(torch.where(dtp_c == 0, torch.zeros_like(step), step), dim=-1)
     return dtp_c, G
 
 
@@ -412,6 +423,14 @@ def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D
             torch.zeros_like(h0) if dfin is None else dfin)
         return _to_input_dtypes(grads, inputs)
 
+    if seq_idx is not None and not all(
+            t is None or bool(t.isfinite().all()) for t in (x, dt, B, C, z, dout, dfin, h0)):
+        # A NaN / Inf must stay in its own packed sequence, but the chunk products below mask
+        # other sequences' terms by multiplying them by 0 (0 * NaN is NaN): take each
+        # sequence apart instead (exact: the chunked form holds for chunks that start
+        # anywhere; only the rounding moves)
+        return _to_input_dtypes(_by_sequence(x, dt, A, B, C, Q, dout, dfin, D, z, dt_bias, h0,
+                                             seq_idx, dt_softplus, dt_limit, dtype), inputs)
     nc = math.ceil(l / Q)
     masks = sequence_masks(seq_idx, b, l, Q, nc, x.device)
     x_c = to_chunks(x, Q, nc)                                               # (b, h, nc, Q, P)
@@ -451,6 +470,40 @@ def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D
                  C=sum_groups(from_chunks(dC_c, l), g), D=dD, z=dz, dt_bias=ddt_bias,
                  initial_states=None if h0 is None else dinit)
     return _to_input_dtypes(grads, inputs)
+
+
+def _by_sequence(x, dt, A, B, C, Q, dout, dfin, D, z, dt_bias, h0, seq_idx, dt_softplus,
+                 dt_limit, dtype):
+    """`ssd_chunked_backward`'s gradients with each packed sequence of each row computed on its
+    own: the row's initial state enters its first sequence and dfinal its last one (as the
+    forward's reset defines them); A, D and dt_bias gather every sequence's share."""
+    b, l = x.shape[:2]
+    grads = dict(x=torch.zeros_like(x), dt=torch.zeros_like(dt), B=torch.zeros_like(B),
+                 C=torch.zeros_like(C), z=None if z is None else torch.zeros_like(z),
+                 A=torch.zeros_like(A), D=None if D is None else torch.zeros_like(D),
+                 dt_bias=None if dt_bias is None else torch.zeros_like(dt_bias),
+                 initial_states=None if h0 is None else torch.zeros_like(h0))
+    seq = seq_idx.to(torch.int64).cpu()
+    for r in range(b):
+        cuts = [0] + (torch.nonzero(seq[r, 1:] != seq[r, :-1]).flatten() + 1).tolist() + [l]
+        for k in range(len(cuts) - 1):
+            lo, hi = cuts[k], cuts[k + 1]
+            part = lambda t: None if t is None else t[r:r + 1, lo:hi]  # noqa: E731
+            first, last = k == 0, k == len(cuts) - 2
+            g = ssd_chunked_backward(
+                part(x), part(dt), A, part(B), part(C), Q, part(dout),
+                dfin[r:r + 1] if last and dfin is not None else None, D=D, z=part(z),
+                dt_bias=dt_bias, initial_states=h0[r:r + 1] if first and h0 is not None
+                else None, dt_softplus=dt_softplus, dt_limit=dt_limit, dtype=dtype)
+            for name in ("x", "dt", "B", "C", "z"):
+                if grads[name] is not None:
+                    grads[name][r:r + 1, lo:hi] = g[name]
+            for name in ("A", "D", "dt_bias"):
+                if grads[name] is not None:
+                    grads[name] = grads[name] + g[name]
+            if first and h0 is not None:
+                grads["initial_states"][r:r + 1] = g["initial_states"]
+    return grads
 
 
 def _to_input_dtypes(grads, inputs):
