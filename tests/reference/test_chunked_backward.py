@@ -222,3 +222,96 @@ def test_float32_compute_and_dtypes():
     for k in NAMES:
         assert got[k].dtype == torch.float32
     assert_close({k: None if v is None else v.double() for k, v in got.items()}, ref, tol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# non-finite inputs: the gradients keep to where the recurrence's own gradients are non-finite
+# ----------------------------------------------------------------------------------------------
+
+def _bad_problem(what, value, at, packed, l=40):
+    """One head group, z, D, an initial state; one NaN / Inf in `what` (an input or dout) at
+    token `at`; `packed`: three sequences (tokens 0-11, 12-26, 27-39) in chunks of 16."""
+    gen = torch.Generator().manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    h, p, n = 2, 3, 4
+    args = dict(x=r(1, l, h, p), dt=r(1, l, h).abs() * 0.5 + 0.1,
+                A=-torch.rand(h, generator=gen, dtype=F64) - 0.5, B=r(1, l, 1, n),
+                C=r(1, l, 1, n), D=r(h), z=r(1, l, h, p), dt_bias=None,
+                initial_states=r(1, h, p, n))
+    kw = dict(seq_idx=torch.tensor([[0] * 12 + [1] * 15 + [2] * 13]) if packed else None,
+              dt_softplus=False, dt_limit=(0.0, float("inf")))
+    dout, dfinal = r(1, l, h, p), r(1, h, p, n)
+    if what == "dout":
+        dout[0, at, 0, 0] = value
+    else:
+        args[what] = args[what].clone()
+        args[what][0, at] = value
+    return args, kw, dout, dfinal
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one", "packed"])
+@pytest.mark.parametrize("at", [5, 20, 33])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("what", ["x", "B", "C", "z", "dout"])
+def test_bad_value_stays_where_the_recurrence_has_it(what, value, at, packed):
+    """A NaN or Inf in x, B, C, z or dout: every per-token gradient the recurrence's autograd
+    gives finite is finite and equal here (the chunk products select their masked-out terms
+    instead of multiplying them by 0, packed sequences are taken apart), and every one it
+    gives non-finite is non-finite here, but dt at a later sequence's first token, where the
+    recurrence's autograd itself forms 0 * NaN through the reset it selects away."""
+    args, kw, dout, dfinal = _bad_problem(what, value, at, packed)
+    ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, dfinal, dtype=F64)
+    got = explicit_grads(args, kw, 16, dout, dfinal)
+    starts = torch.zeros(40, dtype=torch.bool)
+    if packed:
+        starts[[12, 27]] = True
+    for name in ("x", "dt", "B", "C", "z"):
+        r, g = ref[name][0], got[name][0]
+        fin = r.isfinite()
+        assert g[fin].isfinite().all(), (name, (fin & ~g.isfinite()).nonzero()[:5].tolist())
+        scale = r[fin].abs().max()
+        assert ((g[fin] - r[fin]).abs().max() <= 1e-9 * scale), name
+        extra = ~fin & g.isfinite()
+        if name == "dt":
+            extra = extra & ~starts[:, None]
+        assert not extra.any(), (name, extra.nonzero()[:5].tolist())
+
+
+def test_minus_inf_A_head_gradients_follow_the_recurrence():
+    """A = -inf for one head (decay exactly 0): dx, dB, dC, dz, dD and dinitial_states equal
+    the recurrence's autograd (the step clamp keeps G finite); the other head's dt and A too."""
+    args, kw = build(OPTIONS["D_z"], 70, h=2, g=1)
+    args["A"] = torch.tensor([-float("inf"), -0.7], dtype=F64)
+    args["initial_states"] = torch.randn(2, 2, 5, 7, dtype=F64)
+    dout, dfinal = cotangents(args)
+    ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, dfinal, dtype=F64)
+    got = explicit_grads(args, kw, 32, dout, dfinal)
+    for name in ("x", "B", "C", "z", "D", "initial_states"):
+        assert got[name].isfinite().all(), name
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-9 * ref[name].abs().max())
+    torch.testing.assert_close(got["dt"][..., 1], ref["dt"][..., 1], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got["A"][1], ref["A"][1], rtol=1e-9, atol=0)
+
+
+def test_packed_sequences_keep_their_gradients_through_the_api():
+    """Through mamba_chunk_scan_combined's autograd on CPU tensors: garbage in one packed
+    sequence leaves the other's gradients finite and equal to a clean run's."""
+    from mamba2_cutile import mamba_chunk_scan_combined
+    gen = torch.Generator().manual_seed(2)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    l = 128
+    x, B, C = r(1, l, 2, 4), r(1, l, 1, 4), r(1, l, 1, 4)
+    dt, A = torch.rand(1, l, 2, generator=gen, dtype=F64) + 0.1, -torch.rand(2, dtype=F64) - 0.2
+    seq = torch.tensor([[0] * 70 + [1] * 58])
+
+    def grads(x):
+        xl, Bl, Cl, dtl = (t.clone().requires_grad_(True) for t in (x, B, C, dt))
+        y = mamba_chunk_scan_combined(xl, dtl, A, Bl, Cl, 64, seq_idx=seq)
+        y[:, 70:].sum().backward()          # a loss on the second sequence only
+        return [t.grad for t in (xl, Bl, Cl, dtl)]
+
+    bad = x.clone()
+    bad[0, 10] = float("nan")
+    for g_bad, g_ok in zip(grads(bad), grads(x)):
+        assert g_bad[:, 70:].isfinite().all()
+        torch.testing.assert_close(g_bad[:, 70:], g_ok[:, 70:], rtol=1e-12, atol=1e-12)

@@ -120,6 +120,35 @@ def _masked_exp(mask, expo):
     return torch.exp(torch.where(mask, expo, torch.full_like(expo, -INF)))
 
 
+def _kept(mask, t):
+    """t where mask else 0, by a select: a masked-out entry may be NaN (0 * NaN is NaN)."""
+    return torch.where(mask, t, torch.zeros_like(t))
+
+
+def _readable(*ts):
+    """Whether the values of these tensors can steer Python (not while tracing: fake, meta or
+    compiled tensors take the branch-free forms)."""
+    from torch._subclasses.fake_tensor import is_fake
+    return not torch.compiler.is_compiling() and all(
+        t is None or (t.device.type != "meta" and not is_fake(t)) for t in ts)
+
+
+def _all_finite(*ts):
+    return all(t is None or bool(torch.isfinite(t).all()) for t in ts)
+
+
+def _mm_kept(W, V, keep):
+    """W @ V for W zero outside `keep` (.., Q, Q): a non-finite row of V reaches an output
+    row only through a kept entry, where the recurrence meets it (NaN there), never through a
+    masked-out 0 (the plain product's 0 * NaN)."""
+    if _readable(V) and _all_finite(V):
+        return W @ V
+    bad = ~torch.isfinite(V)
+    out = W @ torch.where(bad, torch.zeros_like(V), V)
+    hits = keep.to(V.dtype) @ bad.to(V.dtype)
+    return torch.where(hits > 0, torch.full_like(out, math.nan), out)
+
+
 def intra_decay(G, same):
     """L_ij = exp(G_i - G_j) on the causal same-sequence mask, else 0.   (b, h, nc, Q, Q)"""
     return _masked_exp(same, G[..., :, None] - G[..., None, :])
@@ -205,7 +234,8 @@ def stage1_pregate_output(x_c, B_c, C_c, dtp_c, G, L, masks, entry):
     """
     state_w, _, _ = _weights(G, masks)
     S = C_c @ B_c.transpose(-1, -2)                                         # (.., Q, Q)
-    y = (L * S * dtp_c[..., None, :]) @ x_c
+    same = masks["same"]
+    y = _mm_kept(_kept(same, L * S * dtp_c[..., None, :]), x_c, same)
     return y + state_w[..., None] * (C_c @ entry.transpose(-1, -2))
 
 
@@ -290,7 +320,9 @@ def stage4_dx(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, dS):
     """
     _, exit_w, _ = _weights(G, masks)
     S = C_c @ B_c.transpose(-1, -2)
-    dXs = (L * S).transpose(-1, -2) @ dy_c + exit_w[..., None] * (B_c @ dS.transpose(-1, -2))
+    same_t = masks["same"].transpose(-1, -2)
+    dXs = (_mm_kept(_kept(masks["same"], L * S).transpose(-1, -2), dy_c, same_t)
+           + exit_w[..., None] * (B_c @ dS.transpose(-1, -2)))
     return dtp_c[..., None] * dXs, (x_c * dXs).sum(dim=-1)
 
 
@@ -304,7 +336,9 @@ def stage4_dC(x_c, dy_c, B_c, dtp_c, G, L, masks, entry):
     """
     state_w, _, _ = _weights(G, masks)
     dYX = dy_c @ x_c.transpose(-1, -2)                                      # (.., Q, Q)
-    return (dYX * L * dtp_c[..., None, :]) @ B_c + state_w[..., None] * (dy_c @ entry)
+    same = masks["same"]
+    return (_mm_kept(_kept(same, dYX * L * dtp_c[..., None, :]), B_c, same)
+            + state_w[..., None] * (dy_c @ entry))
 
 
 def stage4_dB(x_c, dy_c, C_c, dtp_c, G, L, masks, dS):
@@ -317,7 +351,9 @@ def stage4_dB(x_c, dy_c, C_c, dtp_c, G, L, masks, dS):
     """
     _, exit_w, _ = _weights(G, masks)
     dYX = dy_c @ x_c.transpose(-1, -2)
-    return dtp_c[..., None] * ((dYX * L).transpose(-1, -2) @ C_c + exit_w[..., None] * (x_c @ dS))
+    same = masks["same"]
+    intra = _mm_kept(_kept(same, dYX * L).transpose(-1, -2), C_c, same.transpose(-1, -2))
+    return dtp_c[..., None] * (intra + exit_w[..., None] * (x_c @ dS))
 
 
 def _exclusive_cumsum(t):
@@ -351,9 +387,9 @@ def stage4_ddecay(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, entry, dS):
     state_w, exit_w, carry_w = _weights(G, masks)
     Q = G.shape[-1]
     S = C_c @ B_c.transpose(-1, -2)
-    W = L * S * dtp_c[..., None, :] * (dy_c @ x_c.transpose(-1, -2))
+    W = _kept(masks["same"], L * S * dtp_c[..., None, :] * (dy_c @ x_c.transpose(-1, -2)))
     row_ge = torch.ones(Q, Q, dtype=torch.bool, device=G.device).tril()  # [i >= s]
-    da = (_exclusive_cumsum(W) * row_ge).sum(dim=-2)
+    da = _kept(row_ge, _exclusive_cumsum(W)).sum(dim=-2)
     V = exit_w * dtp_c * ((x_c @ dS) * B_c).sum(dim=-1)
     da = da + _exclusive_cumsum(V)
     da = da + (carry_w * (dS * entry).sum(dim=(-1, -2)))[..., None]
@@ -423,8 +459,8 @@ def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D
             torch.zeros_like(h0) if dfin is None else dfin)
         return _to_input_dtypes(grads, inputs)
 
-    if seq_idx is not None and not all(
-            t is None or bool(t.isfinite().all()) for t in (x, dt, B, C, z, dout, dfin, h0)):
+    if seq_idx is not None and _readable(x, seq_idx) and not _all_finite(
+            x, dt, B, C, z, dout, dfin, h0):
         # A NaN / Inf must stay in its own packed sequence, but the chunk products below mask
         # other sequences' terms by multiplying them by 0 (0 * NaN is NaN): take each
         # sequence apart instead (exact: the chunked form holds for chunks that start
