@@ -258,6 +258,19 @@ def test_dt_limit_clamps():
         assert (w < lim[0]).float().mean() > 0.03 and (w > lim[1]).float().mean() > 0.03
 
 
+def test_default_limit_clamps_negative_dt():
+    """The default dt_limit (0, inf) clamps as mamba_ssm's Triton scan: with about a third of
+    dt negative (no softplus) the gradients match the float64 chunked backward, whose ddt is
+    0 at those tokens."""
+    inp, kw, dout, dfinal = make_problem(2, 300, 8, 2, 64, 64, torch.bfloat16,
+                                         {"D": "h", "init": True}, seed=9)
+    inp["dt"] = inp["dt"] - inp["dt"].float().quantile(0.33)
+    neg = inp["dt"] < 0
+    assert neg.float().mean() > 0.25
+    check(inp, kw, 64, dout, dfinal, torch.bfloat16)
+    assert (ours(inp, kw, 64, dout, dfinal)["dt"][neg] == 0).all()
+
+
 @pytest.mark.parametrize("opt", ["none", "all", "no_dfinal"])
 def test_against_recurrence_autograd(opt):
     inp, kw, dout, dfinal = make_problem(2, 200, 4, 2, 32, 48, torch.float32, OPTS[opt], Q=64)

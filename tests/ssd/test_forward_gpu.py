@@ -123,6 +123,20 @@ def test_short_and_partial(l):
     check(inp, kw, 256, torch.bfloat16)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_default_limit_clamps_negative_dt(bias):
+    """The default dt_limit (0, inf) clamps as mamba_ssm's Triton scan: with about a third of
+    dt + dt_bias negative (no softplus) the kernels match the float64 recurrence, which
+    counts those tokens' dt' as 0."""
+    inp, kw = make_problem(2, 300, 8, 2, 64, 64, torch.bfloat16, {"D": "h", "init": True},
+                           seed=9)
+    inp["dt"] = inp["dt"] - inp["dt"].float().quantile(0.33)
+    if bias:
+        kw["dt_bias"] = torch.linspace(-0.01, 0.01, 8, device=inp["dt"].device)
+    assert (inp["dt"] < 0).float().mean() > 0.25
+    check(inp, kw, 64, torch.bfloat16)
+
+
 def test_state_dtype_fp32():
     inp, kw = make_problem(2, 700, 4, 1, 64, 128, torch.bfloat16, OPTS["all"])
     check(inp, kw, 256, torch.bfloat16, state_dtype=torch.float32)
