@@ -262,6 +262,8 @@ def emulated_run(Q, block_q, causal=1):
             # write skips its tile's fix-up, and the bad-input cases below fail (a NaN fill would
             # read "recompute" in every mode and hide it)
             calls[2].args[-2].fill_(0.0)
+        if causal == 4:                  # the same for chunk_state_pass's chunk flags
+            calls[1].args[-2].fill_(0.0)
         emulate_launch(calls[:launches])
         return out, final
     return run
@@ -276,18 +278,18 @@ EMULATED = [  # (input, value, where, seq, Q, block_q): every input, place and c
 ]
 
 
-#: scan_causal 1 and 2 on every case above; 3 (per-row sums) differs from 2 only in the
+#: scan_causal 1, 2 and 4 on every case above; 3 (per-row sums) differs from 2 only in the
 #: flags' width: every input once
 EMULATED_CAUSAL = ([pytest.param(*e, c, id=f"{e[0]}={e[1]}-{e[2]}-{'seq' if e[3] else 'noseq'}"
                                  f"-Q{e[4]}-bq{e[5]}-causal{c}")
-                    for c in (1, 2) for e in EMULATED]
+                    for c in (1, 2, 4) for e in EMULATED]
                    + [pytest.param(*EMULATED[i], 3, id=f"{EMULATED[i][0]}-causal3")
                       for i in (1, 2, 4, 5, 6)])
 
 
 @pytest.mark.parametrize("name, value, where, seq, Q, block_q, causal", EMULATED_CAUSAL)
 def test_emulated_kernels_causal(name, value, where, seq, Q, block_q, causal):
-    """The forward plan's launches with scan_causal=1, 2 or 3 (decay_cumsum, chunk_state_pass
+    """The forward plan's launches with scan_causal=1 to 4 (decay_cumsum, chunk_state_pass
     and chunk_scan twice) on the emulated ct: query blocks of the whole chunk and of part of
     it (the key-block loop)."""
     t = where_in_chunk(Q, where)
@@ -326,6 +328,51 @@ def test_emulated_fix_pass_spans(seq, causal):
     assert torch.equal(y_plain, y_clean)
 
 
+@pytest.mark.parametrize("seq", [False, True], ids=["no_seq", "seq_idx"])
+def test_emulated_chunk_flags_across_spans(seq):
+    """scan_causal 4 with more chunks than one FIX_SPAN program reads (b=2, h=12, 3 chunks:
+    72 rows, 2 spans, the second partial): a bad x in a chunk of the second span (row 1,
+    head 11) is fixed, and the fix pass changes nothing on clean input."""
+    from mamba2_cutile.kernels.chunk_scan import FIX_SPAN
+
+    Q, block_q, h = 64, 32, 12
+    t = where_in_chunk(Q, "mid")
+    args, kw = make_problem(Q, t, seq, softplus=True, dtype=F64, b=2, h=h, p=8, n=7)
+    run = emulated_run(Q, block_q, 4)
+    y_clean, _ = run(args, kw)
+    nc = -(-args["x"].shape[1] // Q)
+    assert FIX_SPAN < 2 * h * nc < 2 * FIX_SPAN and ((1 * h + 11) * nc + 1) // FIX_SPAN == 1
+    bad = {**args, "x": args["x"].clone()}
+    bad["x"][1, t, 11, 1] = NAN
+    y, h_fin = run(bad, kw)
+    assert torch.equal(y[0], y_clean[0]) and torch.equal(y[1, :, :11], y_clean[1, :, :11])
+    assert torch.equal(y[1, :t], y_clean[1, :t]), "an output before the bad token changed"
+    y_ref, h_ref, _ = ssd_recurrence(**as_reference(bad), **as_reference(kw))
+    assert rel_err_finite(y, y_ref) <= EMU_TOL and rel_err_finite(h_fin, h_ref) <= EMU_TOL
+    y_plain, _ = run(args, kw, launches=-1)
+    assert torch.equal(y_plain, y_clean)
+
+
+@pytest.mark.parametrize("second", ["x", "B"])
+def test_emulated_chunk_flags_second_bad_value(second):
+    """scan_causal 4 flags a chunk by the growth of its state tile's non-finite count: after a
+    NaN x in chunk 0 (channel 1, whose state entries stay NaN), a second bad value in chunk 1
+    (x in channel 2, or B, in the same state tile) still flags chunk 1, so its rows before
+    that token equal those of a run with the first bad value alone."""
+    Q, block_q = 64, 32
+    t1, t2 = 10, where_in_chunk(Q, "mid")
+    args, kw = make_problem(Q, t2, False, softplus=True, dtype=F64, b=1, h=2, p=8, n=7)
+    run = emulated_run(Q, block_q, 4)
+    one = {**args, "x": args["x"].clone()}
+    one["x"][0, t1, 0, 1] = NAN
+    y_one, _ = run(one, kw)
+    two = {**one, second: one[second].clone()}
+    two[second][0, t2, 0, 2] = NAN
+    y_two, _ = run(two, kw)
+    torch.testing.assert_close(y_two[0, :t2], y_one[0, :t2], rtol=0, atol=0, equal_nan=True)
+    assert y_two[0, :t2, 0, 2].isfinite().all() and not y_two[0, t1:, 0, 1].isfinite().any()
+
+
 def test_emulated_default_not_causal():
     """Without scan_causal (the default) a NaN x reaches the earlier rows of its query block
     through the masked zeros of the (S X) MMA: the gap scan_causal=1 closes."""
@@ -337,14 +384,16 @@ def test_emulated_default_not_causal():
     assert not torch.isfinite(y[0, Q:t]).all()
 
 
-@pytest.mark.parametrize("causal", [0, 1, 2, 3], ids=["default", "causal1", "causal2", "causal3"])
+@pytest.mark.parametrize("causal", [0, 1, 2, 3, 4],
+                         ids=["default", "causal1", "causal2", "causal3", "causal4"])
 @pytest.mark.parametrize("seq, Q, block_q", [(False, 64, 64), (True, 64, 32)])
 def test_emulated_kernels_decay_limits(seq, Q, block_q, causal):
     args, kw = make_problem(Q, Q, seq, softplus=True, dtype=F64)
     check_decay_limits(emulated_run(Q, block_q, causal), args, kw, EMU_TOL)
 
 
-@pytest.mark.parametrize("causal", [0, 1, 2, 3], ids=["default", "causal1", "causal2", "causal3"])
+@pytest.mark.parametrize("causal", [0, 1, 2, 3, 4],
+                         ids=["default", "causal1", "causal2", "causal3", "causal4"])
 def test_emulated_kernels_dt_zero_with_A_minus_inf(causal):
     check_decay_limits(emulated_run(64, 32, causal), *dt_zero_problem(dtype=F64), EMU_TOL)
 
@@ -387,7 +436,8 @@ GPU_CASES = ([pytest.param(torch.bfloat16, Q, w, id=f"bf16-Q{Q}-{w}")
              + [pytest.param(torch.float32, 128, "mid", id="fp32-Q128-mid")])
 
 
-CAUSAL_MODES = pytest.mark.parametrize("causal", [1, 2, 3], ids=["causal1", "causal2", "causal3"])
+CAUSAL_MODES = pytest.mark.parametrize("causal", [1, 2, 3, 4],
+                                       ids=["causal1", "causal2", "causal3", "causal4"])
 
 
 @pytest.mark.gpu
@@ -409,8 +459,8 @@ def test_gpu_kernels_causal(name, value, seq, dtype, Q, where, causal):
                f"tol {forward_tol(dtype):.0e}")
 
 
-MODES = pytest.mark.parametrize("causal", [0, 1, 2, 3],
-                                ids=["default", "causal1", "causal2", "causal3"])
+MODES = pytest.mark.parametrize("causal", [0, 1, 2, 3, 4],
+                                ids=["default", "causal1", "causal2", "causal3", "causal4"])
 
 
 @pytest.mark.gpu

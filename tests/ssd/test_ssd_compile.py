@@ -32,8 +32,8 @@ def test_launch_compiles(arch, family, name, index):
 
 
 def test_plans_have_their_launches():
-    """Each forward plan holds the 3 forward launches (with scan_causal 1, 2 or 3 a fourth,
-    chunk_scan's flagged-tile pass), each backward plan the 6 backward ones (2 recompute + 4
+    """Each forward plan holds the 3 forward launches (with scan_causal 1 to 4 a fourth,
+    chunk_scan's flagged-tile pass; with 4 the state pass writes the flags), each backward plan the 6 backward ones (2 recompute + 4
     backward kernels; with a head split of the dB/dC launch, the partials' sum too; at long
     sequences dB/dC in two launches, through the groups' C B^T gradient)."""
     from mamba2_cutile.kernels.chunk_scan import FIX_SPAN
@@ -43,14 +43,22 @@ def test_plans_have_their_launches():
         assert [variants.kernel_name(c) for c in calls] == [
             "decay_cumsum", "chunk_state_pass", "chunk_scan"], name
         assert calls[2].args[-1] == 0, name
-        for causal, checks in ((1, (1, 2)), (2, (3, 4)), (3, (5, 6))):
+        assert variants.kernel_arg(calls[1], "FLAG") is False, name
+        for causal, checks in ((1, (1, 2)), (2, (3, 4)), (3, (5, 6)), (4, (0, 8))):
             plan = plans.forward_problem_plan(
                 **dict(problem, overrides=dict(problem.get("overrides") or {},
                                                scan_causal=causal)))
             assert [variants.kernel_name(c) for c in plan[2:]] == ["chunk_scan", "chunk_scan"]
             assert (plan[2].args[-1], plan[3].args[-1]) == checks, name
+            assert variants.kernel_arg(plan[1], "FLAG") is (causal == 4), name
             if causal == 1:
                 assert plan[3].grid == plan[2].grid, name
+            elif causal == 4:        # a program per FIX_SPAN chunks, the state pass's flags
+                flags = variants.kernel_arg(plan[1], "flags")
+                assert plan[3].args[-2] is flags and flags.shape[1] == (
+                    plan[1].grid[1] * plan[1].grid[2]), name
+                assert plan[3].grid == (-(-flags.shape[0] // FIX_SPAN), 1, 1), name
+                assert variants.kernel_arg(plan[3], "FLAG_W") >= flags.shape[1], name
             else:          # a program per FIX_SPAN tiles, flags one row per tile
                 flags = plan[2].args[-2]
                 assert flags.shape[1] == (1 if causal == 2 else plan[2].args[11]), name
@@ -69,17 +77,17 @@ def test_plans_have_their_launches():
                          "bwd_chunk_dx", "bwd_dt"], name
 
 
-@pytest.mark.parametrize("causal", [1, 2, 3])
+@pytest.mark.parametrize("causal", [1, 2, 3, 4])
 @pytest.mark.parametrize("chunk_size", [64, pytest.param(256, marks=pytest.mark.slow)])
 def test_causal_scan_compiles(chunk_size, causal):
     """scan_causal's two chunk_scan launches (the flagging one and the flagged-tile pass),
-    all options, for sm_90."""
+    all options, for sm_90; with 4 the flagging state pass too."""
     calls = plans.forward_problem_plan(chunk_size=chunk_size, overrides={"scan_causal": causal})
-    for call in calls[2:]:
+    for call in calls[1 if causal == 4 else 2:]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
 
 
-@pytest.mark.parametrize("causal", [2, 3])
+@pytest.mark.parametrize("causal", [2, 3, 4])
 @pytest.mark.parametrize("block_q", [64, 128])
 def test_fix_span_pass_takes_no_scan_hints(block_q, causal):
     """The FIX_SPAN pass (scan_causal 2 / 3) is launched without the scan's occupancy and warps

@@ -42,6 +42,14 @@ a flagging one and a pass over the flagged tiles:
   returns when all are finite (at the seed problem 128 programs, one wave, where CHECK=2 ran
   8192 early exits in 31 waves); else it recomputes its tiles with a non-finite sum in the
   SANITIZE form, one after the other.
+- CHECK=8 (scan_causal 4, after a plain CHECK=0 launch): the flags come from
+  chunk_state_pass (FLAG), one per chunk and state tile, set where the chunk brings a new
+  non-finite value into the state (its docstring); chunk_scan's own launch is the plain one,
+  with nothing added. A program per FIX_SPAN chunks loads their flags (FLAG_W columns, the
+  state tiles padded to a power of two) and returns when none is set; else it recomputes
+  every tile of each flagged chunk in the SANITIZE form. Only a chunk holding a bad token can
+  have an earlier output made non-finite by its masked products: in a later chunk the rows
+  reached by the bad value are reached in the recurrence too (through the state).
 CHECK=0: the plain tile alone.
 
 Recomputing a flagged tile in the flagging program itself (one launch, a branch on the sum)
@@ -339,6 +347,40 @@ def _fix_span(x, b, c, z, D, dt, cum, seq_start, states, out, span,
                                True)
 
 
+def _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, out, span,
+                Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
+                NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
+                D_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool],
+                HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
+                LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], flags,
+                FLAG_W: ct.Constant[int]):
+    """CHECK 8: the chunks FIX_SPAN * span .. + FIX_SPAN - 1 (rows of `flags`, batch * head
+    major, chunks fastest) that chunk_state_pass flagged, every tile again in the causal
+    form; one load and a sum when none is."""
+    n_rows = flags.shape[0]
+    ZERO = ct.PaddingMode.ZERO
+    marks = ct.load(flags, index=(span, 0), shape=(FIX_SPAN, FLAG_W), padding_mode=ZERO)
+    if ct.sum(ct.sum(marks, axis=1), axis=0) > 0.0:
+        nc = cum.shape[2] // Q
+        n_q = ct.cdiv(x.shape[1], BLOCK_Q)
+        n_p = ct.cdiv(x.shape[3], BLOCK_P)
+        nbpc = Q // BLOCK_Q
+        for i in range(FIX_SPAN):
+            r = span * FIX_SPAN + i
+            if r < n_rows:
+                row = ct.load(flags, index=(r, 0), shape=(1, FLAG_W), padding_mode=ZERO)
+                if ct.sum(ct.sum(row, axis=1), axis=0) > 0.0:
+                    bh = r // nc
+                    chunk = r % nc
+                    q_end = ct.minimum(chunk * nbpc + nbpc, n_q)
+                    for qblk in range(chunk * nbpc, q_end):
+                        for p_tile in range(n_p):
+                            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, out, qblk,
+                                       p_tile, bh, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP,
+                                       D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N,
+                                       flags, 0, True)
+
+
 def chunk_scan_fn(
     x,           # (B, L, H, P)
     b,           # (B, L, G, N)
@@ -364,11 +406,13 @@ def chunk_scan_fn(
     LOWP: ct.Constant[bool],      # the (C B^T) X MMA in the input dtype instead of tf32
     HEAD_MAJOR: ct.Constant[bool],
     BLOCK_N: ct.Constant[int],    # dstate tile (divides NP)
+    FLAG_W: ct.Constant[int],     # CHECK 8: flag columns read per chunk (a power of two)
     flags,       # float32, read/written per CHECK: (B * H, cdiv(L, BLOCK_Q), cdiv(P, BLOCK_P))
                  # for 1 and 2; (B * H * cdiv(L, BLOCK_Q) * cdiv(P, BLOCK_P), W) for 3 to 6,
-                 # W = 1 (3, 4) or BLOCK_Q (5, 6)
+                 # W = 1 (3, 4) or BLOCK_Q (5, 6); 8: (B * H * chunks, state tiles)
     CHECK: ct.Constant[int],      # 0 plain, 1 plain + count, 2 counted tiles again, sanitized;
-                                  # 3/5 plain + tile/row sums, 4/6 the FIX_SPAN pass over them
+                                  # 3/5 plain + tile/row sums, 4/6 the FIX_SPAN pass over them;
+                                  # 8 the pass over chunk_state_pass's chunk flags
 ):
     # Query blocks run to cdiv(L, BLOCK_Q) only: a block past the last token would load
     # tiles lying entirely outside x, which is undefined.
@@ -379,6 +423,11 @@ def chunk_scan_fn(
         _fix_span(x, b, c, z, D, dt, cum, seq_start, states, out, ct.bid(0), Q, BLOCK_Q,
                   BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP,
                   BLOCK_N, flags, 1 if CHECK == 4 else BLOCK_Q)
+    elif CHECK == 8:
+        # its own grid, (cdiv(B * H * chunks, FIX_SPAN),)
+        _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, out, ct.bid(0), Q, BLOCK_Q,
+                    BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP,
+                    BLOCK_N, flags, FLAG_W)
     elif PERSISTENT:
         # a fixed grid walks the tiles, so the loads of the next tile overlap this one's math
         n_p = ct.cdiv(x.shape[3], BLOCK_P)

@@ -31,11 +31,29 @@ entering segment s. The segment's programs write f_c (chunk_factor, one program 
 their end state (seg_final) and the end factor (seg_factor); `chunk_state_carry` then forms
 H_s, adds f_c H_s to the states of segments s >= 1 and writes the final state. Rounding: l_c
 is rounded to the state dtype before H_s is added (twice in all, against once).
+
+FLAG (ForwardConfig.scan_causal=4): per chunk, whether it brings a new non-finite value into
+the state, for chunk_scan's pass over flagged chunks (kernels/chunk_scan.py, CHECK=8). A
+non-finite x, B or dt' at a token of the chunk makes entries of the update non-finite, and a
+non-finite state entry never turns finite again (NaN * w and Inf * 0 are NaN) but at a
+seq_idx reset, which zeroes it: so the chunk is flagged when the count of non-finite entries
+of the program's (BLOCK_P, BLOCK_N) state tile grows across it. A value in a channel whose
+state is non-finite already adds nothing: those outputs are non-finite in every row of the
+chunk anyway. A chunk where a sequence ends also counts its raw x, B and dt' rows (the rows
+the select drops never reach the state). One float per chunk and tile in `flags`
+(B * H * C, p-tiles * n-tiles): 1.0 flagged, 0.0 not; one count per chunk on clean input.
 """
 
 import cuda.tile as ct
 
 from ._common import int64_variant, mma_operand, state_segment
+
+
+def _nonfinite(t):
+    """The number of non-finite entries of the 2-d tile t (NaN too), a (1,) tile; row sums
+    first (a flat sum compiles to several times the instructions)."""
+    bad = ct.where(ct.abs(t.astype(ct.float32)) < float("inf"), 0.0, 1.0)
+    return ct.sum(ct.sum(bad, axis=1), axis=0, keepdims=True)
 
 
 def _update(hid, carry, xt, bt, w, in_dtype, BLOCK_P: ct.Constant[int],
@@ -77,6 +95,8 @@ def chunk_state_pass_fn(
     seg_final,   # (B, H, SEGMENTS, P, N) float32: each segment's end state from its own start
     seg_factor,  # (B, H, SEGMENTS) float32: the factor of the state entering it at its end
     chunk_factor,  # (B, H, C) float32: f_c
+    flags,       # (B * H * C, p-tiles * n-tiles) float32: chunks that bring a non-finite value
+    FLAG: ct.Constant[bool],
 ):
     bh, p_tile = ct.bid(0), ct.bid(1)
     LAT = None if LOAD_LATENCY == 0 else LOAD_LATENCY   # 0: the compiler decides
@@ -103,6 +123,9 @@ def chunk_state_pass_fn(
                           shape=(1, 1, BLOCK_P, BLOCK_N),
                           padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
             hid = hid.astype(ct.float32)
+    if FLAG:
+        n_bad = _nonfinite(hid)                 # non-finite state entries so far
+        flag_col = p_tile * ct.cdiv(b.shape[3], BLOCK_N) + n_tile
     # the sequence the carried state belongs to: the row's first one at the start
     seq_prev = ct.full((1,), 0, dtype=ct.int32)
     if HAS_SEQ:
@@ -138,6 +161,9 @@ def chunk_state_pass_fn(
                         padding_mode=ct.PaddingMode.ZERO).reshape((Q,))
             s_last = ct.max(ct.where(token < seqlen, s, -2147483647), axis=0, keepdims=True)
             in_last = s == s_last
+            if FLAG:
+                n_bad = ct.where(seq_prev == s_last, n_bad, 0.0)   # the reset zeroes them
+            w_raw = w
             w = ct.where(in_last, w, 0.0)
             hid = ct.where(seq_prev == s_last, hid, 0.0)
             if SEGMENTS > 1:
@@ -150,6 +176,11 @@ def chunk_state_pass_fn(
                              padding_mode=ct.PaddingMode.ZERO).reshape((Q, BLOCK_P))
                 bs = ct.load(b, index=(batch, c, group, n_tile), shape=(1, Q, 1, BLOCK_N),
                              padding_mode=ct.PaddingMode.ZERO).reshape((Q, BLOCK_N))
+                if FLAG:
+                    # the dropped rows too: they stay out of the state, not out of the scan's
+                    # masked products
+                    n_raw = _nonfinite(xs) + _nonfinite(bs) + _nonfinite(w_raw.reshape((1, Q)))
+                    n_bad = ct.where(n_raw > 0.0, -1.0, n_bad)
                 xs = ct.where(in_last[:, None], xs, 0.0).astype(x.dtype)
                 bs = ct.where(in_last[:, None], bs, 0.0).astype(b.dtype)
                 hid = _update(hid, carry, xs, bs, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X,
@@ -159,6 +190,11 @@ def chunk_state_pass_fn(
                               FRESH_ACC)
         else:
             hid = _update(hid, carry, xt, bt, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X, FRESH_ACC)
+        if FLAG:
+            n_new = _nonfinite(hid)
+            ct.store(flags, index=(bh * num_chunks + c, flag_col),
+                     tile=ct.where(n_new > n_bad, 1.0, 0.0).reshape((1, 1)))
+            n_bad = n_new
         if SEGMENTS > 1:
             factor = factor * carry
 
@@ -175,4 +211,4 @@ def chunk_state_pass_fn(
 chunk_state_pass = ct.kernel(chunk_state_pass_fn)
 chunk_state_pass_i64 = ct.kernel(int64_variant(
     chunk_state_pass_fn, ["x", "b", "dt", "cum", "init", "seq_idx", "states", "final",
-                          "seg_final", "seg_factor", "chunk_factor"]))
+                          "seg_final", "seg_factor", "chunk_factor", "flags"]))

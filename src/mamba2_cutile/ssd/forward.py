@@ -1,5 +1,5 @@
 """The forward pass of the chunked SSD on CUDA tensors: its config, its plan of launches (three
-kernels; chunk_scan twice with scan_causal 1, 2 or 3), and the launcher.
+kernels; chunk_scan twice with scan_causal 1 to 4), and the launcher.
 
 | launch | kernel | what |
 | --- | --- | --- |
@@ -7,7 +7,7 @@ kernels; chunk_scan twice with scan_causal 1, 2 or 3), and the launcher.
 | 2 | `chunk_state_pass` | the chunk entry states, one sequential pass over chunks (`state_segments` S > 1: S parallel passes from zero states) |
 | 2b | `chunk_state_carry` | (S > 1 only) the states entering each segment, added to its states; the final state |
 | 3 | `chunk_scan` | the output: carried-state term, masked decayed C B^T times X, D x, z gate (with `scan_causal=1`, and per tile the count of non-finite outputs; 2 / 3: the sum / the row sums of the accumulator) |
-| 4 | `chunk_scan` | (`scan_causal` 1, 2 or 3 only) the tiles counted non-zero (1; same grid) or summed non-finite (2, 3; a program per `FIX_SPAN` tiles), again in the causal form: a NaN/Inf input never changes an earlier output |
+| 4 | `chunk_scan` | (`scan_causal` 1 to 4 only) the tiles counted non-zero (1; same grid), summed non-finite (2, 3; a program per `FIX_SPAN` tiles) or of the chunks `chunk_state_pass` flagged (4; a program per `FIX_SPAN` chunks), again in the causal form: a NaN/Inf input never changes an earlier output |
 
 A plan is built from tensors (real CUDA tensors at run time, or `meta` tensors when compiling on
 a CPU), so the CPU compile check exercises exactly the argument lists the GPU path launches.
@@ -70,7 +70,12 @@ class ForwardConfig:
                                     # stored (no exchange between warps; BLOCK_Q floats a tile).
                                     # 3 on the H200: +2.3-3.4% on clean input (benchmarks/
                                     # results/2026-12-03-h200-forward-causal3-cost.jsonl.txt).
-                                    # Off by default
+                                    # 4: chunk_state_pass flags the chunks that bring a new
+                                    # non-finite value into the state (one count of its state
+                                    # tile per chunk), chunk_scan runs plain, and a program per
+                                    # FIX_SPAN chunks recomputes the flagged chunks' tiles
+                                    # (B * H * chunks flags, not a sum per tile or row: nothing
+                                    # added to chunk_scan). Not timed yet. Off by default
     state_segments: int = 1         # S > 1: chunk_state_pass's chunk loop in S parallel runs
                                     # from zero states, then chunk_state_carry adds each run's
                                     # entering state (kernels/chunk_state_pass.py); 1: one run.
@@ -94,7 +99,7 @@ class ForwardConfig:
         c.check_range(self, "state_scale_x", -1, 1)
         for name in ("state_fresh_acc", "scan_lowp", "scan_head_major"):
             c.check_choice(self, name, (0, 1))
-        c.check_choice(self, "scan_causal", (0, 1, 2, 3))
+        c.check_choice(self, "scan_causal", (0, 1, 2, 3, 4))
         c.check_choice(self, "scan_warps", (0, 4, 8))
         if self.scan_block_q > self.chunk_size:
             raise ValueError(f"ForwardConfig: scan_block_q={self.scan_block_q} is larger than "
@@ -204,8 +209,12 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     # dtype (float32 on the GPU)
     segs, (seg_final, seg_factor, chunk_factor) = segment_buffers(
         cfg.state_segments, nchunks, final, cum_buf)
+    # scan_causal=4: chunk_state_pass's flags, one per chunk and state tile
+    state_tiles = -(-headdim // cfg.state_block_p) * -(-dstate // cfg.state_block_n)
+    chunk_flags = torch.empty((batch * nheads * nchunks, state_tiles) if cfg.scan_causal == 4
+                              else (1, 1), dtype=torch.float32, device=x.device)
     int64 = needs_int64(x, dt, B, C, z, seq_idx, seq_start, init, dt_buf, cum_buf, states, out,
-                        seg_final)
+                        seg_final, chunk_flags)
     n_q = -(-seqlen // cfg.scan_block_q)       # query blocks holding at least one token
     p_tiles = -(-headdim // cfg.scan_block_p)
     # chunk_scan's flags: scan_causal=1 counts per tile (in its grid's shape); 2 and 3 sums in
@@ -236,7 +245,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
              init is not None, seq_idx is not None, cfg.state_load_latency,
              scale_x(cfg), bool(cfg.state_fresh_acc), segs, seg_final, seg_factor,
-             chunk_factor),
+             chunk_factor, chunk_flags, cfg.scan_causal == 4),
         ),
         KernelCall(
             with_hints(chunk_scan_i64 if int64 else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
@@ -247,8 +256,9 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              cfg.scan_load_latency, cfg.scan_persistent > 0,
              bool(cfg.scan_lowp) and x.dtype != torch.float32,
              bool(cfg.scan_head_major),
-             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad), flags,
-             (0, 1, 3, 5)[cfg.scan_causal]),
+             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad),
+             next_pow2(state_tiles) if cfg.scan_causal == 4 else 1, flags,
+             (0, 1, 3, 5, 0)[cfg.scan_causal]),
         ),
     ]
     if segs > 1:
@@ -261,6 +271,12 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     if cfg.scan_causal == 1:
         # the same grid again: tiles with non-finite outputs are recomputed causally
         calls.append(KernelCall(scan.kernel, scan.grid, scan.args[:-1] + (2,)))
+    elif cfg.scan_causal == 4:
+        # a program per FIX_SPAN chunks: those chunk_state_pass flagged, every tile causally
+        # (without the scan's hints, as the FIX_SPAN pass below)
+        calls.append(KernelCall(chunk_scan_i64 if int64 else chunk_scan,
+                                (-(-(batch * nheads * nchunks) // FIX_SPAN), 1, 1),
+                                scan.args[:-2] + (chunk_flags, 8)))
     elif cfg.scan_causal >= 2:
         # a program per FIX_SPAN tiles: those whose sums are not finite, causally. Without the
         # scan's occupancy / warps hints: under the seed problem's tuned occupancy 2 this
