@@ -75,10 +75,29 @@ def eager_function(name: str, body, setup_context, backward):
                                                    "backward": staticmethod(backward)})
 
 
+class _Unpacked:
+    """An autograd ctx whose saved tensors were unpacked once: under non-reentrant activation
+    checkpointing (torch.utils.checkpoint(use_reentrant=False), transformers'
+    gradient_checkpointing_enable()) a second `ctx.saved_tensors` raises."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+        self.saved_tensors = ctx.saved_tensors
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
+def unpacked(ctx):
+    """`ctx` with `saved_tensors` read once and kept (the same object if it already is)."""
+    return ctx if isinstance(ctx, _Unpacked) else _Unpacked(ctx)
+
+
 def opaque_backward(backward, what: str):
     """`backward(ctx, *grads)` run as an opaque op's body would be: building no graph, its
     gradients guarded by `no_double_backward` naming `what`."""
     def run(ctx, *grads):
+        ctx = unpacked(ctx)
         with torch.no_grad():
             out = backward(ctx, *grads)
         return no_double_backward(out, (*ctx.saved_tensors, *grads), what)

@@ -249,3 +249,51 @@ def test_fake_and_meta_tensors_take_the_op():
     meta = {k: v.to("meta") for k, v in inp.items()}
     assert not eager_call_ok(tuple(meta.values()))
     assert mamba_chunk_scan_combined(**meta, chunk_size=64).device.type == "meta"
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant):
+    """torch.utils.checkpoint (non-reentrant: transformers' gradient_checkpointing_enable(),
+    which allows one unpack of each saved tensor) gives the plain run's gradients."""
+    from torch.utils.checkpoint import checkpoint
+    inp = tiny(l=70)
+    kw = {k: inp[k] for k in ("D", "z", "dt_bias", "initial_states")}
+
+    def grads(ckpt):
+        leaves = {k: v.clone().requires_grad_(True) for k, v in inp.items()}
+        f = lambda x, B: mamba_chunk_scan_combined(  # noqa: E731
+            x, leaves["dt"], leaves["A"], B, leaves["C"], 64, dt_softplus=True,
+            **{k: leaves[k] for k in kw})
+        y = checkpoint(f, leaves["x"], leaves["B"], use_reentrant=reentrant) if ckpt else \
+            f(leaves["x"], leaves["B"])
+        (y * torch.linspace(-1, 1, y.shape[1], dtype=y.dtype)[None, :, None, None]).sum() \
+            .backward()
+        return {k: v.grad for k, v in leaves.items()}
+
+    got, want = grads(True), grads(False)
+    for k in NAMES:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+
+
+def test_opaque_backward_unpacks_saved_tensors_once():
+    """The CUDA paths' eager backward (`eager.opaque_backward`) reads ctx.saved_tensors once,
+    so a non-reentrant checkpoint around it works (a second unpack raises there)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from mamba2_cutile.eager import opaque_backward
+
+    def square_backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return (2 * x * g,)
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        backward = staticmethod(opaque_backward(square_backward, "square"))
+
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    checkpoint(Square.apply, x, use_reentrant=False).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach())

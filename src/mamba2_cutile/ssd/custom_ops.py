@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..eager import eager_dispatch, eager_function, opaque_backward
+from ..eager import eager_dispatch, eager_function, opaque_backward, unpacked
 from ..reference import chunked_backward
 from ..reference.chunked import ssd_chunked
 
@@ -153,6 +153,7 @@ _cuda_backward_eager = opaque_backward(
 
 def _backward_eager(ctx, g_out, g_final, g_varlen):
     # the PyTorch stages build their graph (a double backward works through them)
+    ctx = unpacked(ctx)
     if backward_impl(ctx.saved_tensors[0]) == "cutile":
         return _cuda_backward_eager(ctx, g_out, g_final, g_varlen)
     return _backward(ctx, g_out, g_final, g_varlen)
