@@ -64,6 +64,27 @@ def test_enable_patches_every_family_and_disable_restores():
     assert not it.is_enabled()
 
 
+def test_enable_and_disable_inside_torch_path_hold_after_it():
+    """Inside torch_path() the block runs transformers' PyTorch path whatever enable() or
+    disable() do there; after it their state holds: enabled with the adapters, or disabled
+    with exactly the objects transformers had bound."""
+    mod = importlib.import_module(it.MODULES[0])
+    before = {n: mod.__dict__[n] for n in it.NAMES}
+    with it.torch_path():
+        it.enable()
+        assert set(it.describe(mod.__name__).values()) == {"transformers (PyTorch)"}
+    try:
+        assert it.is_enabled() and set(it.describe(mod.__name__).values()) == {"mamba2_cutile"}
+        with it.torch_path():
+            it.disable()
+            assert set(it.describe(mod.__name__).values()) == {"transformers (PyTorch)"}
+        assert not it.is_enabled() and it.status()[mod.__name__] == "not patched"
+        assert all(mod.__dict__[n] is before[n] for n in it.NAMES)
+    finally:
+        it.disable()
+    assert all(mod.__dict__[n] is before[n] for n in it.NAMES)
+
+
 def test_context_manager_and_unfused_switch():
     mod = importlib.import_module(it.MODULES[0])
     original = mod.mamba2_split_conv1d_scan_combined

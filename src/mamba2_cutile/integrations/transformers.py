@@ -299,6 +299,22 @@ _lock = threading.RLock()
 _saved: dict = {}
 _active: dict | None = None  # {"fused": bool} while enabled
 _finder = None
+#: inside `torch_path()`: per covered module, the bindings that come back after the block;
+#: enable() and disable() called in the block change these, not the block's PyTorch path
+_shadow: dict = {}
+
+
+def _bound(module, name):
+    """What `name` is bound to in `module` outside any torch_path() block."""
+    return _shadow.get(module.__name__, module.__dict__)[name]
+
+
+def _bind(module, name, obj):
+    """Bind `name` in `module`, or, inside a torch_path() block covering it, after the block."""
+    if module.__name__ in _shadow:
+        _shadow[module.__name__][name] = obj
+    else:
+        setattr(module, name, obj)
 
 
 def _version_tuple(text):
@@ -351,9 +367,9 @@ def _patch(module, fused, fresh=False):
     if fresh:
         entries[:] = [(m, o) for m, o in entries if m is not module]
     if _originals(module) is None:
-        entries.append((module, {n: module.__dict__[n] for n in NAMES}))
+        entries.append((module, {n: _bound(module, n) for n in NAMES}))
     for n, fn in _adapters(fused, module).items():
-        setattr(module, n, fn)
+        _bind(module, n, fn)
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -431,7 +447,7 @@ def disable():
         for name, entries in list(_saved.items()):
             for module, originals in entries:
                 for n, obj in originals.items():
-                    setattr(module, n, obj)
+                    _bind(module, n, obj)
             del _saved[name]
         _active = None
         if _finder is not None:
@@ -536,23 +552,25 @@ def torch_path(module_names=MODULES):
     """Within the block, the five names of every loaded family module (of `module_names`) run
     transformers' own PyTorch definitions (`inspect.unwrap` of what transformers bound: the
     functions its modeling file defines), whatever was resolved (mamba_ssm) or enabled; the
-    previous bindings come back afterwards. For comparisons and benchmarks: this is the path
-    transformers runs without mamba_ssm and causal-conv1d (packing kwargs are ignored there)."""
+    previous bindings come back afterwards, as enable() or disable() called inside the block
+    left them. For comparisons and benchmarks: this is the path transformers runs without
+    mamba_ssm and causal-conv1d (packing kwargs are ignored there)."""
     with _lock:
-        previous = {}
+        covered = []
         for m in module_names:
             module = sys.modules.get(m)
-            if module is None:
+            if module is None or m in _shadow:      # not loaded, or an outer block has it
                 continue
             _check_module(module)
             defs = {n: _torch_definition(module, n) for n in NAMES}
-            previous[m] = {n: module.__dict__[n] for n in NAMES}
+            _shadow[m] = {n: module.__dict__[n] for n in NAMES}
+            covered.append(module)
             for n, fn in defs.items():
                 setattr(module, n, fn)
     try:
         yield
     finally:
         with _lock:
-            for m, objs in previous.items():
-                for n, obj in objs.items():
-                    setattr(sys.modules[m], n, obj)
+            for module in covered:
+                for n, obj in _shadow.pop(module.__name__).items():
+                    setattr(module, n, obj)
