@@ -59,6 +59,8 @@ def test_plans_have_their_launches():
                     plan[1].grid[1] * plan[1].grid[2]), name
                 assert plan[3].grid == (-(-flags.shape[0] // FIX_SPAN), 1, 1), name
                 assert variants.kernel_arg(plan[3], "FLAG_W") >= flags.shape[1], name
+                # its chunk_scan launch is the default one (the same compiled kernel)
+                assert variants.variant_of(plan[2]) == variants.variant_of(calls[2]), name
             else:          # a program per FIX_SPAN tiles, flags one row per tile
                 flags = plan[2].args[-2]
                 assert flags.shape[1] == (1 if causal == 2 else plan[2].args[11]), name

@@ -256,8 +256,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              cfg.scan_load_latency, cfg.scan_persistent > 0,
              bool(cfg.scan_lowp) and x.dtype != torch.float32,
              bool(cfg.scan_head_major),
-             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad),
-             next_pow2(state_tiles) if cfg.scan_causal == 4 else 1, flags,
+             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad), 1, flags,
              (0, 1, 3, 5, 0)[cfg.scan_causal]),
         ),
     ]
@@ -274,9 +273,10 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     elif cfg.scan_causal == 4:
         # a program per FIX_SPAN chunks: those chunk_state_pass flagged, every tile causally
         # (without the scan's hints, as the FIX_SPAN pass below)
+        # (scan_causal 4's chunk_scan launch is the default one, FLAG_W = 1: the same kernel)
         calls.append(KernelCall(chunk_scan_i64 if int64 else chunk_scan,
                                 (-(-(batch * nheads * nchunks) // FIX_SPAN), 1, 1),
-                                scan.args[:-2] + (chunk_flags, 8)))
+                                scan.args[:-3] + (next_pow2(state_tiles), chunk_flags, 8)))
     elif cfg.scan_causal >= 2:
         # a program per FIX_SPAN tiles: those whose sums are not finite, causally. Without the
         # scan's occupancy / warps hints: under the seed problem's tuned occupancy 2 this
