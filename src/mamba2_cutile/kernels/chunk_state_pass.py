@@ -32,16 +32,15 @@ their end state (seg_final) and the end factor (seg_factor); `chunk_state_carry`
 H_s, adds f_c H_s to the states of segments s >= 1 and writes the final state. Rounding: l_c
 is rounded to the state dtype before H_s is added (twice in all, against once).
 
-FLAG (ForwardConfig.scan_causal=4): per chunk, whether it brings a new non-finite value into
-the state, for chunk_scan's pass over flagged chunks (kernels/chunk_scan.py, CHECK=8). A
-non-finite x, B or dt' at a token of the chunk makes entries of the update non-finite, and a
-non-finite state entry never turns finite again (NaN * w and Inf * 0 are NaN) but at a
-seq_idx reset, which zeroes it: so the chunk is flagged when the count of non-finite entries
-of the program's (BLOCK_P, BLOCK_N) state tile grows across it. A value in a channel whose
-state is non-finite already adds nothing: those outputs are non-finite in every row of the
-chunk anyway. A chunk where a sequence ends also counts its raw x, B and dt' rows (the rows
-the select drops never reach the state). One float per chunk and tile in `flags`
-(B * H * C, p-tiles * n-tiles): 1.0 flagged, 0.0 not; one count per chunk on clean input.
+FLAG (ForwardConfig.scan_causal=4): per chunk, whether it holds a non-finite x, B or dt', for
+chunk_scan's pass over flagged chunks (kernels/chunk_scan.py, CHECK=8): the chunk's own term
+of the update, X^T (w B) over its tokens (the carried state is not in it), holds a
+non-finite entry exactly then (0 * NaN is NaN), so the flag is whether that term's sum is
+finite, computed from the fresh accumulator before the carried state is added. A chunk
+where a sequence ends also checks its raw x, B and dt' rows (the rows the select drops
+never reach the state, but reach the scan's masked products). One float per chunk and tile
+in `flags` (B * H * C, p-tiles * n-tiles): 1.0 flagged, 0.0 not; one tile sum per chunk on
+clean input.
 """
 
 import cuda.tile as ct
@@ -50,15 +49,18 @@ from ._common import int64_variant, mma_operand, state_segment
 
 
 def _nonfinite(t):
-    """The number of non-finite entries of the 2-d tile t (NaN too), a (1,) tile; row sums
-    first (a flat sum compiles to several times the instructions)."""
-    bad = ct.where(ct.abs(t.astype(ct.float32)) < float("inf"), 0.0, 1.0)
-    return ct.sum(ct.sum(bad, axis=1), axis=0, keepdims=True)
+    """Whether the 2-d tile t holds a non-finite entry (NaN too), as a (1,) 1.0 / 0.0 (a sum
+    is non-finite iff a term is, or it overflows: then a clean chunk is recomputed for
+    nothing, to the same values); row sums first."""
+    total = ct.sum(ct.sum(t.astype(ct.float32), axis=1), axis=0, keepdims=True)
+    return ct.where(ct.abs(total) < float("inf"), 0.0, 1.0)
 
 
 def _update(hid, carry, xt, bt, w, in_dtype, BLOCK_P: ct.Constant[int],
-            BLOCK_N: ct.Constant[int], SCALE_X: ct.Constant[bool], FRESH_ACC: ct.Constant[bool]):
-    """h <- carry * h + X^T (w B), one MMA."""
+            BLOCK_N: ct.Constant[int], SCALE_X: ct.Constant[bool], FRESH_ACC: ct.Constant[bool],
+            FLAG: ct.Constant[bool]):
+    """h <- carry * h + X^T (w B), one MMA; and (FLAG) whether the chunk's own term
+    X^T (w B) holds a non-finite entry, else 0.0."""
     # the weights go on the smaller operand: (w X)^T B == X^T (w B), one rounding either way
     if SCALE_X:
         lhs = mma_operand(xt.astype(ct.float32) * w[:, None], in_dtype).transpose()
@@ -66,11 +68,14 @@ def _update(hid, carry, xt, bt, w, in_dtype, BLOCK_P: ct.Constant[int],
     else:
         lhs = mma_operand(xt.transpose(), in_dtype)
         rhs = mma_operand(bt.astype(ct.float32) * w[:, None], in_dtype)
-    if FRESH_ACC:
+    if FRESH_ACC or FLAG:
         # the MMA does not wait for the carried state: only a multiply-add is sequential
         upd = ct.mma(lhs, rhs, ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32))
-        return hid * carry[:, None] + upd
-    return ct.mma(lhs, rhs, hid * carry[:, None])
+        bad = ct.full((1,), 0.0, dtype=ct.float32)
+        if FLAG:
+            bad = _nonfinite(upd)
+        return hid * carry[:, None] + upd, bad
+    return ct.mma(lhs, rhs, hid * carry[:, None]), ct.full((1,), 0.0, dtype=ct.float32)
 
 
 def chunk_state_pass_fn(
@@ -124,7 +129,6 @@ def chunk_state_pass_fn(
                           padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
             hid = hid.astype(ct.float32)
     if FLAG:
-        n_bad = _nonfinite(hid)                 # non-finite state entries so far
         flag_col = p_tile * ct.cdiv(b.shape[3], BLOCK_N) + n_tile
     # the sequence the carried state belongs to: the row's first one at the start
     seq_prev = ct.full((1,), 0, dtype=ct.int32)
@@ -161,8 +165,6 @@ def chunk_state_pass_fn(
                         padding_mode=ct.PaddingMode.ZERO).reshape((Q,))
             s_last = ct.max(ct.where(token < seqlen, s, -2147483647), axis=0, keepdims=True)
             in_last = s == s_last
-            if FLAG:
-                n_bad = ct.where(seq_prev == s_last, n_bad, 0.0)   # the reset zeroes them
             w_raw = w
             w = ct.where(in_last, w, 0.0)
             hid = ct.where(seq_prev == s_last, hid, 0.0)
@@ -176,25 +178,25 @@ def chunk_state_pass_fn(
                              padding_mode=ct.PaddingMode.ZERO).reshape((Q, BLOCK_P))
                 bs = ct.load(b, index=(batch, c, group, n_tile), shape=(1, Q, 1, BLOCK_N),
                              padding_mode=ct.PaddingMode.ZERO).reshape((Q, BLOCK_N))
+                raw_bad = ct.full((1,), 0.0, dtype=ct.float32)
                 if FLAG:
                     # the dropped rows too: they stay out of the state, not out of the scan's
                     # masked products
-                    n_raw = _nonfinite(xs) + _nonfinite(bs) + _nonfinite(w_raw.reshape((1, Q)))
-                    n_bad = ct.where(n_raw > 0.0, -1.0, n_bad)
+                    raw_bad = ct.maximum(ct.maximum(_nonfinite(xs), _nonfinite(bs)),
+                                         _nonfinite(w_raw.reshape((1, Q))))
                 xs = ct.where(in_last[:, None], xs, 0.0).astype(x.dtype)
                 bs = ct.where(in_last[:, None], bs, 0.0).astype(b.dtype)
-                hid = _update(hid, carry, xs, bs, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X,
-                              FRESH_ACC)
+                hid, bad = _update(hid, carry, xs, bs, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X,
+                                   FRESH_ACC, FLAG)
+                bad = ct.maximum(bad, raw_bad)
             else:
-                hid = _update(hid, carry, xt, bt, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X,
-                              FRESH_ACC)
+                hid, bad = _update(hid, carry, xt, bt, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X,
+                                   FRESH_ACC, FLAG)
         else:
-            hid = _update(hid, carry, xt, bt, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X, FRESH_ACC)
+            hid, bad = _update(hid, carry, xt, bt, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X,
+                               FRESH_ACC, FLAG)
         if FLAG:
-            n_new = _nonfinite(hid)
-            ct.store(flags, index=(bh * num_chunks + c, flag_col),
-                     tile=ct.where(n_new > n_bad, 1.0, 0.0).reshape((1, 1)))
-            n_bad = n_new
+            ct.store(flags, index=(bh * num_chunks + c, flag_col), tile=bad.reshape((1, 1)))
         if SEGMENTS > 1:
             factor = factor * carry
 
