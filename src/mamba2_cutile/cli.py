@@ -125,12 +125,32 @@ def bench_decode_cmd(args):
     return 0
 
 
+#: the scan benchmark's options, with their defaults: the decode, layer and model modes have
+#: their own problems and take none of them (decode takes --json)
+_SCAN_BENCH_ONLY = dict(shapes="default", custom=None, seqlen=None, dstate=None, match=None,
+                        dtype=None, chunk=None, impls="mamba2-cutile,mamba_ssm,tilegym,reference",
+                        json=None, jsonl=False, breakdown=False, list=False)
+
+
+def _refuse_scan_flags(args, allowed=()):
+    given = [k for k, v in _SCAN_BENCH_ONLY.items()
+             if k not in allowed and getattr(args, k, v) != v]
+    if given:
+        flags = ", ".join("--" + k for k in given)
+        more = ("" if args.mode == "decode" else
+                f"; its own options: python -m mamba2_cutile.bench.{args.mode} -h")
+        raise ValueError(f"--mode {args.mode} runs its own problems and takes only --reps and "
+                         f"--out{' and --json' if 'json' in allowed else ''}, not {flags}{more}")
+
+
 def bench(args):
     from .bench import impls, report, runner
 
     if args.mode == "decode":
+        _refuse_scan_flags(args, allowed=("json",))
         return bench_decode_cmd(args)
     if args.mode in ("layer", "model"):
+        _refuse_scan_flags(args)
         import importlib
         sub = importlib.import_module(f".bench.{args.mode}", __package__)
         argv = ["--out", args.out or "bench-out"]
@@ -290,6 +310,7 @@ def resources_cmd(args):
     cls = {"forward": ForwardConfig, "backward": BackwardConfig, "decode": DecodeConfig}[
         args.family]
     problem = _json.loads(args.problem) if args.problem else {}
+    resources.check_problem(args.family, problem)
     for spec in args.overrides or ["default"]:
         over = {} if spec == "default" else parse_overrides(cls, spec, "resources")
         for call in resources.problem_calls(args.family, problem, over):

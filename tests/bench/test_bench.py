@@ -5,6 +5,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -641,3 +642,21 @@ def test_cpu_compile_signature_refuses_what_launch_refuses():
     args[0] = big
     with pytest.raises(ValueError, match="ct.launch would refuse"):
         signature_of(causal_conv1d_fwd_stream, args)      # the 32-bit variant: x refused
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["bench", "--mode", "layer", "--json", "x.json"], "--mode layer runs its own"),
+    (["bench", "--mode", "model", "--shapes", "seed"], "not --shapes"),
+    (["bench", "--mode", "decode", "--list"], "not --list"),
+    (["bench", "--list", "--match", "("], "--match '\\(' is not a regular expression"),
+    (["verify", "--list", "--match", "("], "not a regular expression"),
+    (["bench", "--list", "--custom", "1,128,2,1,16,16,100"], "chunk must be 64, 128 or 256"),
+    (["bench", "--list", "--custom", "1,128,2,3,16,16,64"], "G dividing H"),
+    (["resources", "forward", '{"nosuch": 3}'], "unknown forward problem key"),
+    (["resources", "backward", "[1, 2]"], "must be a JSON object"),
+    (["resources", "decode", '{"nheads": "x"}'], "positive integer"),
+])
+def test_cli_refuses_bad_arguments_by_name(argv, match, capsys):
+    """Arguments the command cannot take end in one line naming them (exit 2), no traceback."""
+    assert cli.main(argv) == 2
+    assert re.search(match, capsys.readouterr().err)

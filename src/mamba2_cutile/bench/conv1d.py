@@ -418,7 +418,8 @@ def _parse_configs(text):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m mamba2_cutile.bench.conv1d",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--layout", default="channel_last", choices=["channel_last", "contiguous"])
@@ -435,6 +436,8 @@ def main(argv=None):
                     help='sweep candidates "fwd:form=1,block_l=16;bwd:form=1" (the default '
                          'config is always timed first)')
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the conv1d benchmark needs a CUDA GPU")
     if args.sweep:
         fwd, bwd = CANDIDATE_SETS[args.candidates]
         if args.configs:

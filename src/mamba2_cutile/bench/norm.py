@@ -434,6 +434,8 @@ def main(argv=None):
     ap.add_argument("--jsonl", action="store_true",
                     help="print each row as a JSON line as it is timed")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the gated-norm benchmark needs a CUDA GPU")
     dtype = _DTYPES[args.dtype]
     if args.sweep:
         space = parse_configs(args.configs) if args.configs else args.space

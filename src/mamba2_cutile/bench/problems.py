@@ -19,6 +19,7 @@ A single shape can also be selected by its name (e.g. `seed-T64K-N128`).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -153,12 +154,25 @@ def all_shapes():
     return list(REGISTRY["all"])
 
 
+def compile_match(pattern: str):
+    """--match's regular expression, a bad one refused as a ValueError naming it."""
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"--match {pattern!r} is not a regular expression: {e}") from None
+
+
 def parse_custom(spec: str) -> Shape:
     """'B,T,H,G,P,N,Q[,dtype]' -> a Shape named 'custom-...'."""
     parts = [p.strip() for p in spec.split(",") if p.strip()]
     if len(parts) not in (7, 8):
         raise ValueError(f"--custom wants B,T,H,G,P,N,chunk[,dtype], got {spec!r}")
     b, l, h, g, p, n, q = (int(v) for v in parts[:7])
+    if q not in (64, 128, 256):
+        raise ValueError(f"--custom: the chunk must be 64, 128 or 256, got {q} (in {spec!r})")
+    if min(b, l, h, g, p, n) < 1 or h % g:
+        raise ValueError(f"--custom: B, T, H, G, P, N must be >= 1 with G dividing H, got "
+                         f"{spec!r}")
     dtype = parse_dtype(parts[7]) if len(parts) == 8 else torch.bfloat16
     return Shape(f"custom-{b}x{l}x{h}x{g}x{p}x{n}-Q{q}", b, l, h, g, p, n, q, dtype)
 
@@ -185,7 +199,6 @@ def select(keys="default", custom=(), seqlens=None, dstates=None, match=None, dt
     """Shapes from registry keys or shape names (comma-separated), plus custom specs, then
     filtered by sequence length, dstate and a name regex; `dtype` replaces every dtype and
     `chunk` every chunk size (renamed with a -Q suffix where it changes)."""
-    import re
     from dataclasses import replace
 
     by_name = {s.name: s for s in all_shapes()}
@@ -209,8 +222,7 @@ def select(keys="default", custom=(), seqlens=None, dstates=None, match=None, dt
     if ds:
         out = [s for s in out if s.dstate in ds]
     if match:
-        rx = re.compile(match)
-        out = [s for s in out if rx.search(s.name)]
+        out = [s for s in out if compile_match(match).search(s.name)]
     if dtype is not None:
         out = [replace(s, dtype=dtype, name=f"{s.name}-{dtype_name(dtype)}")
                if s.dtype != dtype else s for s in out]

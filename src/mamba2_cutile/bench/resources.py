@@ -61,6 +61,34 @@ def compile_resources(call, gpu_code: str = "sm_90") -> dict:
     return resources(compile_cubin(call, gpu_code))
 
 
+def check_problem(family: str, problem):
+    """A `resources` problem is a JSON object of its plan builder's keyword arguments: refuse
+    anything else by name, with the keys it takes."""
+    import inspect
+
+    from . import plans
+    if family not in ("forward", "backward", "decode"):
+        raise ValueError(f"family must be forward, backward or decode, got {family!r}")
+    if not isinstance(problem, dict):
+        raise ValueError(f"the problem must be a JSON object of keyword arguments, got "
+                         f"{type(problem).__name__}")
+    builder = getattr(plans, f"{family}_problem_plan")
+    params = {k: p.default for k, p in inspect.signature(builder).parameters.items()
+              if k not in ("device", "config", "overrides")}
+    unknown = sorted(set(problem) - set(params))
+    if unknown:
+        raise ValueError(f"unknown {family} problem key(s) {', '.join(map(repr, unknown))}; "
+                         f"it takes {', '.join(params)}")
+    for k, v in problem.items():
+        default = params[k]
+        if isinstance(default, bool):
+            if not isinstance(v, bool):
+                raise ValueError(f"problem key {k!r} must be true or false, got {v!r}")
+        elif isinstance(default, int) and (not isinstance(v, int) or isinstance(v, bool)
+                                           or v < 1):
+            raise ValueError(f"problem key {k!r} must be a positive integer, got {v!r}")
+
+
 def problem_calls(family: str, problem: dict, overrides: dict):
     """The launches of `family` ("forward", "backward", "decode") at a problem (the keyword
     arguments of `bench.plans`'s builders) with config `overrides`."""

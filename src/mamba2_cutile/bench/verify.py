@@ -13,7 +13,6 @@ varlen states, float32 chunk states.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 
@@ -140,7 +139,8 @@ def run_case(case: Case, device="cuda"):
 def select(match=None):
     if not match:
         return list(CASES)
-    rx = re.compile(match)
+    from .problems import compile_match
+    rx = compile_match(match)
     return [c for c in CASES if rx.search(c.name)]
 
 
