@@ -188,3 +188,27 @@ def test_bench_script_simulate_mode_runs(monkeypatch, tmp_path):
     assert row["world"] == 2 and len(row["per_rank_ms"]) == 2
     assert row["out_rel_err_vs_whole"] <= 1e-5
     assert row["bytes_sent_per_rank"]["forward"] == 4 * 2 * (8 * 8 + 1)
+
+
+def test_simulated_ranks_keep_bad_input_where_the_scan_has_it():
+    """A NaN in one packed sequence, or an A = -inf head with a dt' of 0, gives what the scan
+    over the whole sequence gives: the exchange selects away another sequence's state and
+    forms no -inf * 0 (it multiplied by 0 / 1 masks, and NaN reached the next sequence)."""
+    inp, _ = cp_cases.problem("seq_idx")
+    inp = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    inp["x"][0, 30] = float("nan")           # row 0, its first sequence, rank 0
+    y0, h0 = mamba_chunk_scan_combined(**inp, chunk_size=64, return_final_states=True)
+    y, finals = simulate_ranks((70, 80), **inp, chunk_size=64)
+    assert torch.equal(y.isfinite(), y0.isfinite()) and finals[-1].isfinite().all()
+    ok = y0.isfinite()
+    assert _rel(y[ok], y0[ok]) <= TOL and _rel(finals[-1], h0) <= TOL
+
+    inp, _ = cp_cases.problem("none")
+    inp["A"] = inp["A"].clone()
+    inp["A"][1] = -math.inf
+    inp["dt"] = inp["dt"].clone()
+    inp["dt"][:, 20] = -1.0                  # dt' = 0 there (no softplus, the default clamp)
+    y0, h0 = mamba_chunk_scan_combined(**inp, chunk_size=64, return_final_states=True)
+    y, finals = simulate_ranks((70, 80), **inp, chunk_size=64)
+    assert y.isfinite().all() and all(f.isfinite().all() for f in finals)
+    assert _rel(y, y0) <= TOL and _rel(finals[-1], h0) <= TOL

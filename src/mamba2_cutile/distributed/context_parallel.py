@@ -219,7 +219,9 @@ def local_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial
         end = end.to(cdt)
         dtp = process_dt(dt.to(cdt), None if dt_bias is None else dt_bias.to(cdt),
                          dt_softplus, dt_limit)
-        G = torch.cumsum(A.to(cdt)[None, None, :] * dtp, dim=1)
+        # A dt' = 0 where dt' = 0, also for A = -inf (a decay of exactly 1, not -inf * 0)
+        step = A.to(cdt)[None, None, :] * dtp
+        G = torch.cumsum(torch.where(dtp == 0, torch.zeros_like(step), step), dim=1)
         total = G[:, -1]
     seq_info = same = None
     if seq_idx is not None:
@@ -274,20 +276,21 @@ def finish(local: LocalScan, gathered, seq_infos, rank, world, C, z=None, anchor
     else:
         enters, crosses, _ = crossing(seq_infos, world)
 
-    def carry(q):      # m_q of the docstring, (b, h, 1, 1)
-        m = torch.exp(totals[q])
+    def carried(q, H):      # m_q H of the docstring, (b, h, p, n)
+        mh = torch.exp(totals[q])[:, :, None, None] * H
         if crosses is not None:
-            m = m * crosses[q].to(cdt)[:, None]
-        return m[:, :, None, None]
+            # selected, not multiplied by 0: H may be another sequence's NaN
+            mh = torch.where(crosses[q][:, None, None, None], mh, torch.zeros_like(mh))
+        return mh
 
     H = None
     for q in range(rank):
-        H = states[q] if H is None else carry(q) * H + states[q]
+        H = states[q] if H is None else carried(q, H) + states[q]
     term = None
     if H is None:      # the first rank: nothing arrives
         final = S
     else:
-        final = S + carry(rank) * H
+        final = S + carried(rank, H)
         if l > 0:
             term = carried_term(local, H, C, z, enters, rank, full_prefix)
     if anchor is not None:
@@ -318,10 +321,12 @@ def carried_term(local, H, C, z, enters, rank, full_prefix):
         live_any = (live & (G >= math.log(torch.finfo(cdt).tiny))).any(dim=2).any(dim=0)
         idx = torch.arange(1, l + 1, device=G.device)
         K = int((live_any * idx).max())
-    w = torch.exp(G[:, :K]) * live[:, :K].to(cdt)                          # (b, K, h)
+    w = torch.exp(G[:, :K])                                                 # (b, K, h)
     Ck = C[:, :K].to(cdt)                                                   # (b, K, g, n)
     Hg = H.reshape(b, g, h // g, p, n)
     term = torch.einsum("bkgn,bgjpn->bkgjp", Ck, Hg).reshape(b, K, h, p) * w[..., None]
+    # selected, not multiplied by 0: the arriving state may be another sequence's NaN
+    term = torch.where(live[:, :K, :, None], term, torch.zeros_like(term))
     if z is not None:
         term = term * F.silu(z[:, :K].to(cdt))
     return term
