@@ -231,7 +231,7 @@ def test_cpu_path_dt_zero_with_A_minus_inf():
 # the kernels' source, emulated in float64 on the CPU
 # ----------------------------------------------------------------------------------------------
 
-def emulated_run(Q, block_q, causal=1):
+def emulated_run(Q, block_q, causal=1, dstate_pad=8):
     pytest.importorskip("cuda.tile")
     from mamba2_cutile.runtime import dt_clamp_bounds
     from mamba2_cutile.ssd import forward
@@ -248,7 +248,8 @@ def emulated_run(Q, block_q, causal=1):
         final, out = nan(b, h, p, n), nan(b, l, h, p)
         cfg = forward.forward_shape_config(b, h, p, n, Q, F64)
         cfg = replace(cfg, cumsum_block_h=2, state_block_p=8, state_block_n=8, scan_block_p=8,
-                      dstate_pad=8, scan_block_q=block_q, scan_causal=causal)
+                      dstate_pad=dstate_pad, scan_block_q=block_q, scan_causal=causal,
+                      scan_block_n=8 if dstate_pad > 8 else 0)
         lo, hi = dt_clamp_bounds(kw["dt_limit"])
         seq = kw["seq_idx"]
         calls = forward.forward_plan(x, dt, A, B, C, kw["z"], kw["D"], kw["dt_bias"], lo, hi,
@@ -371,6 +372,23 @@ def test_emulated_chunk_flags_second_bad_value(second):
     y_two, _ = run(two, kw)
     torch.testing.assert_close(y_two[0, :t2], y_one[0, :t2], rtol=0, atol=0, equal_nan=True)
     assert y_two[0, :t2, 0, 2].isfinite().all() and not y_two[0, t1:, 0, 1].isfinite().any()
+
+
+def test_emulated_chunk_flags_several_state_tiles():
+    """scan_causal 4 with 3 x 3 state tiles per head (headdim and dstate 20 in tiles of 8,
+    dstate padded to 32: nine flag columns read as 16) and seq_idx: a bad B at one state index
+    of batch row 1 is fixed there, and nothing else moves."""
+    Q = 64
+    t = where_in_chunk(Q, "mid")
+    args, kw = make_problem(Q, t, True, softplus=True, dtype=F64, b=2, h=2, p=20, n=20)
+    run = emulated_run(Q, 32, 4, dstate_pad=32)
+    y_clean, _ = run(args, kw)
+    bad = {**args, "B": args["B"].clone()}
+    bad["B"][1, t, 0, 19] = NAN
+    y, h_fin = run(bad, kw)
+    assert torch.equal(y[0], y_clean[0]) and torch.equal(y[1, :t], y_clean[1, :t])
+    y_ref, h_ref, _ = ssd_recurrence(**as_reference(bad), **as_reference(kw))
+    assert rel_err_finite(y, y_ref) <= EMU_TOL and rel_err_finite(h_fin, h_ref) <= EMU_TOL
 
 
 def test_emulated_default_not_causal():
