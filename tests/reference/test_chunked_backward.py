@@ -315,3 +315,26 @@ def test_packed_sequences_keep_their_gradients_through_the_api():
     for g_bad, g_ok in zip(grads(bad), grads(x)):
         assert g_bad[:, 70:].isfinite().all()
         torch.testing.assert_close(g_bad[:, 70:], g_ok[:, 70:], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("l, at", [(100, 99), (48, 47), (40, 39), (40, 20)])
+def test_bad_last_token_leaves_dA_and_dD_finite(l, at):
+    """A NaN x at a row's last token with a loss on every other output (next-token training):
+    dA, dD and every per-token gradient equal the recurrence's (the exclusive sums shift
+    instead of subtracting the NaN term, the last chunk's padding is dropped before dA)."""
+    gen = torch.Generator().manual_seed(4)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    h, p, n = 2, 3, 4
+    args = dict(x=r(1, l, h, p), dt=r(1, l, h).abs() * 0.5 + 0.1,
+                A=-torch.rand(h, generator=gen, dtype=F64) - 0.5, B=r(1, l, 1, n),
+                C=r(1, l, 1, n), D=r(h), z=None, dt_bias=None, initial_states=None)
+    args["x"][0, at, 0, 0] = float("nan")
+    kw = dict(seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf")))
+    dout = r(1, l, h, p)
+    dout[:, at:] = 0.0
+    ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, None, dtype=F64)
+    got = explicit_grads(args, kw, 16 if l == 40 else 64, dout, None)
+    for name in ("A", "D", "x", "dt", "B", "C"):
+        fin = ref[name].isfinite()
+        assert torch.equal(got[name].isfinite() | ~fin, torch.ones_like(fin)), name
+        torch.testing.assert_close(got[name][fin], ref[name][fin], rtol=1e-9, atol=1e-12)

@@ -556,14 +556,17 @@ def torch_path(module_names=MODULES):
     left them. For comparisons and benchmarks: this is the path transformers runs without
     mamba_ssm and causal-conv1d (packing kwargs are ignored there)."""
     with _lock:
-        covered = []
+        # every module checked and resolved before any is rebound: a failure changes nothing
+        todo = []
         for m in module_names:
             module = sys.modules.get(m)
             if module is None or m in _shadow:      # not loaded, or an outer block has it
                 continue
             _check_module(module)
-            defs = {n: _torch_definition(module, n) for n in NAMES}
-            _shadow[m] = {n: module.__dict__[n] for n in NAMES}
+            todo.append((module, {n: _torch_definition(module, n) for n in NAMES}))
+        covered = []
+        for module, defs in todo:
+            _shadow[module.__name__] = {n: module.__dict__[n] for n in NAMES}
             covered.append(module)
             for n, fn in defs.items():
                 setattr(module, n, fn)

@@ -357,7 +357,8 @@ def stage4_dB(x_c, dy_c, C_c, dtp_c, G, L, masks, dS):
 
 
 def _exclusive_cumsum(t):
-    return torch.cumsum(t, dim=-1) - t
+    # a shift, not cumsum - t: a non-finite t_s must not reach its own entry (NaN - NaN)
+    return F.pad(torch.cumsum(t, dim=-1)[..., :-1], (1, 0))
 
 
 def _reverse_cumsum(t):
@@ -494,7 +495,10 @@ def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D
     dB_c = stage4_dB(x_c, dy_c, C_c, dtp_c, G, L, masks, dS)
     da = stage4_ddecay(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, entry, dS)
 
-    # stages 5, 6
+    # stages 5, 6 (da selected to 0 on the last chunk's padding, where 0 * NaN may have
+    # reached it: dA sums dt' da over every position)
+    real = (torch.arange(nc * Q, device=da.device) < l).reshape(nc, Q)
+    da = torch.where(real, da, torch.zeros_like(da))
     ddtp_c, dA = stage5_decay_to_dt_A(da, ddt_direct, dtp_c, A)
     ddt, ddt_bias = stage6_dt_preprocess(dt, from_chunks(ddtp_c, l), dt_bias, dt_softplus,
                                          dt_limit)
