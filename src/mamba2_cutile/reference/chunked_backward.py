@@ -126,11 +126,12 @@ def _kept(mask, t):
 
 
 def _readable(*ts):
-    """Whether the values of these tensors can steer Python (not while tracing: fake, meta or
-    compiled tensors take the branch-free forms)."""
+    """Whether the values of these tensors may steer Python: CPU tensors only (on a GPU a read
+    is a host synchronization; traced, fake and meta tensors have no values), the others take
+    the branch-free forms."""
     from torch._subclasses.fake_tensor import is_fake
     return not torch.compiler.is_compiling() and all(
-        t is None or (t.device.type != "meta" and not is_fake(t)) for t in ts)
+        t is None or (t.device.type == "cpu" and not is_fake(t)) for t in ts)
 
 
 def _all_finite(*ts):
