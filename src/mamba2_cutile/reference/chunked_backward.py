@@ -177,7 +177,8 @@ def stage1_dt_and_decay(dt, A, Q, nc, dt_bias=None, dt_softplus=False, dt_limit=
     A; writes dt' and G in the [batch, head, token] layout (here (b, h, nc, Q)):
 
         v    = dt + dt_bias;   w = softplus(v) if dt_softplus else v
-        dt'  = clamp(w, lo, hi)   (the default (0, inf) too, as mamba_ssm's Triton scan);  0 on padding
+        dt'  = clamp(w, lo, hi)   (the default (0, inf) too, as mamba_ssm's Triton scan);
+               0 on padding
         G    = cumsum_within_chunk(a),  a = A * dt' clamped to +-MAX_LOG_STEP, 0 where dt' = 0
 
     The step clamp is decay_cumsum's: A = -inf or dt' = +inf give a decay of exactly 0 (in
