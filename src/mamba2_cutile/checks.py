@@ -55,6 +55,20 @@ def check_gpu_dtypes(tensors: dict):
                             f"got {t.dtype}")
 
 
+def check_cu_seqlens(cu_seqlens, seqlen, values: bool):
+    """cu_seqlens (num_seqs + 1,) integer; with `values` (value checks enabled: they read the
+    tensor) also non-decreasing from 0 to seqlen."""
+    check_tensor("cu_seqlens", cu_seqlens, 1, INTS)
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have num_seqs + 1 >= 2 entries, got "
+                         f"{shape_of(cu_seqlens)}")
+    if values:
+        cu = cu_seqlens.to("cpu", torch.int64)
+        if int(cu[0]) != 0 or int(cu[-1]) != seqlen or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"cu_seqlens must be non-decreasing from 0 to seqlen ({seqlen}), "
+                             f"got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
+
+
 def value_checks_enabled(on_cuda: bool) -> bool:
     """Whether to run the checks that read tensor values: always for CPU inputs; on the GPU
     only with MAMBA2_CUTILE_CHECK=1, because they synchronize (the default GPU path can be

@@ -23,12 +23,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checks import INTS, check_tensor, shape_of, value_checks_enabled
+from ..checks import check_cu_seqlens, value_checks_enabled
 from ..conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..decode import selective_state_update
 from ..norm import RMSNorm
 from ..ssd import mamba_chunk_scan_combined
-from ..ssd.api import _check_values
 from .fused import mamba_split_conv1d_scan_combined
 
 _NO_LIMIT = (0.0, float("inf"))
@@ -202,12 +201,7 @@ class Mamba2(nn.Module):
                 raise ValueError(f"cu_seqlens (a varlen prefill into inference_params) needs u "
                                  f"of batch 1 (the sequences packed along seqlen), got batch "
                                  f"{batch}")
-            check_tensor("cu_seqlens", cu_seqlens, 1, INTS)
-            if cu_seqlens.shape[0] < 2:
-                raise ValueError(f"cu_seqlens must have num_seqs + 1 >= 2 entries, got "
-                                 f"{shape_of(cu_seqlens)}")
-            if value_checks_enabled(u.is_cuda):
-                _check_values(None, cu_seqlens, seqlen)
+            check_cu_seqlens(cu_seqlens, seqlen, value_checks_enabled(u.is_cuda))
         if inference_params is not None:
             cache_batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else batch
             conv_state, ssm_state = self._get_states_from_cache(inference_params, cache_batch)

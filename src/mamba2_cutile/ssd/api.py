@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from . import custom_ops  # registers torch.ops.mamba2_cutile; ssd_scan calls it
-from ..checks import (FLOATS, GPU_FLOATS, INTS, check_gpu_dtypes, check_same_device,
-                      check_tensor, expect_shape, shape_of, value_checks_enabled)
+from ..checks import (FLOATS, GPU_FLOATS, INTS, check_cu_seqlens, check_gpu_dtypes,
+                      check_same_device, check_tensor, expect_shape, shape_of,
+                      value_checks_enabled)
 from .forward import MAX_DSTATE, MAX_HEADDIM, SUPPORTED_CHUNK_SIZES
 
 
@@ -62,9 +61,8 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
     check_tensor("seq_idx", seq_idx, 2, INTS, optional=True)
     if seq_idx is not None:
         expect_shape("seq_idx", seq_idx, (b, l), "(batch, seqlen)")
-    check_tensor("cu_seqlens", cu_seqlens, 1, INTS, optional=True)
-    if cu_seqlens is not None and cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must have num_seqs + 1 >= 2 entries, got {shape_of(cu_seqlens)}")
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, l, values=False)
     if return_varlen_states:
         if cu_seqlens is None:
             raise ValueError("return_varlen_states=True requires cu_seqlens")
@@ -95,10 +93,7 @@ def _check_values(seq_idx, cu_seqlens, seqlen):
         if bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
             raise ValueError("seq_idx must be non-decreasing along each row")
     if cu_seqlens is not None:
-        cu = cu_seqlens.to("cpu", torch.int64)
-        if int(cu[0]) != 0 or int(cu[-1]) != seqlen or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError(f"cu_seqlens must be non-decreasing from 0 to seqlen ({seqlen}), "
-                             f"got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
+        check_cu_seqlens(cu_seqlens, seqlen, values=True)
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
