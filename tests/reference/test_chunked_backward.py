@@ -282,16 +282,19 @@ def test_minus_inf_A_head_gradients_follow_the_recurrence():
     the recurrence's autograd (the step clamp keeps G finite); the other head's dt and A too."""
     args, kw = build(OPTIONS["D_z"], 70, h=2, g=1)
     args["A"] = torch.tensor([-float("inf"), -0.7], dtype=F64)
-    args["initial_states"] = torch.randn(2, 2, 5, 7, dtype=F64)
+    args["initial_states"] = torch.randn(2, 2, 5, 7, dtype=F64,
+                                         generator=torch.Generator().manual_seed(3))
     dout, dfinal = cotangents(args)
     ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, dfinal, dtype=F64)
     got = explicit_grads(args, kw, 32, dout, dfinal)
+    # over 40 seeds: at most 1.5e-15 of the largest entry (x, B, C, z, D, initial_states, the
+    # finite head's dt); dA, a sum with cancellation, at most 1.1e-16 of the sum of |ddt|
     for name in ("x", "B", "C", "z", "D", "initial_states"):
         assert got[name].isfinite().all(), name
-        # measured at most 8.4e-16 of the largest entry
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=1e-14 * ref[name].abs().max())
-    torch.testing.assert_close(got["dt"][..., 1], ref["dt"][..., 1], rtol=0, atol=1e-13)
-    torch.testing.assert_close(got["A"][1], ref["A"][1], rtol=1e-14, atol=0)
+    ddt = ref["dt"][..., 1]
+    torch.testing.assert_close(got["dt"][..., 1], ddt, rtol=0, atol=1e-14 * ddt.abs().max())
+    torch.testing.assert_close(got["A"][1], ref["A"][1], rtol=0, atol=1e-15 * ddt.abs().sum())
 
 
 def test_packed_sequences_keep_their_gradients_through_the_api():
