@@ -262,6 +262,32 @@ def test_update_circular_equals_plain_shift():
     assert (a - c).abs().max() < 1e-14
 
 
+@pytest.mark.parametrize("circular", [False, True])
+def test_update_keeps_a_wider_state_exact(circular):
+    """A float64 cache beside float32 x: the entries the update keeps or moves are
+    bit-identical, the written ones equal x; the output is the float32 convolution."""
+    gen = torch.Generator().manual_seed(5)
+    state = 1 + 1e-12 * torch.randn(2, 3, 6, dtype=F64, generator=gen)
+    x = torch.randn(2, 3, 2, generator=gen)
+    weight = torch.randn(3, 4, generator=gen)
+    st = state.clone()
+    p = torch.tensor([4, 1], dtype=torch.int32)
+    out = causal_conv1d_update(x, st, weight, cache_seqlens=p if circular else None)
+    if circular:
+        want = state.clone()
+        for r in range(2):
+            for t in range(2):
+                want[r, :, (int(p[r]) + t) % 6] = x[r, :, t].double()
+        window = torch.stack([torch.cat([state[r][:, [(int(p[r]) + j) % 6 for j in (-3, -2, -1)]],
+                                         x[r].double()], -1) for r in range(2)])
+    else:
+        want = torch.cat([state, x.double()], -1)[..., -6:]
+        window = torch.cat([state[..., -3:], x.double()], -1)
+    assert torch.equal(st, want)
+    ref = sum(weight.double()[:, j, None] * window[..., j:j + 2] for j in range(4))
+    assert out.dtype == torch.float32
+    assert (out.double() - ref).abs().max() < 1e-5
+
 # ------------------------------------------------------------------------------------ errors
 
 def _good():

@@ -122,14 +122,17 @@ def conv1d_update(x3, conv_state, weight, bias, silu: bool, cache_seqlens, conv_
     live = slots >= 0
     safe = torch.where(live, slots, torch.zeros_like(slots))
     if conv_state.shape[0]:
-        old = conv_state[safe].to(cd)                               # (b, d, S)
+        raw = conv_state[safe]                                       # (b, d, S)
     else:                       # an empty cache: every row is padding (slots checked)
-        old = torch.zeros(b, d, S, dtype=cd, device=dev)
+        raw = torch.zeros(b, d, S, dtype=conv_state.dtype, device=dev)
+    old = raw.to(cd)
     xs = x3.to(cd)
+    # the new state is built in the state's dtype: entries the update only moves or keeps
+    # stay bit-identical (a float64 cache beside float32 x is not rounded through float32)
+    xs_state = x3.to(conv_state.dtype)
     if cache_seqlens is None:
-        full = torch.cat([old, xs], dim=-1)
-        window = full[..., S - (w - 1):]
-        new = full[..., -S:]
+        window = torch.cat([old, xs], dim=-1)[..., S - (w - 1):]
+        new = torch.cat([raw, xs_state], dim=-1)[..., -S:]
     else:
         p = cache_seqlens.to(torch.int64) % S                        # (b,)
         prev_idx = (p[:, None] + torch.arange(-(w - 1), 0, device=dev)[None]) % S
@@ -140,8 +143,8 @@ def conv1d_update(x3, conv_state, weight, bias, silu: bool, cache_seqlens, conv_
         last = first + S * torch.div(k - 1 - first, S, rounding_mode="floor").clamp(min=0)
         hit = first < k
         src = torch.where(hit, last, torch.zeros_like(last))
-        written = xs.gather(2, src[:, None, :].expand(b, d, S))
-        new = torch.where(hit[:, None, :], written, old)
+        written = xs_state.gather(2, src[:, None, :].expand(b, d, S))
+        new = torch.where(hit[:, None, :], written, raw)
     wt = weight.to(cd)
     out = torch.zeros(b, d, k, dtype=cd, device=dev)
     for j in range(w):
@@ -153,5 +156,5 @@ def conv1d_update(x3, conv_state, weight, bias, silu: bool, cache_seqlens, conv_
     # selected, not multiplied: a padding row's x or its stand-in slot may hold NaN
     out = torch.where(live[:, None, None], out, torch.zeros_like(out))
     if live.any():
-        conv_state[slots[live]] = new[live].to(conv_state.dtype)
+        conv_state[slots[live]] = new[live]
     return out.to(x3.dtype)
