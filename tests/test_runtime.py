@@ -77,3 +77,23 @@ def test_batch1_view_of_a_larger_tensor_runs_32_bit_with_small_strides(direction
     names = [c.kernel._annotated_function.pyfunc.__name__ for c in calls]
     assert calls and not any(n.endswith("_i64") for n in names)
     assert _unit_dim_strides(calls) <= INT32_LIMIT
+
+
+def test_seq_ids_int32_keeps_runs_past_int32():
+    """int64 ids that do not fit int32 are renumbered by runs: neighbours that share an id
+    still do, the sign (padding) and non-decreasing rows are kept; ids that fit are cast."""
+    from mamba2_cutile.runtime import seq_ids_int32
+    big = 2**31
+    s = torch.tensor([[-9, -9, -3, 0, 0, big, big, 2**40, 5],
+                      [1, 1, 2, 2, 3, 3, 4, 4, 4]])
+    r = seq_ids_int32(s)
+    assert r.dtype == torch.int32 and r.is_contiguous()
+    assert torch.equal(r[:, 1:] == r[:, :-1], s[:, 1:] == s[:, :-1])
+    assert torch.equal(r < 0, s < 0)
+    assert bool((r[1, 1:] >= r[1, :-1]).all()) and bool((r[0, :8][1:] >= r[0, :8][:-1]).all())
+    fits = torch.tensor([[-1, 0, 7, 2**31 - 1]])
+    assert torch.equal(seq_ids_int32(fits), fits.to(torch.int32))
+    i32 = torch.tensor([[3, 4]], dtype=torch.int32)
+    assert seq_ids_int32(i32) is i32 and seq_ids_int32(None) is None
+    assert seq_ids_int32(torch.empty(2, 0, dtype=torch.int64)).shape == (2, 0)
+    assert seq_ids_int32(torch.zeros(1, 4, dtype=torch.int64, device="meta")).dtype == torch.int32

@@ -160,6 +160,26 @@ def as_kernel_input(t, dtype=None):
     return narrow_unit_strides(t) if max(stride) > INT32_LIMIT else t
 
 
+def seq_ids_int32(seq_idx):
+    """Sequence ids (batch, seqlen) as the kernels' contiguous int32 ids, without reading a
+    value on the host: a plain cast where every id fits int32, otherwise each row's runs of
+    equal ids renumbered in order, 0, 1, ..., minus (runs in the row + 1) where the id is
+    negative (padding), so ids past int32 neither wrap nor saturate onto a neighbouring
+    sequence's. The renumbering keeps which neighbouring tokens share an id, the sign, and
+    non-decreasing rows non-decreasing, which is all the kernels read (an id that comes back
+    after another one becomes a new run: the scan's ids are non-decreasing anyway)."""
+    if seq_idx is None or seq_idx.dtype == torch.int32:
+        return None if seq_idx is None else seq_idx.contiguous()
+    s = seq_idx.to(torch.int64)
+    if not s.numel():
+        return s.to(torch.int32).contiguous()
+    fits = (s.min() >= -2**31) & (s.max() <= INT32_LIMIT)          # 0-d, stays on the device
+    step = (s[..., 1:] != s[..., :-1]).to(torch.int32)
+    runs = torch.cat([torch.zeros_like(step[..., :1]), step.cumsum(-1, dtype=torch.int32)], -1)
+    relabelled = torch.where(s >= 0, runs, runs - runs[..., -1:] - 1)
+    return torch.where(fits, s.to(torch.int32), relabelled).contiguous()
+
+
 def dt_clamp_bounds(dt_limit):
     """The kernels' clamp of dt' for mamba_ssm's `dt_limit`, the default (0, inf) included:
     mamba_ssm's Triton scan clamps dt' to the limit on every call, so without softplus a

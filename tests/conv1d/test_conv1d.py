@@ -907,3 +907,18 @@ def test_eager_calls_equal_the_ops():
         states.append(state)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     torch.testing.assert_close(states[0], states[1], rtol=0, atol=0)
+
+
+def test_unchecked_int64_ids_past_int32_stay_apart(monkeypatch):
+    """Where values are not checked (the GPU's default, torch.compile), int64 seq_idx values
+    past int32 keep their sequences apart instead of saturating onto one id."""
+    from mamba2_cutile.conv1d import api
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 3, 6, dtype=F64, generator=gen)
+    w = torch.randn(3, 4, dtype=F64, generator=gen)
+    small = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    want = causal_conv1d_fn(x, w, seq_idx=small.to(torch.int32))
+    monkeypatch.setattr(api, "value_checks_enabled", lambda on_cuda: False)
+    for base in (2**31 - 1, 2**31, 2**40):
+        got = causal_conv1d_fn(x, w, seq_idx=small + base)
+        assert torch.equal(got, want), base

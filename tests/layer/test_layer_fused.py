@@ -270,6 +270,18 @@ def test_int64_seq_idx_same_result():
                                call(fused, c, t, seq, chunk_size=64), rtol=0, atol=0)
 
 
+def test_unchecked_int64_seq_idx_past_int32_same_result(monkeypatch):
+    """Where values are not checked (the GPU's default, torch.compile), ids past int32 keep
+    their sequences apart in the convolution (no saturation onto one id)."""
+    from mamba2_cutile.layer import fused as fused_mod
+    c = CASES["z-in-scan-seq-init"]
+    t, seq = make_inputs(c)
+    want = call(fused, c, t, seq, chunk_size=64)
+    monkeypatch.setattr(fused_mod, "value_checks_enabled", lambda on_cuda: False)
+    got = call(fused, c, t, seq.long() + 2**40, chunk_size=64)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("norm", [True, False])
 def test_short_and_empty_sequences(norm):
     """One token (shorter than the convolution) against the definition; no tokens: out is

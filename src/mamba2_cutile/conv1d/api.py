@@ -13,6 +13,7 @@ from . import custom_ops
 from ..checks import (FLOATS, INTS, check_gpu_dtypes, check_same_device, check_tensor,
                       expect_shape, shape_of, value_checks_enabled)
 from .plan import MAX_WIDTH
+from ..runtime import seq_ids_int32
 
 
 class UnsupportedActivation(ValueError, NotImplementedError):
@@ -28,14 +29,17 @@ def _silu(activation) -> bool:
 
 
 def _int32(name, t, on_cuda):
-    """t as int32; values outside int32 are refused where values are checked."""
+    """t as int32; values outside int32 are refused where values are checked. Unchecked (on
+    the GPU, under torch.compile), seq_idx keeps its runs (`seq_ids_int32`) and the other
+    index arguments saturate rather than wrap onto another value."""
     if t is None or t.dtype == torch.int32:
         return t
     if value_checks_enabled(on_cuda) and t.numel() and (
             int(t.min()) < -2**31 or int(t.max()) >= 2**31):
         raise ValueError(f"{name} values must fit in int32")
+    if name == "seq_idx":
+        return seq_ids_int32(t)
     if t.dtype == torch.int64:
-        # unchecked on the GPU: saturate rather than wrap onto another value
         t = t.clamp(-2**31, 2**31 - 1)
     return t.to(torch.int32)
 

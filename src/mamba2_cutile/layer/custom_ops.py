@@ -31,6 +31,7 @@ from ..reference.layer import split_sizes
 from ..ssd import custom_ops as ssd_ops
 from ..norm import custom_ops as _norm_ops
 from . import parts
+from ..runtime import seq_ids_int32
 
 #: inputs of split_conv1d_scan that get a gradient, in the order the backward op returns them
 GRAD_INPUTS = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "initial_states",
@@ -53,13 +54,9 @@ def _conv_impl(t):
 
 
 def _int32(seq_idx):
-    """seq_idx as the convolution's contiguous int32 ids (an int64 id past int32 saturates
-    instead of wrapping onto another sequence's id)."""
-    if seq_idx is None:
-        return None
-    if seq_idx.dtype == torch.int64:
-        seq_idx = seq_idx.clamp(-2**31, 2**31 - 1)
-    return seq_idx.to(torch.int32).contiguous()
+    """seq_idx as the convolution's contiguous int32 ids (`seq_ids_int32`: ids past int32 keep
+    their runs instead of wrapping or saturating onto another sequence's id)."""
+    return seq_ids_int32(seq_idx)
 
 
 class Sizes:

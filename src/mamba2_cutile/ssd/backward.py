@@ -41,7 +41,7 @@ from ..kernels.bwd_state_pass import bwd_state_pass, bwd_state_pass_i64
 from ..kernels.chunk_state_carry import chunk_state_carry, chunk_state_carry_i64
 from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, dt_clamp_bounds,
                        launch_calls, needs_int64, next_pow2, num_sms, sum_partials_call,
-                       with_hints)
+                       seq_ids_int32, with_hints)
 from .forward import ForwardConfig, forward_plan, forward_shape_config, segment_buffers
 
 INF = float("inf")
@@ -509,7 +509,7 @@ def run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z
     init = as_kernel_input(initial_states, f32)
     dfin = as_kernel_input(dfinal_states, f32)
     dout = torch.zeros_like(xk) if dout is None else as_kernel_input(dout, mm)
-    seq = None if seq_idx is None else as_kernel_input(seq_idx, torch.int32)
+    seq = seq_ids_int32(seq_idx)
 
     cfg = config or backward_config(b, h, g, p, n, chunk_size, mm, sms, seqlen=l)
     check_config(cfg, p, n)

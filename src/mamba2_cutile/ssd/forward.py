@@ -27,7 +27,8 @@ from ..kernels.chunk_state_carry import chunk_state_carry, chunk_state_carry_i64
 from ..kernels.chunk_state_pass import chunk_state_pass, chunk_state_pass_i64
 from ..kernels.decay_cumsum import decay_cumsum, decay_cumsum_i64
 from ..runtime import (DEFAULT_SMS, KernelCall, as_kernel_input, dt_clamp_bounds,
-                       launch_calls, needs_int64, next_pow2, num_sms, with_hints)
+                       launch_calls, needs_int64, next_pow2, num_sms, seq_ids_int32,
+                       with_hints)
 from .varlen import empty_varlen_states, varlen_states_from_chunks
 
 SUPPORTED_CHUNK_SIZES = (64, 128, 256)
@@ -332,7 +333,7 @@ def forward_launches(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     dt_bias = as_kernel_input(dt_bias, torch.float32)
     init = as_kernel_input(initial_states, torch.float32)
     if seq_idx is not None:
-        seq_idx = as_kernel_input(seq_idx, torch.int32)
+        seq_idx = seq_ids_int32(seq_idx)
 
     nchunks = -(-l // Q)
     final = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
