@@ -922,3 +922,21 @@ def test_unchecked_int64_ids_past_int32_stay_apart(monkeypatch):
     for base in (2**31 - 1, 2**31, 2**40):
         got = causal_conv1d_fn(x, w, seq_idx=small + base)
         assert torch.equal(got, want), base
+
+
+def test_unchecked_slot_past_the_cache_is_padding(monkeypatch):
+    """Unchecked (torch.compile on CPU tensors), a slot past the cache is a padding row, as
+    on the GPU: out 0 and no state changed, instead of an IndexError."""
+    from mamba2_cutile.conv1d import api
+    gen = torch.Generator().manual_seed(4)
+    state = torch.randn(2, 4, 3, dtype=F64, generator=gen)
+    x = torch.randn(2, 4, dtype=F64, generator=gen)
+    w = torch.randn(4, 3, dtype=F64, generator=gen)
+    idx = torch.tensor([0, 5], dtype=torch.int32)
+    monkeypatch.setattr(api, "value_checks_enabled", lambda on_cuda: False)
+    st = state.clone()
+    out = causal_conv1d_update(x, st, w, conv_state_indices=idx)
+    want_st = state.clone()
+    want = causal_conv1d_update(x[:1], want_st[:1], w)
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(st, want_st)

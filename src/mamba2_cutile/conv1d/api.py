@@ -128,9 +128,9 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     onwards (with k > state_len the later tokens win) and the window read from the width-1
     entries before it; without, the state shifts left by k and the tokens enter at its end.
     conv_state_indices: (batch,) ints, each row's slot; a negative slot is a padding row
-    (out 0, no state change). Slots must be below nslots (checked on CPU inputs and with
-    MAMBA2_CUTILE_CHECK=1; unchecked on the GPU a slot past the state is a padding row) and
-    distinct (repeated slots are not supported). Returns out shaped like x, in x's dtype.
+    (out 0, no state change). Slots must be below nslots (checked on CPU inputs in eager
+    mode and with MAMBA2_CUTILE_CHECK=1; unchecked, on the GPU or under torch.compile, a slot
+    past the state is a padding row) and distinct (repeated slots are not supported). Returns out shaped like x, in x's dtype.
     """
     silu = _silu(activation)
     check_tensor("x", x, (2, 3), FLOATS)

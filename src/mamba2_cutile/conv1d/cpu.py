@@ -119,7 +119,8 @@ def conv1d_update(x3, conv_state, weight, bias, silu: bool, cache_seqlens, conv_
     dev = x3.device
     rows = torch.arange(b, device=dev)
     slots = rows if conv_state_indices is None else conv_state_indices.to(torch.int64)
-    live = slots >= 0
+    # unchecked (torch.compile) a slot past the cache is a padding row, as on the GPU
+    live = (slots >= 0) & (slots < conv_state.shape[0])
     safe = torch.where(live, slots, torch.zeros_like(slots))
     if conv_state.shape[0]:
         raw = conv_state[safe]                                       # (b, d, S)
