@@ -325,3 +325,15 @@ def test_eager_call_equals_the_op():
             g0.sum().backward()
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_cpu_autocast_keeps_float32():
+    """Under torch.autocast on the CPU the float32 layer (no out projection, the one op that
+    autocast may lower) computes in float32, as the kernels do: bit-equal to a call outside."""
+    c = CASES["z-in-scan-mlp-no-proj-no-act"]
+    t, seq = make_inputs(c, dtype=torch.float32, seed=1)
+    want = call(fused, c, t, seq, chunk_size=c.chunk_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = call(fused, c, t, seq, chunk_size=c.chunk_size)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

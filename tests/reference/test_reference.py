@@ -121,6 +121,21 @@ def test_low_precision_cpu_dtypes():
     assert err < 2e-2
 
 
+def test_cpu_autocast_keeps_float32():
+    """Under torch.autocast on the CPU, float32 inputs are computed in float32 (as the kernels
+    do, which autocast does not reach), forward and backward: bit-equal to a call outside."""
+    inp = make_inputs(dtype=torch.float32)
+    x = inp.pop("x").requires_grad_(True)
+    y0 = mamba_chunk_scan_combined(x, **inp, chunk_size=64)
+    g0, = torch.autograd.grad(y0.square().sum(), x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y1 = mamba_chunk_scan_combined(x, **inp, chunk_size=64)
+        g1, = torch.autograd.grad(y1.square().sum(), x)
+    assert y1.dtype == torch.float32
+    torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    torch.testing.assert_close(g1, g0, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_default_limit_clamps_negative_dt(bias):
     """dt' = clamp(dt + dt_bias, 0, inf) with the default dt_limit, as mamba_ssm's Triton scan

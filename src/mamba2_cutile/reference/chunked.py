@@ -10,10 +10,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .common import d_term, expand_groups, process_dt
+from .common import autocast_off, d_term, expand_groups, process_dt
 from .recurrence import varlen_from_per_token
 
 
+@autocast_off
 def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                 seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
                 dtype=torch.float32):

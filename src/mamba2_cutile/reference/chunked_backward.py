@@ -56,7 +56,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .common import expand_groups
+from .common import autocast_off, expand_groups
 
 INF = float("inf")
 #: decay_cumsum's clamp of one token's log decay (2^256 in its log2 units), in natural log
@@ -434,6 +434,7 @@ def stage6_dt_preprocess(dt, ddtp, dt_bias=None, dt_softplus=False, dt_limit=(0.
 # the whole backward
 # ----------------------------------------------------------------------------------------------
 
+@autocast_off
 def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z=None,
                          dt_bias=None, initial_states=None, seq_idx=None, dt_softplus=False,
                          dt_limit=(0.0, INF), dtype=torch.float32):

@@ -1,8 +1,23 @@
-"""What the PyTorch definitions share: dt's preprocessing, group expansion, the D term."""
+"""What the PyTorch definitions share: dt's preprocessing, group expansion, the D term, and
+running without autocast."""
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import torch.nn.functional as F
+
+
+def autocast_off(fn):
+    """`fn` with autocast off on the CPU and CUDA: the PyTorch paths compute in the dtype they
+    are asked for (float32 for float32 or 16-bit inputs, as the kernels do), never in the bf16
+    that an enclosing `torch.autocast` would give their matrix products."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+    return run
 
 
 def process_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
