@@ -273,3 +273,33 @@ def test_errors_name_the_argument():
         m(torch.randn(1, 4, 15, dtype=torch.float64))
     with pytest.raises(ValueError, match="u must have shape"):
         m(torch.randn(4, 16, dtype=torch.float64))
+    conv_state, ssm_state = m.allocate_inference_cache(1, 4)
+    with pytest.raises(ValueError, match="ssm_state must have shape"):
+        m.step(torch.randn(1, 1, 16, dtype=torch.float64), conv_state, ssm_state[..., :-1])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_no_tokens(fused):
+    """seqlen 0 gives an empty output on both paths, and an empty prefill leaves zero states."""
+    m = make("default-small", use_mem_eff_path=fused)
+    u = torch.randn(2, 0, 16, dtype=torch.float64)
+    assert m(u).shape == (2, 0, 16)
+    params = InferenceParams(max_seqlen=4, max_batch_size=2)
+    assert m(u, inference_params=params).shape == (2, 0, 16)
+    conv_state, ssm_state = params.key_value_memory_dict[m.layer_idx]
+    assert not conv_state.any() and not ssm_state.any()
+
+
+def test_sizes_from_numpy_and_tensor_integers():
+    """A config's numpy or 0-d tensor integers build the same module as Python ints."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    a = Mamba2(16, d_state=np.int64(8), headdim=np.int32(4), ngroups=np.int64(2),
+               chunk_size=torch.tensor(64), dtype=torch.float64)
+    torch.manual_seed(0)
+    b = Mamba2(16, d_state=8, headdim=4, ngroups=2, chunk_size=64, dtype=torch.float64)
+    assert type(a.ngroups) is int and type(a.chunk_size) is int
+    u = torch.randn(1, 9, 16, dtype=torch.float64)
+    torch.testing.assert_close(a(u), b(u), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="d_state"):
+        Mamba2(16, d_state=8.5, headdim=4)

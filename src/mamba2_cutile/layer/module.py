@@ -17,6 +17,7 @@ a mamba_ssm `Mamba2` state dict loads as is.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,16 @@ def conv_states_from_inputs(xBC, d_conv, cu_seqlens=None, seq_idx=None):
     return rows.transpose(1, 2)
 
 
+def _plain_int(name, v):
+    """v as a Python int (numpy and 0-d tensor integers too); a clear error otherwise."""
+    if isinstance(v, bool):
+        raise TypeError(f"{name} must be an integer, got {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(v).__name__} {v!r}") from None
+
+
 class Mamba2(nn.Module):
     """The Mamba-2 mixer of mamba_ssm (arguments and defaults as its `Mamba2`).
 
@@ -93,6 +104,13 @@ class Mamba2(nn.Module):
                              "mamba2_cutile; pass process_group=None")
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
+        # sizes from a config may be numpy or 0-d tensor integers: plain ints from here on
+        # (they become kernel constants)
+        d_model, d_state, d_conv, headdim, ngroups, chunk_size = (
+            _plain_int(name, v) for name, v in (
+                ("d_model", d_model), ("d_state", d_state), ("d_conv", d_conv),
+                ("headdim", headdim), ("ngroups", ngroups), ("chunk_size", chunk_size)))
+        d_ssm = None if d_ssm is None else _plain_int("d_ssm", d_ssm)
         self.d_model, self.d_state, self.d_conv, self.conv_init = d_model, d_state, d_conv, conv_init
         self.expand = expand
         self.process_group, self.sequence_parallel = None, sequence_parallel
@@ -212,7 +230,8 @@ class Mamba2(nn.Module):
         if seqlen_og is not None:
             zxbcdt = zxbcdt.view(batch, seqlen, -1)
         varlen_prefill = inference_params is not None and cu_seqlens is not None
-        if self.use_mem_eff_path and not varlen_prefill:
+        # no tokens: the fused function's empty result (the parts' convolution needs one)
+        if (self.use_mem_eff_path or seqlen == 0) and not varlen_prefill:
             out = self._forward_fused(zxbcdt, seq_idx, conv_state, ssm_state)
         else:
             out = self._forward_parts(zxbcdt, seq_idx, cu_seqlens if varlen_prefill else None,
@@ -272,6 +291,11 @@ class Mamba2(nn.Module):
             raise ValueError(f"hidden_states must have shape (batch, 1, d_model) (one token "
                              f"per step), got {tuple(hidden_states.shape)}")
         b = hidden_states.shape[0]
+        want = (b, self.nheads, self.headdim, self.d_state)
+        if not isinstance(ssm_state, torch.Tensor) or tuple(ssm_state.shape) != want:
+            got = tuple(ssm_state.shape) if isinstance(ssm_state, torch.Tensor) else ssm_state
+            raise ValueError(f"ssm_state must have shape (batch, nheads, headdim, d_state) = "
+                             f"{want}, got {got}")
         zxbcdt = self.in_proj(hidden_states[:, 0])
         z0, x0, z, xBC, dt = self._split(zxbcdt)
         xBC = causal_conv1d_update(xBC, conv_state, self._conv_weight(), self.conv1d.bias,
