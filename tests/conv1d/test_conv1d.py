@@ -940,3 +940,12 @@ def test_unchecked_slot_past_the_cache_is_padding(monkeypatch):
     want = causal_conv1d_update(x[:1], want_st[:1], w)
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], torch.zeros_like(out[1]))
     assert torch.equal(st, want_st)
+
+
+def test_update_output_has_no_gradient():
+    """A decode step carries no gradient, as causal-conv1d's: inputs that require one give an
+    output that does not (no backward that would raise)."""
+    x = torch.randn(2, 4, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    out = causal_conv1d_update(x, torch.randn(2, 4, 2), w, torch.randn(4, requires_grad=True))
+    assert not out.requires_grad and out.grad_fn is None

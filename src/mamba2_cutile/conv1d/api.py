@@ -173,6 +173,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     conv_state_indices = _int32("conv_state_indices", conv_state_indices, x.is_cuda)
     if b == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
-    out = custom_ops.conv1d_update_call(x3, conv_state, weight, bias, silu, cache_seqlens,
-                                        conv_state_indices)
+    # a decode step has no gradient (as causal-conv1d's): its output never asks for one
+    with torch.no_grad():
+        out = custom_ops.conv1d_update_call(x3, conv_state, weight, bias, silu, cache_seqlens,
+                                            conv_state_indices)
     return out.squeeze(-1) if x.dim() == 2 else out
