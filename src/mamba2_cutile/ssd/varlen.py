@@ -39,14 +39,20 @@ def varlen_states_from_chunks(x, B, dt_buf, cum_buf, states, init, cu_seqlens, Q
     gq = cum_buf[0][:, tok].permute(1, 2, 0)                                  # (s, Q, h)
     dq = dt_buf[0][:, tok].permute(1, 2, 0)
     g_last = cum_buf[0][:, last].t()                                          # (s, h)
-    expo = torch.where(valid[..., None], g_last[:, None, :] - gq, -math.inf)
-    w = torch.exp2(expo) * dq
+    # tokens of other sequences are selected away, never multiplied by a zero weight: their
+    # x, B or dt may be NaN/Inf (0 * NaN), and must not reach this sequence's state
+    vq = valid[..., None]
+    expo = torch.where(vq, g_last[:, None, :] - gq, -math.inf)
+    w = torch.where(vq, torch.exp2(expo) * dq, 0.0)
+    xs = torch.where(vq[..., None], xs, 0.0)
+    Bs = torch.where(vq[..., None], Bs, 0.0)
     st = torch.einsum("sqh,sqhp,sqhn->shpn", w, xs, Bs)
     # the carried state belongs to the sequence: it began before chunk c, or at token 0 (it
     # then owns the initial state, even after leading empty sequences)
     running = ((start < chunk * Q) | (start == 0)) & (end > start)
-    carry = torch.where(running[:, None], torch.exp2(g_last), 0.0)            # (s, h)
-    st = st + carry[:, :, None, None] * states[0][:, chunk].transpose(0, 1).float()
+    entering = states[0][:, chunk].transpose(0, 1).float()                    # (s, h, p, n)
+    carried = torch.exp2(g_last)[:, :, None, None] * entering
+    st = st + torch.where(running[:, None, None, None], carried, 0.0)
     if init is not None and nseq:
         # an empty sequence at token 0 keeps the initial state
         keep = ((end <= start) & (start == 0))[:, None, None, None]
