@@ -405,3 +405,37 @@ def test_bounds_checks_kept_before_tileiras_13_4(version, unchecked, monkeypatch
     finally:
         decode_plan._unchecked_supported.cache_clear()
         decode_plan._PLAN_CACHE.clear()
+
+
+def test_form_without_heads():
+    """mamba_ssm's form without a head dimension (state (nslots, dim, n), x (batch, dim), ...)
+    against its definition, with state slots, a padding row and out_states; y (batch, dim)."""
+    F64 = torch.float64
+    gen = torch.Generator().manual_seed(9)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    b, dim, n = 3, 5, 6
+    state = r(4, dim, n)
+    x, z, dt = r(b, dim), r(b, dim), torch.rand(b, dim, generator=gen, dtype=F64)
+    A = -torch.rand(dim, n, generator=gen, dtype=F64)
+    B, C, D, dt_bias = r(b, n), r(b, n), r(dim), r(dim)
+    idx = torch.tensor([2, -1, 0])
+    st, outs = state.clone(), torch.zeros(b, dim, n, dtype=F64)
+    y = selective_state_update(st, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=True,
+                               state_batch_indices=idx, out_states=outs)
+    assert y.shape == (b, dim)
+    want = state.clone()
+    for row, slot in enumerate(idx.tolist()):
+        if slot < 0:
+            assert torch.equal(y[row], torch.zeros(dim, dtype=F64))
+            continue
+        d = torch.nn.functional.softplus(dt[row] + dt_bias)[:, None]
+        want[slot] = state[slot] * torch.exp(d * A) + d * x[row][:, None] * B[row]
+        yr = (want[slot] * C[row]).sum(-1) + D * x[row]
+        torch.testing.assert_close(y[row], yr * z[row] * torch.sigmoid(z[row]), rtol=1e-13,
+                                   atol=1e-13)
+        torch.testing.assert_close(outs[row], want[slot], rtol=0, atol=0)
+    torch.testing.assert_close(st, want, rtol=1e-14, atol=1e-14)
+    with pytest.raises(ValueError, match="dt must have 2 dimensions"):
+        selective_state_update(st, x, dt[:, None], A, B, C)
+    with pytest.raises(ValueError, match="state must have 4 dimensions"):
+        selective_state_update(st, x[:, None], dt, A, B, C)

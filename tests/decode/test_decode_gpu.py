@@ -20,7 +20,7 @@ from mamba2_cutile.decode import selective_state_update
 from mamba2_cutile.reference import selective_state_update_ref
 from support import variants
 from support.gpu import log_result, mamba_refused, rel_err, require_mamba_ssm_state_update
-from support.tolerances import (MAMBA_FACTOR, PREFILL_DECODE_TOL, SAME_MATH_TOL,
+from support.tolerances import (DECODE_TOL, MAMBA_FACTOR, PREFILL_DECODE_TOL, SAME_MATH_TOL,
                                 comparison_floor,
                                 decode_out_states_tol, decode_tol)
 
@@ -458,3 +458,24 @@ def test_split_n_layouts_and_odd_dstate(layout, p, monkeypatch):
     inp, kw = make(b=5, h=6, g=3, p=p, n=96, layout=layout, opts=("D", "z", "bias"),
                    idx=[3, -1, 0, 4, 1], out=True)
     check(inp, kw)
+
+
+def test_form_without_heads_matches_the_cpu():
+    """mamba_ssm's form without a head dimension on the GPU (a head-1 view of the state,
+    updated in place) equals the CPU path's answer on the same inputs."""
+    gen = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    b, dim, n = 5, 96, 16
+    t = dict(state=r(6, dim, n), x=r(b, dim), dt=torch.rand(b, dim, generator=gen) * 0.5,
+             A=-torch.rand(dim, n, generator=gen), B=r(b, n), C=r(b, n), D=r(dim), z=r(b, dim),
+             dt_bias=r(dim) * 0.1)
+    idx = torch.tensor([4, 0, -1, 2, 5])
+    cpu_state, gpu_state = t["state"].clone(), t["state"].cuda()
+    args = {k: v for k, v in t.items() if k != "state"}
+    want = selective_state_update(cpu_state, **args, dt_softplus=True, state_batch_indices=idx)
+    got = selective_state_update(gpu_state, **{k: v.cuda() for k, v in args.items()},
+                                 dt_softplus=True, state_batch_indices=idx.cuda())
+    assert got.shape == (b, dim)
+    # float32 on both sides, as the headed tests' float32 bound against float64
+    assert rel_err(got.cpu(), want) < DECODE_TOL[torch.float32]
+    assert rel_err(gpu_state.cpu(), cpu_state) < DECODE_TOL[torch.float32]

@@ -147,7 +147,14 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
 
         dt' = softplus?(dt + dt_bias);  state = exp(A dt') state + dt' x B[group]
         y = sum_n state C[group] + D x;  y *= z sigmoid(z)
+
+    mamba_ssm's form without a head dimension is taken too: state (nslots, dim, n); x, dt, z
+    (batch, dim); A (dim, n); B, C (batch, n); D, dt_bias (dim,); out_states (batch, dim, n)
+    (one head of `dim` channels; y (batch, dim)).
     """
+    if isinstance(state, torch.Tensor) and state.dim() == 3:
+        return _without_heads(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                              state_batch_indices, out_states)
     key = layout_signature((state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out_states),
                       dt_softplus)
     if key is None or key not in _VALIDATED:
@@ -167,6 +174,28 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         update_torch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
                       out_states, y)
     return y
+
+
+def _without_heads(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, out_states):
+    """The form without heads as one head: a view with a head dimension of 1 (the state is
+    still updated in place)."""
+    if isinstance(x, torch.Tensor) and x.dim() in (3, 4):
+        raise ValueError(f"state must have 4 dimensions (nslots, nheads, headdim, dstate) with "
+                         f"x of {x.dim()} dimensions, got 3 (a 3-D state is mamba_ssm's form "
+                         f"without heads, with x (batch, dim))")
+    ndims = dict(x=(x, 2), dt=(dt, 2), A=(A, 2), B=(B, 2), C=(C, 2), D=(D, 1), z=(z, 2),
+                 dt_bias=(dt_bias, 1), out_states=(out_states, 3))
+    for name, (t, nd) in ndims.items():
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != nd):
+            got = t.dim() if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have {nd} dimensions with a 3-D state (mamba_ssm's "
+                             f"form without heads), got {got}")
+    head = lambda t, d: None if t is None else t.unsqueeze(d)  # noqa: E731
+    y = selective_state_update(state.unsqueeze(1), x.unsqueeze(1), dt.unsqueeze(1),
+                               A.unsqueeze(0), B.unsqueeze(1), C.unsqueeze(1), D=head(D, 0),
+                               z=head(z, 1), dt_bias=head(dt_bias, 0), dt_softplus=dt_softplus,
+                               state_batch_indices=idx, out_states=head(out_states, 1))
+    return y.squeeze(1)
 
 
 def _slots_int32(idx):
