@@ -3,12 +3,25 @@ say what was expected."""
 
 from __future__ import annotations
 
+import operator
 import os
 import torch
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 GPU_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def plain_int(v):
+    """v as a Python int where it is an integer of another kind (numpy, a 0-d integer tensor),
+    so that it can become a kernel constant; anything else (bool included) unchanged, for the
+    caller's own check to name."""
+    if isinstance(v, (bool, int)) or v is None:
+        return v
+    try:
+        return operator.index(v)
+    except TypeError:
+        return v
 
 
 def shape_of(t):

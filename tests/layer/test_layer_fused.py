@@ -337,3 +337,14 @@ def test_cpu_autocast_keeps_float32():
         got = call(fused, c, t, seq, chunk_size=c.chunk_size)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_numpy_integer_sizes():
+    """numpy integers for chunk_size, headdim and ngroups (a config's values) give the same
+    result as Python ints."""
+    np = pytest.importorskip("numpy")
+    c = CASES["z-in-scan-seq-init"]
+    t, seq = make_inputs(c)
+    want = call(fused, c, t, seq, chunk_size=64)
+    got = call(fused, c, t, seq, chunk_size=np.int64(64))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -158,3 +158,15 @@ def test_default_limit_clamps_negative_dt(bias):
     y1 = mamba_chunk_scan_combined(**dict(inp, dt=-inp["dt"].abs() - 0.01), chunk_size=64, D=D)
     torch.testing.assert_close(y1, inp["x"], rtol=0, atol=0)
 
+
+
+def test_numpy_integer_chunk_size():
+    """A numpy integer chunk_size (a config's value) gives the Python int's result; a bool is
+    refused by name."""
+    np = pytest.importorskip("numpy")
+    inp = make_inputs()
+    want = mamba_chunk_scan_combined(**inp, chunk_size=64)
+    torch.testing.assert_close(mamba_chunk_scan_combined(**inp, chunk_size=np.int64(64)), want,
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        mamba_chunk_scan_combined(**inp, chunk_size=True)

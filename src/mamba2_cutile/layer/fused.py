@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ..checks import (FLOATS, GPU_FLOATS, INTS, check_gpu_dtypes, check_same_device,
-                      check_tensor, expect_shape, shape_of, value_checks_enabled)
+                      check_tensor, expect_shape, plain_int, shape_of, value_checks_enabled)
 from ..conv1d.plan import MAX_WIDTH
 from ..ssd.forward import MAX_DSTATE, MAX_HEADDIM, SUPPORTED_CHUNK_SIZES
 from . import custom_ops  # registers torch.ops.mamba2_cutile.split_conv1d_scan
@@ -183,6 +181,8 @@ def split_conv1d_scan_norm_groups(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A
     dim // norm_groups channels instead of mamba_ssm's `ngroups` (the B/C groups). For callers
     whose norm is defined apart from the B/C grouping: transformers before 5.18 normalises the
     Mamba-2, Bamba and GraniteMoeHybrid mixers' output over all of dim (norm_groups=1)."""
+    chunk_size, headdim, ngroups, norm_groups = (plain_int(v) for v in (
+        chunk_size, headdim, ngroups, norm_groups))
     headdim, lo, hi, group_size = _validate(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx,
         dt_limit, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias,

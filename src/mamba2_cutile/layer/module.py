@@ -17,14 +17,13 @@ a mamba_ssm `Mamba2` state dict loads as is.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checks import check_cu_seqlens, value_checks_enabled
+from ..checks import check_cu_seqlens, plain_int, value_checks_enabled
 from ..conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..decode import selective_state_update
 from ..norm import RMSNorm
@@ -78,12 +77,10 @@ def conv_states_from_inputs(xBC, d_conv, cu_seqlens=None, seq_idx=None):
 
 def _plain_int(name, v):
     """v as a Python int (numpy and 0-d tensor integers too); a clear error otherwise."""
-    if isinstance(v, bool):
-        raise TypeError(f"{name} must be an integer, got {v!r}")
-    try:
-        return operator.index(v)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(v).__name__} {v!r}") from None
+    r = plain_int(v)
+    if isinstance(r, bool) or not isinstance(r, int):
+        raise TypeError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+    return r
 
 
 class Mamba2(nn.Module):

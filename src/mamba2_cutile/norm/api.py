@@ -15,7 +15,7 @@ import torch
 
 from . import custom_ops  # registers torch.ops.mamba2_cutile.rmsnorm_gated_*
 from ..checks import FLOATS, check_gpu_dtypes, check_same_device, check_tensor, expect_shape, \
-    shape_of
+    plain_int, shape_of
 from .plan import MAX_GROUP_SIZE, MAX_GROUPS
 
 
@@ -79,7 +79,7 @@ def rmsnorm_fn(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_bef
     rmsnorm(x * silu(z)) * weight (+ bias); without z: plain RMSNorm. The statistics are in
     float32; the result has x's shape and dtype. Differentiable in x, weight, bias and z.
     """
-    gs = _validate(x, weight, bias, z, eps, group_size, norm_before_gate)
+    gs = _validate(x, weight, bias, z, eps, plain_int(group_size), norm_before_gate)
     hidden = x.shape[-1]
     out, _ = custom_ops.rmsnorm_gated(
         _rows(x, hidden), weight, bias, None if z is None else _rows(z, hidden), float(eps),

@@ -15,7 +15,7 @@ import math
 from . import custom_ops  # registers torch.ops.mamba2_cutile; ssd_scan calls it
 from ..checks import (FLOATS, GPU_FLOATS, INTS, check_cu_seqlens, check_gpu_dtypes,
                       check_same_device, check_tensor, expect_shape, shape_of,
-                      value_checks_enabled)
+                      plain_int, value_checks_enabled)
 from .forward import MAX_DSTATE, MAX_HEADDIM, SUPPORTED_CHUNK_SIZES
 
 
@@ -108,6 +108,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     Returns out (x's dtype), then final_states (float32) if return_final_states, then
     varlen_states (s, h, p, n) in state_dtype (default C's dtype) if return_varlen_states.
     """
+    chunk_size = plain_int(chunk_size)
     _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
               dt_limit, return_varlen_states, state_dtype)
     varlen_cu = cu_seqlens if return_varlen_states else None
