@@ -79,18 +79,20 @@ def test_batch1_view_of_a_larger_tensor_runs_32_bit_with_small_strides(direction
     assert _unit_dim_strides(calls) <= INT32_LIMIT
 
 
-def test_seq_ids_int32_keeps_runs_past_int32():
-    """int64 ids that do not fit int32 are renumbered by runs: neighbours that share an id
-    still do, the sign (padding) and non-decreasing rows are kept; ids that fit are cast."""
+def test_seq_ids_int32_keeps_ids_apart_past_int32():
+    """int64 ids that do not fit int32 are replaced by their rank in the row: every pair of
+    tokens (at any distance, ids in any order) compares equal and ordered as before, and the
+    sign (padding) is kept; ids that fit are cast."""
     from mamba2_cutile.runtime import seq_ids_int32
     big = 2**31
-    s = torch.tensor([[-9, -9, -3, 0, 0, big, big, 2**40, 5],
-                      [1, 1, 2, 2, 3, 3, 4, 4, 4]])
+    s = torch.tensor([[-9, -9, -3, 0, 0, big, big, 2**40, 5, 0, -9],
+                      [1, 1, 2, 2, 3, 3, 4, 4, 4, 7, 1],
+                      [big + 3, -1, big + 3, big + 5, big + 3, -1, 0, 0, 2, big, 2]])
     r = seq_ids_int32(s)
     assert r.dtype == torch.int32 and r.is_contiguous()
-    assert torch.equal(r[:, 1:] == r[:, :-1], s[:, 1:] == s[:, :-1])
+    assert torch.equal(r[:, :, None] == r[:, None, :], s[:, :, None] == s[:, None, :])
+    assert torch.equal(r[:, :, None] < r[:, None, :], s[:, :, None] < s[:, None, :])
     assert torch.equal(r < 0, s < 0)
-    assert bool((r[1, 1:] >= r[1, :-1]).all()) and bool((r[0, :8][1:] >= r[0, :8][:-1]).all())
     fits = torch.tensor([[-1, 0, 7, 2**31 - 1]])
     assert torch.equal(seq_ids_int32(fits), fits.to(torch.int32))
     i32 = torch.tensor([[3, 4]], dtype=torch.int32)

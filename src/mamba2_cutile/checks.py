@@ -16,7 +16,8 @@ def plain_int(v):
     """v as a Python int where it is an integer of another kind (numpy, a 0-d integer tensor),
     so that it can become a kernel constant; anything else (bool included) unchanged, for the
     caller's own check to name."""
-    if isinstance(v, (bool, int)) or v is None:
+    if isinstance(v, (bool, int)) or v is None or (isinstance(v, torch.Tensor)
+                                                    and v.dtype == torch.bool):
         return v
     try:
         return operator.index(v)

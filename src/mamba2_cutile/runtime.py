@@ -162,22 +162,26 @@ def as_kernel_input(t, dtype=None):
 
 def seq_ids_int32(seq_idx):
     """Sequence ids (batch, seqlen) as the kernels' contiguous int32 ids, without reading a
-    value on the host: a plain cast where every id fits int32, otherwise each row's runs of
-    equal ids renumbered in order, 0, 1, ..., minus (runs in the row + 1) where the id is
-    negative (padding), so ids past int32 neither wrap nor saturate onto a neighbouring
-    sequence's. The renumbering keeps which neighbouring tokens share an id, the sign, and
-    non-decreasing rows non-decreasing, which is all the kernels read (an id that comes back
-    after another one becomes a new run: the scan's ids are non-decreasing anyway)."""
+    value on the host: a plain cast where every id fits int32; otherwise each row's ids
+    replaced by their rank in the row (where the id's first copy lands among the row's ids
+    sorted, minus the row's count of negative ids), so ids past int32 neither wrap nor
+    saturate onto another sequence's. The ranks keep which tokens share an id at any distance
+    (the convolution compares tokens up to width - 1 apart, in any order of ids), the order
+    (the scan's rows are non-decreasing) and the sign (a negative id is padding)."""
     if seq_idx is None or seq_idx.dtype == torch.int32:
         return None if seq_idx is None else seq_idx.contiguous()
     s = seq_idx.to(torch.int64)
     if not s.numel():
         return s.to(torch.int32).contiguous()
     fits = (s.min() >= -2**31) & (s.max() <= INT32_LIMIT)          # 0-d, stays on the device
-    step = (s[..., 1:] != s[..., :-1]).to(torch.int32)
-    runs = torch.cat([torch.zeros_like(step[..., :1]), step.cumsum(-1, dtype=torch.int32)], -1)
-    relabelled = torch.where(s >= 0, runs, runs - runs[..., -1:] - 1)
-    return torch.where(fits, s.to(torch.int32), relabelled).contiguous()
+    ordered, where_from = s.sort(dim=-1, stable=True)
+    fresh = torch.ones_like(ordered, dtype=torch.bool)
+    fresh[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
+    pos = torch.arange(s.shape[-1], device=s.device).expand_as(ordered)
+    first = torch.where(fresh, pos, torch.zeros_like(pos)).cummax(dim=-1).values
+    rank = (first - (s < 0).sum(dim=-1, keepdim=True)).to(torch.int32)
+    ranked = torch.empty_like(rank).scatter_(-1, where_from, rank)
+    return torch.where(fits, s.to(torch.int32), ranked).contiguous()
 
 
 def dt_clamp_bounds(dt_limit):

@@ -916,12 +916,15 @@ def test_unchecked_int64_ids_past_int32_stay_apart(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(1, 3, 6, dtype=F64, generator=gen)
     w = torch.randn(3, 4, dtype=F64, generator=gen)
-    small = torch.tensor([[0, 0, 0, 1, 1, 1]])
-    want = causal_conv1d_fn(x, w, seq_idx=small.to(torch.int32))
-    monkeypatch.setattr(api, "value_checks_enabled", lambda on_cuda: False)
-    for base in (2**31 - 1, 2**31, 2**40):
-        got = causal_conv1d_fn(x, w, seq_idx=small + base)
-        assert torch.equal(got, want), base
+    # two sequences; one broken by a padding token; ids that come back (3, 5, 3)
+    for small in ([[0, 0, 0, 1, 1, 1]], [[0, -1, 0, 0, 1, 1]], [[3, 5, 3, 3, 5, 3]]):
+        small = torch.tensor(small)
+        want = causal_conv1d_fn(x, w, seq_idx=small.to(torch.int32))
+        with monkeypatch.context() as m:
+            m.setattr(api, "value_checks_enabled", lambda on_cuda: False)
+            for base in (2**31 - 1, 2**31, 2**40):
+                got = causal_conv1d_fn(x, w, seq_idx=torch.where(small >= 0, small + base, small))
+                assert torch.equal(got, want), (small.tolist(), base)
 
 
 def test_unchecked_slot_past_the_cache_is_padding(monkeypatch):
