@@ -286,7 +286,7 @@ def test_update_keeps_a_wider_state_exact(circular):
     assert torch.equal(st, want)
     ref = sum(weight.double()[:, j, None] * window[..., j:j + 2] for j in range(4))
     assert out.dtype == torch.float32
-    assert (out.double() - ref).abs().max() < 1e-5
+    assert (out.double() - ref).abs().max() < 2e-6       # float32: at most 4.2e-7 (50 seeds)
 
 # ------------------------------------------------------------------------------------ errors
 

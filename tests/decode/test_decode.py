@@ -431,10 +431,11 @@ def test_form_without_heads():
         d = torch.nn.functional.softplus(dt[row] + dt_bias)[:, None]
         want[slot] = state[slot] * torch.exp(d * A) + d * x[row][:, None] * B[row]
         yr = (want[slot] * C[row]).sum(-1) + D * x[row]
-        torch.testing.assert_close(y[row], yr * z[row] * torch.sigmoid(z[row]), rtol=1e-13,
-                                   atol=1e-13)
+        # over 30 seeds: y within 8.9e-16, the state bit-equal
+        torch.testing.assert_close(y[row], yr * z[row] * torch.sigmoid(z[row]), rtol=0,
+                                   atol=5e-15)
         torch.testing.assert_close(outs[row], want[slot], rtol=0, atol=0)
-    torch.testing.assert_close(st, want, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(st, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="dt must have 2 dimensions"):
         selective_state_update(st, x, dt[:, None], A, B, C)
     with pytest.raises(ValueError, match="state must have 4 dimensions"):

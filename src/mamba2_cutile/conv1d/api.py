@@ -28,17 +28,20 @@ def _silu(activation) -> bool:
     return activation is not None
 
 
+def _check_int32(name, t, on_cuda):
+    """t, its values refused where they are checked if they do not fit int32."""
+    if t is not None and t.dtype != torch.int32 and value_checks_enabled(on_cuda) and \
+            t.numel() and (int(t.min()) < -2**31 or int(t.max()) >= 2**31):
+        raise ValueError(f"{name} values must fit in int32")
+    return t
+
+
 def _int32(name, t, on_cuda):
-    """t as int32; values outside int32 are refused where values are checked. Unchecked (on
-    the GPU, under torch.compile), seq_idx keeps its runs (`seq_ids_int32`) and the other
-    index arguments saturate rather than wrap onto another value."""
+    """An index argument as int32; unchecked (on the GPU, under torch.compile) a value past
+    int32 saturates rather than wraps onto another value."""
+    t = _check_int32(name, t, on_cuda)
     if t is None or t.dtype == torch.int32:
         return t
-    if value_checks_enabled(on_cuda) and t.numel() and (
-            int(t.min()) < -2**31 or int(t.max()) >= 2**31):
-        raise ValueError(f"{name} values must fit in int32")
-    if name == "seq_idx":
-        return seq_ids_int32(t)
     if t.dtype == torch.int64:
         t = t.clamp(-2**31, 2**31 - 1)
     return t.to(torch.int32)
@@ -104,7 +107,8 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None,
                    final_states_out=final_states_out if return_final_states else None)
     check_same_device(tensors)
     check_gpu_dtypes({k: v for k, v in tensors.items() if k != "seq_idx"})
-    seq_idx = _int32("seq_idx", seq_idx, x.is_cuda)
+    # unchecked, ids past int32 keep which tokens share a sequence (`seq_ids_int32`)
+    seq_idx = seq_ids_int32(_check_int32("seq_idx", seq_idx, x.is_cuda))
     if seq_idx is not None:
         seq_idx = seq_idx.contiguous()
     out, final = custom_ops.conv1d_call(x, weight, bias, seq_idx, initial_states, silu,
@@ -130,7 +134,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     conv_state_indices: (batch,) ints, each row's slot; a negative slot is a padding row
     (out 0, no state change). Slots must be below nslots (checked on CPU inputs in eager
     mode and with MAMBA2_CUTILE_CHECK=1; unchecked, on the GPU or under torch.compile, a slot
-    past the state is a padding row) and distinct (repeated slots are not supported). Returns out shaped like x, in x's dtype.
+    past the state is a padding row) and distinct (repeated slots are not supported).
+    Returns out shaped like x, in x's dtype.
     """
     silu = _silu(activation)
     check_tensor("x", x, (2, 3), FLOATS)

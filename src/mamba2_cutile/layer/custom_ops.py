@@ -53,12 +53,6 @@ def _conv_impl(t):
     return conv1d_forward, conv1d_backward
 
 
-def _int32(seq_idx):
-    """seq_idx as the convolution's contiguous int32 ids (`seq_ids_int32`: ids past int32 keep
-    their runs instead of wrapping or saturating onto another sequence's id)."""
-    return seq_ids_int32(seq_idx)
-
-
 class Sizes:
     """The split of zxbcdt's last dimension: [zx0 (2 d_mlp) | z (dim) | xBC (conv_dim) | dt (h)]."""
 
@@ -86,14 +80,14 @@ class Sizes:
 def conv_act(xBC, weight, bias, seq_idx, silu):
     """act(conv(xBC)) (b, l, conv_dim) contiguous, in xBC's dtype."""
     forward, _ = _conv_impl(xBC)
-    out, _ = forward(xBC.transpose(1, 2), weight, bias, _int32(seq_idx), None, silu, False)
+    out, _ = forward(xBC.transpose(1, 2), weight, bias, seq_ids_int32(seq_idx), None, silu, False)
     return out.transpose(1, 2).contiguous()     # no copy on CUDA: its output is channel-last
 
 
 def conv_backward(d_act, xBC, weight, bias, seq_idx, silu):
     """(dxBC (b, l, conv_dim), dweight, dbias or None) for the cotangent d_act of conv_act."""
     _, backward = _conv_impl(xBC)
-    dx, dw, db, _ = backward(xBC.transpose(1, 2), weight, bias, _int32(seq_idx), None,
+    dx, dw, db, _ = backward(xBC.transpose(1, 2), weight, bias, seq_ids_int32(seq_idx), None,
                              d_act.transpose(1, 2), None, silu)
     return dx.transpose(1, 2), dw, db
 

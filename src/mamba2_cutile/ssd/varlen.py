@@ -3,8 +3,6 @@ from the forward's chunk entry states and decay buffers (no host synchronization
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -42,8 +40,7 @@ def varlen_states_from_chunks(x, B, dt_buf, cum_buf, states, init, cu_seqlens, Q
     # tokens of other sequences are selected away, never multiplied by a zero weight: their
     # x, B or dt may be NaN/Inf (0 * NaN), and must not reach this sequence's state
     vq = valid[..., None]
-    expo = torch.where(vq, g_last[:, None, :] - gq, -math.inf)
-    w = torch.where(vq, torch.exp2(expo) * dq, 0.0)
+    w = torch.where(vq, torch.exp2(g_last[:, None, :] - gq) * dq, 0.0)
     xs = torch.where(vq[..., None], xs, 0.0)
     Bs = torch.where(vq[..., None], Bs, 0.0)
     st = torch.einsum("sqh,sqhp,sqhn->shpn", w, xs, Bs)
