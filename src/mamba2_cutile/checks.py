@@ -25,6 +25,22 @@ def plain_int(v):
         return v
 
 
+def plain_flag(v):
+    """v as a Python bool where it is a flag of another kind: None (off, as mamba_ssm's
+    kernels read it), a numpy bool, a 0-d bool tensor; anything else unchanged, for the
+    caller's own check to name."""
+    if v is None:
+        return False
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, torch.Tensor):
+        return bool(v) if v.dim() == 0 and v.dtype == torch.bool else v
+    if type(v).__module__ == "numpy" and str(getattr(v, "dtype", "")) == "bool" \
+            and getattr(v, "shape", None) == ():
+        return bool(v)
+    return v
+
+
 def shape_of(t):
     return tuple(t.shape)
 

@@ -5,6 +5,7 @@ variant the dispatcher can choose compiles for sm_90 and sm_100.
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -440,3 +441,18 @@ def test_form_without_heads():
         selective_state_update(st, x, dt[:, None], A, B, C)
     with pytest.raises(ValueError, match="state must have 4 dimensions"):
         selective_state_update(st, x[:, None], dt, A, B, C)
+
+
+@pytest.mark.parametrize("flag,same_as", [(None, False), (np.bool_(True), True),
+                                          (np.bool_(False), False), (torch.tensor(True), True)])
+def test_dt_softplus_of_other_kinds(flag, same_as):
+    """None (mamba_ssm's kernels read it as off), numpy bools and a 0-d bool tensor are flags."""
+    inp, kw = make()
+    want = selective_state_update(**{**inp, "state": inp["state"].clone()},
+                                  **{**kw, "dt_softplus": same_as})
+    got = selective_state_update(**{**inp, "state": inp["state"].clone()},
+                                 **{**kw, "dt_softplus": flag})
+    assert torch.equal(got, want)
+    on = selective_state_update(**{**inp, "state": inp["state"].clone()},
+                                **{**kw, "dt_softplus": not same_as})
+    assert not torch.equal(on, want)

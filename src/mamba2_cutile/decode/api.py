@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import (FLOATS, INTS, check_gpu_dtypes, check_same_device, check_tensor,
-                      expect_shape, shape_of, value_checks_enabled)
+                      expect_shape, plain_flag, shape_of, value_checks_enabled)
 from ..runtime import launch_calls
 from .cpu import update_torch
 from .plan import MAX_DSTATE, decode_plan, layout_signature
@@ -152,6 +152,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     (batch, dim); A (dim, n); B, C (batch, n); D, dt_bias (dim,); out_states (batch, dim, n)
     (one head of `dim` channels; y (batch, dim)).
     """
+    dt_softplus = plain_flag(dt_softplus)
     if isinstance(state, torch.Tensor) and state.dim() == 3:
         return _without_heads(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                               state_batch_indices, out_states)
