@@ -164,6 +164,28 @@ def test_module_under_non_reentrant_checkpoint(fused_path):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_int64_seq_idx_past_int32_same_result():
+    """int64 ids past int32 (unchecked on the GPU by default) keep their sequences apart in the
+    convolution and the scan: outputs, final state and gradients equal to those of small ids,
+    the backward deterministic."""
+    c, dtype = CASES["mamba2-default-seq-init"]
+    t, seq = make_inputs(c, dtype=dtype, device="cuda", seed=3)
+    big = seq.long() * 2**33 + 2**40
+
+    def run(ids):
+        ours = leaves(t)
+        out, final = call(fused, c, ours, ids, chunk_size=c.chunk_size,
+                          return_final_states=True)
+        names = [k for k in TENSORS if ours[k] is not None]
+        dout, dfin = cotangents(out.shape, final.shape, seed=4, device="cuda")
+        grads = torch.autograd.grad([out, final], [ours[k] for k in names],
+                                    [dout.to(out.dtype), dfin.float()])
+        return [out, final, *grads]
+
+    for got, want in zip(run(big), run(seq)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_cuda_graph_capture_fwd_bwd():
     """The training step has no host synchronization: captured in a CUDA graph, its replay
     gives the eager gradients."""
