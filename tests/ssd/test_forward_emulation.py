@@ -37,6 +37,9 @@ def emulated_forward(args, kw, Q, cfg):
                                  dt_buf, cum_buf, states, final, out, cfg)
     if seq is not None:                  # the run starts are written by kernel 1: poison them
         calls[0].args[8].fill_(-(2**30))
+    for call in calls:                   # scan_cb's C B^T scratch: a block read unwritten is NaN
+        if call.kernel._annotated_function.pyfunc.__name__ == "chunk_cb_fn":
+            call.args[2].fill_(float("nan"))
     emulate_launch(calls)
     return out, final
 
@@ -99,6 +102,24 @@ def test_emulated_segmented_state_pass(opt, segments):
     names = [c.kernel._annotated_function.pyfunc.__name__ for c in calls]
     assert names[1:3] == ["chunk_state_pass_fn", "chunk_state_carry_fn"]
     assert calls[1].args[17] == min(segments, 5)
+    check(args, kw, Q, cfg)
+
+
+@pytest.mark.parametrize("opt, Q, block_q", [("all", 64, 16), ("seq_idx", 128, 32),
+                                             ("D_head_z_seq", 64, 64), ("none", 128, 128)])
+def test_emulated_scan_cb(opt, Q, block_q):
+    """scan_cb: C B^T formed once per chunk and group (chunk_cb, its unwritten blocks NaN) and
+    read by chunk_scan, with several query blocks per chunk and one, a partial last chunk,
+    seq_idx resets and two heads per group."""
+    l = {64: 150, 128: 300}[Q]
+    args, kw, _, _ = make_problem(OPTIONS[opt], l=l, Q=Q)
+    cfg = small_forward_config(Q, 7, scan_block_q=block_q, scan_cb=1)
+    calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
+    names = [c.kernel._annotated_function.pyfunc.__name__ for c in calls]
+    assert names == ["decay_cumsum_fn", "chunk_state_pass_fn", "chunk_cb_fn", "chunk_scan_fn"]
+    nc = -(-l // Q)
+    assert calls[2].args[2].shape == (2, nc, 2, Q, Q)
+    assert tuple(calls[2].grid) == (nc * 2 * 2, Q // block_q, Q // block_q)
     check(args, kw, Q, cfg)
 
 

@@ -300,6 +300,8 @@ TUNING_OPTIONS = [
     {"state_segments": 2}, {"state_segments": 3, "state_occupancy": 4},
     {"state_segments": 8, "state_occupancy": 2, "state_block_n": 64},
     {"state_load_latency": 0},
+    {"scan_cb": 1}, {"scan_cb": 1, "scan_block_q": 64, "scan_occupancy": 2},
+    {"scan_cb": 1, "scan_causal": 4},
 ]
 
 

@@ -66,7 +66,8 @@ def test_plans_have_their_launches():
                 assert variants.variant_of(plan[2]) == variants.variant_of(calls[2]), name
             else:          # a program per FIX_SPAN tiles, flags one row per tile
                 flags = plan[2].args[-2]
-                assert flags.shape[1] == (1 if causal == 2 else plan[2].args[11]), name
+                assert flags.shape[1] == (
+                    1 if causal == 2 else variants.kernel_arg(plan[2], "BLOCK_Q")), name
                 assert plan[3].grid == (-(-flags.shape[0] // FIX_SPAN), 1, 1), name
     for name, problem in variants.backward_variants():
         names = [variants.kernel_name(c) for c in plans.backward_problem_plan(**problem)]
@@ -127,6 +128,23 @@ def test_segmented_state_pass_compiles(over, options):
         ["chunk_state_carry"] if segs > 1 else []) + ["chunk_scan"]
     assert calls[1].grid[2] == 4 * segs // (over.get("state_block_n", 32) // 32)
     for call in calls[1:-1]:
+        assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
+
+
+@pytest.mark.parametrize("problem, over", [
+    ({}, dict(scan_cb=1)),
+    (dict(batch=2, seqlen=8192, nheads=80, chunk_size=256), dict(scan_cb=1)),
+    (dict(batch=2, seqlen=8192, nheads=32, dstate=256, chunk_size=256), dict(scan_cb=1)),
+], ids=["seed", "2.7b", "dstate256"])
+@pytest.mark.parametrize("options", [("D_head",), ("D_head", "seq_idx", "z")],
+                         ids=["D", "D-seq-z"])
+def test_scan_cb_compiles(problem, over, options):
+    """scan_cb: chunk_cb and chunk_scan reading its C B^T blocks compile for sm_90, chunk_cb
+    without spills."""
+    calls = plans.forward_problem_plan(options=options, overrides=over, **problem)
+    names = [variants.kernel_name(c) for c in calls]
+    assert names == ["decay_cumsum", "chunk_state_pass", "chunk_cb", "chunk_scan"]
+    for call in calls[2:]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
 
 

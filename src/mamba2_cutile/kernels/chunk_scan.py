@@ -157,10 +157,11 @@ def _diag_tile_mma(
 
 
 def _tile_acc(
-    x, b, c, dt, cum, states, qblk, p_tile, batch, head, group, chunk, first_blk, g_q, row,
-    state_scale, start_q, Q: ct.Constant[int], BLOCK_Q: ct.Constant[int],
+    x, b, c, dt, cum, states, cbuf, qblk, p_tile, batch, head, group, chunk, first_blk, g_q,
+    row, state_scale, start_q, Q: ct.Constant[int], BLOCK_Q: ct.Constant[int],
     BLOCK_P: ct.Constant[int], NP: ct.Constant[int], HAS_SEQ: ct.Constant[bool], LAT,
     LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], SANITIZE: ct.Constant[bool],
+    CB_IN: ct.Constant[bool],
 ):
     """The tile's carried-state and masked (C B^T) X terms, fp32, before D x and the gate
     (SANITIZE: in the causal form, module docstring)."""
@@ -171,7 +172,24 @@ def _tile_acc(
     n_tiles = ct.cdiv(c.shape[3], BLOCK_N)
     ONE_TILE = BLOCK_N == NP      # then no K loop at all: straight-line code, C loaded once
     acc = ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32)
-    if BLOCK_Q == Q:
+    if CB_IN:
+        # C B^T blocks from chunk_cb (formed once per chunk and group); C here only for the
+        # carried-state term
+        for nt in range(n_tiles):
+            c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
+                          padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
+            h = ct.load(states, index=(batch, head, chunk, p_tile, nt),
+                        shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
+                        latency=LAT).reshape((BLOCK_P, BLOCK_N))
+            acc = ct.mma(mma_operand(c_t, x.dtype), mma_operand(h.transpose(), x.dtype), acc)
+        acc = _carried(acc, state_scale, start_q, HAS_SEQ)
+        for kblk in range(first_blk, qblk + 1):
+            cb = ct.load(cbuf, index=(batch, chunk, group, qblk - first_blk, kblk - first_blk),
+                         shape=(1, 1, 1, BLOCK_Q, BLOCK_Q),
+                         latency=LAT).reshape((BLOCK_Q, BLOCK_Q))
+            acc = _add_key_block(acc, cb, kblk, qblk, g_q, row, start_q, x, dt, cum, batch,
+                                 head, p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT, SANITIZE)
+    elif BLOCK_Q == Q:
         # The chunk's only key block is the diagonal one: each C tile is loaded once and
         # feeds both the carried-state MMA and C B^T.
         cb = ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32)
@@ -231,12 +249,12 @@ def _finite(t):
 
 
 def _scan_tile(
-    x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh,
+    x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk, p_tile, bh,
     Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
     NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int], D_MODE: ct.Constant[int],
     HAS_Z: ct.Constant[bool], HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
-    LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], flags, CHECK: ct.Constant[int],
-    SANITIZE: ct.Constant[bool],
+    LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool], flags,
+    CHECK: ct.Constant[int], SANITIZE: ct.Constant[bool],
 ):
     """One output tile: BLOCK_Q tokens (query block `qblk`) x BLOCK_P channels of one head
     (CHECK=1: and its count of non-finite outputs into `flags`; CHECK 3 / 5: the sum / the row
@@ -258,9 +276,9 @@ def _scan_tile(
     if HAS_SEQ:
         start_q = ct.load(seq_start, index=(batch, qblk),
                           shape=(1, BLOCK_Q)).reshape((BLOCK_Q,))
-    acc = _tile_acc(x, b, c, dt, cum, states, qblk, p_tile, batch, head, group, chunk,
+    acc = _tile_acc(x, b, c, dt, cum, states, cbuf, qblk, p_tile, batch, head, group, chunk,
                     first_blk, g_q, row, state_scale, start_q, Q, BLOCK_Q, BLOCK_P, NP, HAS_SEQ,
-                    LAT, LOWP, BLOCK_N, SANITIZE)
+                    LAT, LOWP, BLOCK_N, SANITIZE, CB_IN)
     if CHECK == 3 or CHECK == 5:
         # before D x and the gate (their own row only); row sums first: a flat ct.sum of the
         # tile compiled to 54 shuffles against 9 (module docstring)
@@ -292,25 +310,25 @@ def _scan_tile(
         ct.store(flags, index=(bh, qblk, p_tile), tile=bad.reshape((1, 1, 1)))
 
 
-def _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh,
+def _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk, p_tile, bh,
                  Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
                  NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
                  D_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool],
                  HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
-                 LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], flags,
+                 LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool], flags,
                  CHECK: ct.Constant[int]):
     """CHECK 0, 1, 3, 5: the plain tile (and its flags); CHECK 2: the flagged tile again,
     sanitized."""
     if CHECK == 2:
         bad = ct.load(flags, index=(bh, qblk, p_tile), shape=(1, 1, 1)).reshape(())
         if bad > 0.0:
-            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh, Q,
+            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk, p_tile, bh, Q,
                        BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
-                       LOAD_LATENCY, LOWP, BLOCK_N, flags, 0, True)
+                       LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, flags, 0, True)
     else:
-        _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh, Q,
+        _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk, p_tile, bh, Q,
                    BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
-                   LOAD_LATENCY, LOWP, BLOCK_N, flags, CHECK, False)
+                   LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, flags, CHECK, False)
 
 
 #: tiles whose flags one program of the CHECK 4 / 6 pass reads at once (a power of two): its
@@ -320,12 +338,12 @@ def _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, b
 FIX_SPAN = 64
 
 
-def _fix_span(x, b, c, z, D, dt, cum, seq_start, states, out, span,
+def _fix_span(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, span,
               Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
               NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
               D_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool],
               HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
-              LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], flags,
+              LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool], flags,
               W: ct.Constant[int]):
     """CHECK 4 and 6: the tiles FIX_SPAN * span .. + FIX_SPAN - 1 (in flag order) whose sums
     (W of them each: 1 or BLOCK_Q) are not all finite, again in the causal form; one load
@@ -341,18 +359,18 @@ def _fix_span(x, b, c, z, D, dt, cum, seq_start, states, out, span,
             if t < n_tiles:
                 if not _finite(ct.load(flags, index=(t, 0), shape=(1, W))):
                     rest = t // n_p
-                    _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, out, rest % n_q,
+                    _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, rest % n_q,
                                t % n_p, rest // n_q, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP,
-                               D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N, flags, 0,
+                               D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, flags, 0,
                                True)
 
 
-def _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, out, span,
+def _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, span,
                 Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
                 NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
                 D_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool],
                 HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
-                LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], flags,
+                LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool], flags,
                 FLAG_W: ct.Constant[int]):
     """CHECK 8: the chunks FIX_SPAN * span .. + FIX_SPAN - 1 (rows of `flags`, batch * head
     major, chunks fastest) that chunk_state_pass flagged, every tile again in the causal
@@ -375,10 +393,10 @@ def _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, out, span,
                     q_end = ct.minimum(chunk * nbpc + nbpc, n_q)
                     for qblk in range(chunk * nbpc, q_end):
                         for p_tile in range(n_p):
-                            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, out, qblk,
+                            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk,
                                        p_tile, bh, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP,
                                        D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N,
-                                       flags, 0, True)
+                                       CB_IN, flags, 0, True)
 
 
 def chunk_scan_fn(
@@ -392,6 +410,7 @@ def chunk_scan_fn(
     seq_start,   # (B, Lp) int32: where each token's sequence run begins in its chunk, -1 before
                  # it (decay_cumsum; ignored unless HAS_SEQ)
     states,      # (B, H, C, P, N) entry state of each chunk
+    cbuf,        # (B, C, G, Q, Q) float32: C B^T per chunk and group (chunk_cb; read if CB_IN)
     out,         # (B, L, H, P)
     Q: ct.Constant[int],
     BLOCK_Q: ct.Constant[int],
@@ -406,6 +425,7 @@ def chunk_scan_fn(
     LOWP: ct.Constant[bool],      # the (C B^T) X MMA in the input dtype instead of tf32
     HEAD_MAJOR: ct.Constant[bool],
     BLOCK_N: ct.Constant[int],    # dstate tile (divides NP)
+    CB_IN: ct.Constant[bool],     # C B^T blocks read from cbuf, not formed here
     FLAG_W: ct.Constant[int],     # CHECK 8: flag columns read per chunk (a power of two)
     flags,       # float32, read/written per CHECK: (B * H, cdiv(L, BLOCK_Q), cdiv(P, BLOCK_P))
                  # for 1 and 2; (B * H * cdiv(L, BLOCK_Q) * cdiv(P, BLOCK_P), W) for 3 to 6,
@@ -420,14 +440,14 @@ def chunk_scan_fn(
     n_bh = x.shape[0] * x.shape[2]
     if CHECK == 4 or CHECK == 6:
         # its own grid, (cdiv(tiles, FIX_SPAN),): PERSISTENT and HEAD_MAJOR do not apply
-        _fix_span(x, b, c, z, D, dt, cum, seq_start, states, out, ct.bid(0), Q, BLOCK_Q,
+        _fix_span(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, ct.bid(0), Q, BLOCK_Q,
                   BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP,
-                  BLOCK_N, flags, 1 if CHECK == 4 else BLOCK_Q)
+                  BLOCK_N, CB_IN, flags, 1 if CHECK == 4 else BLOCK_Q)
     elif CHECK == 8:
         # its own grid, (cdiv(B * H * chunks, FIX_SPAN),)
-        _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, out, ct.bid(0), Q, BLOCK_Q,
+        _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, ct.bid(0), Q, BLOCK_Q,
                     BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP,
-                    BLOCK_N, flags, FLAG_W)
+                    BLOCK_N, CB_IN, flags, FLAG_W)
     elif PERSISTENT:
         # a fixed grid walks the tiles, so the loads of the next tile overlap this one's math
         n_p = ct.cdiv(x.shape[3], BLOCK_P)
@@ -441,9 +461,9 @@ def chunk_scan_fn(
                 qblk = t % n_q
                 rest = t // n_q
                 p_tile, bh = rest % n_p, rest // n_p
-            _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, p_tile, bh, Q,
+            _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk, p_tile, bh, Q,
                          BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
-                         LOAD_LATENCY, LOWP, BLOCK_N, flags, CHECK)
+                         LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, flags, CHECK)
     else:
         # grid (n_q * B * H, p tiles): batch*heads on axis 0 has no 65535 limit
         t = ct.bid(0)
@@ -452,10 +472,11 @@ def chunk_scan_fn(
             qblk, bh = t // n_bh, t % n_bh
         else:
             qblk, bh = t % n_q, t // n_q
-        _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, out, qblk, ct.bid(1), bh, Q,
+        _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk, ct.bid(1), bh, Q,
                      BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
-                     LOAD_LATENCY, LOWP, BLOCK_N, flags, CHECK)
+                     LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, flags, CHECK)
 
 chunk_scan = ct.kernel(chunk_scan_fn)
 chunk_scan_i64 = ct.kernel(int64_variant(
-    chunk_scan_fn, ["x", "b", "c", "z", "D", "dt", "cum", "seq_start", "states", "out", "flags"]))
+    chunk_scan_fn, ["x", "b", "c", "z", "D", "dt", "cum", "seq_start", "states", "cbuf", "out",
+                    "flags"]))

@@ -6,6 +6,7 @@ kernels; chunk_scan twice with scan_causal 1 to 4), and the launcher.
 | 1 | `decay_cumsum` | dt' = clamp(softplus(dt + bias)) and the per-chunk cumsum of A dt' in log2 space |
 | 2 | `chunk_state_pass` | the chunk entry states, one sequential pass over chunks (`state_segments` S > 1: S parallel passes from zero states) |
 | 2b | `chunk_state_carry` | (S > 1 only) the states entering each segment, added to its states; the final state |
+| 2c | `chunk_cb` | (`scan_cb` only) C B^T of every chunk and group, once, for chunk_scan |
 | 3 | `chunk_scan` | the output: carried-state term, masked decayed C B^T times X, D x, z gate (with `scan_causal=1`, and per tile the count of non-finite outputs; 2 / 3: the sum / the row sums of the accumulator) |
 | 4 | `chunk_scan` | (`scan_causal` 1 to 4 only) the tiles counted non-zero (1; same grid), summed non-finite (2, 3; a program per `FIX_SPAN` tiles) or of the chunks `chunk_state_pass` flagged (4; a program per `FIX_SPAN` chunks), again in the causal form: a NaN/Inf input never changes an earlier output |
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import config as _config
+from ..kernels.chunk_cb import chunk_cb, chunk_cb_i64
 from ..kernels.chunk_scan import FIX_SPAN, chunk_scan, chunk_scan_i64
 from ..kernels.chunk_state_carry import chunk_state_carry, chunk_state_carry_i64
 from ..kernels.chunk_state_pass import chunk_state_pass, chunk_state_pass_i64
@@ -81,7 +83,12 @@ class ForwardConfig:
                                     # from zero states, then chunk_state_carry adds each run's
                                     # entering state (kernels/chunk_state_pass.py); 1: one run.
                                     # Runs share SMs only under state_occupancy (4: 4 per SM at
-                                    # the seed problem's tiles). Not timed yet
+                                    # the seed problem's tiles). Timed on the H200 on 2026-12-03:
+                                    # slower (docs/measurements.md)
+    scan_cb: int = 0                # 1: C B^T formed once per chunk and group by chunk_cb
+                                    # (B * chunks * G * Q * Q float32 scratch) and read by
+                                    # chunk_scan, instead of formed in each of its H / G heads'
+                                    # tiles. Not timed yet
 
     FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
 
@@ -98,7 +105,7 @@ class ForwardConfig:
         c.check_range(self, "scan_persistent", 0, 16)
         c.check_range(self, "state_segments", 1, 64)
         c.check_range(self, "state_scale_x", -1, 1)
-        for name in ("state_fresh_acc", "scan_lowp", "scan_head_major"):
+        for name in ("state_fresh_acc", "scan_lowp", "scan_head_major", "scan_cb"):
             c.check_choice(self, name, (0, 1))
         c.check_choice(self, "scan_causal", (0, 1, 2, 3, 4))
         c.check_choice(self, "scan_warps", (0, 4, 8))
@@ -214,8 +221,12 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     state_tiles = -(-headdim // cfg.state_block_p) * -(-dstate // cfg.state_block_n)
     chunk_flags = torch.empty((batch * nheads * nchunks, state_tiles) if cfg.scan_causal == 4
                               else (1, 1), dtype=torch.float32, device=x.device)
+    # scan_cb: C B^T per chunk and group (blocks on or below the diagonal written, read), in
+    # final's dtype (float32 on the GPU)
+    cbuf = torch.empty((batch, nchunks, ngroups, Q, Q) if cfg.scan_cb else (1, 1, 1, 1, 1),
+                       dtype=final.dtype, device=x.device)
     int64 = needs_int64(x, dt, B, C, z, seq_idx, seq_start, init, dt_buf, cum_buf, states, out,
-                        seg_final, chunk_flags)
+                        seg_final, chunk_flags, cbuf)
     n_q = -(-seqlen // cfg.scan_block_q)       # query blocks holding at least one token
     p_tiles = -(-headdim // cfg.scan_block_p)
     # chunk_scan's flags: scan_causal=1 counts per tile (in its grid's shape); 2 and 3 sums in
@@ -252,15 +263,21 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
             with_hints(chunk_scan_i64 if int64 else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
             scan_grid,
             (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
-             seq_start, states, out, Q, cfg.scan_block_q, cfg.scan_block_p, cfg.dstate_pad,
-             nheads // ngroups, 0 if D is None else D.dim(), z is not None, seq_idx is not None,
-             cfg.scan_load_latency, cfg.scan_persistent > 0,
+             seq_start, states, cbuf, out, Q, cfg.scan_block_q, cfg.scan_block_p,
+             cfg.dstate_pad, nheads // ngroups, 0 if D is None else D.dim(), z is not None,
+             seq_idx is not None, cfg.scan_load_latency, cfg.scan_persistent > 0,
              bool(cfg.scan_lowp) and x.dtype != torch.float32,
              bool(cfg.scan_head_major),
-             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad), 1, flags,
+             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad), bool(cfg.scan_cb), 1,
+             flags,
              (0, 1, 3, 5, 0)[cfg.scan_causal]),
         ),
     ]
+    if cfg.scan_cb:
+        nbpc = Q // cfg.scan_block_q
+        calls.insert(2, KernelCall(chunk_cb_i64 if int64 else chunk_cb,
+                                   (nchunks * batch * ngroups, nbpc, nbpc),
+                                   (B, C, cbuf, Q, cfg.scan_block_q, cfg.dstate_pad)))
     if segs > 1:
         # each segment's entering state added to its local states, the final state
         calls.insert(2, KernelCall(
