@@ -567,13 +567,14 @@ def test_gpu_garbage_padding_seed_problem(causal):
 
 
 @pytest.mark.parametrize("causal", [0, 1])
-@pytest.mark.parametrize("segments", [1, 3, 6])
-def test_emulated_packed_sequences_stay_apart(segments, causal):
+@pytest.mark.parametrize("segments, fold", [(1, 0), (3, 0), (6, 0), (3, 1), (6, 1)])
+def test_emulated_packed_sequences_stay_apart(segments, fold, causal):
     """A NaN in one packed sequence never reaches the next one, in the default mode and with
     scan_causal: not through the chunk entry state into the rows of the chunk where the next
     sequence starts (chunk_scan selects the carried state away there: 0 * NaN would be NaN),
     nor, with state_segments, through the state entering a later run (chunk_state_carry
-    selects it away where a reset zeroed the run's factor). 6 chunks of 16 in 3 runs of 2
+    selects it away where a reset zeroed the run's factor; with segment_fold chunk_scan
+    selects it away likewise). 6 chunks of 16 in 3 runs of 2
     and 6 of 1 (1: the unsegmented pass); sequence 0 holds tokens 0-39 and a NaN x at token
     5; sequence 1 starts inside the second run's first chunk (token 40): every output of
     sequence 1 equals a clean run's."""
@@ -597,7 +598,7 @@ def test_emulated_packed_sequences_stay_apart(segments, causal):
         cfg = forward.forward_shape_config(b, h, p, n, Q, F64)
         cfg = replace(cfg, cumsum_block_h=2, state_block_p=8, state_block_n=8, scan_block_p=8,
                       dstate_pad=8, scan_block_q=16, state_segments=segments,
-                      scan_causal=causal)
+                      scan_causal=causal, segment_fold=fold)
         calls = forward.forward_plan(x, dt, A, B, C, None, None, None, 0.0, math.inf, False,
                                      None, seq, nan(b, h, nc * Q), nan(b, h, nc * Q),
                                      nan(b, h, nc, p, n), final, out, cfg)

@@ -18,6 +18,7 @@ pytest.importorskip("cuda.tile")
 from mamba2_cutile.reference import ssd_recurrence  # noqa: E402
 from mamba2_cutile.runtime import dt_clamp_bounds  # noqa: E402
 from mamba2_cutile.ssd import forward  # noqa: E402
+from support import variants  # noqa: E402
 from support.emulator import F64, OPTIONS, emulate_launch, make_problem  # noqa: E402
 
 
@@ -121,6 +122,40 @@ def test_emulated_scan_cb(opt, Q, block_q):
     assert calls[2].args[2].shape == (2, nc, 2, Q, Q)
     assert tuple(calls[2].grid) == (nc * 2 * 2, Q // block_q, Q // block_q)
     check(args, kw, Q, cfg)
+
+
+@pytest.mark.parametrize("segments", [2, 3, 5])
+@pytest.mark.parametrize("opt, block_q", [("none", 64), ("seq_idx", 32), ("all", 16)])
+def test_emulated_segment_fold(opt, block_q, segments):
+    """segment_fold: chunk_state_carry writes only the states entering the segments (zeros for
+    the first) and chunk_scan adds f_c H_s to the local state it loads. 5 chunks in 2, 3 or 5
+    runs; seq_idx resets inside runs and on their boundaries; initial_states with "all"; one
+    and several query blocks per chunk. The chunk states stay local (not the entry states)."""
+    Q = 64
+    args, kw, _, _ = make_problem(OPTIONS[opt], l=300, Q=Q)
+    cfg = small_forward_config(Q, 7, scan_block_q=block_q, state_segments=segments,
+                               segment_fold=1)
+    plan_args = _plan_args(args, kw, Q)
+    calls = forward.forward_plan(*plan_args, cfg)
+    names = [c.kernel._annotated_function.pyfunc.__name__ for c in calls]
+    assert names == ["decay_cumsum_fn", "chunk_state_pass_fn", "chunk_state_carry_fn",
+                     "chunk_scan_fn"]
+    entry = calls[2].args[5]
+    assert entry.shape == (2, 4, segments, 20, 7)
+    assert variants.kernel_arg(calls[3], "seg_entry") is entry
+    assert variants.kernel_arg(calls[3], "SEGS") == segments
+    check(args, kw, Q, cfg)
+
+
+def test_segment_fold_off_where_states_are_read():
+    """Varlen states read the chunk states: forward_launches turns segment_fold off there."""
+    args, kw, _, _ = make_problem(OPTIONS["none"], l=300, Q=64)
+    cfg = small_forward_config(64, 7, scan_block_q=32, state_segments=3, segment_fold=1)
+    x, dt, A, B, C = (args[k] for k in ("x", "dt", "A", "B", "C"))
+    for need in (False, True):
+        calls = forward.forward_launches(x, dt, A, B, C, 64, config=cfg, need_states=need)[0]
+        assert variants.kernel_arg(calls[3], "SEGS") == (1 if need else 3)
+        assert variants.kernel_arg(calls[2], "ENTRY_ONLY") is (not need)
 
 
 def _plan_args(args, kw, Q):

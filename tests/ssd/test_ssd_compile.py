@@ -115,7 +115,8 @@ def test_fix_span_pass_takes_no_scan_hints(block_q, causal):
     dict(state_segments=4, state_occupancy=4),
     dict(state_segments=8, state_block_n=64, state_occupancy=2),
     dict(state_segments=1, state_load_latency=0),        # 0: no latency hint (compiler's)
-], ids=["seg4", "seg4-occ4", "seg8-n64-occ2", "latency0"])
+    dict(state_segments=4, state_occupancy=4, segment_fold=1),
+], ids=["seg4", "seg4-occ4", "seg8-n64-occ2", "latency0", "seg4-occ4-fold"])
 @pytest.mark.parametrize("options", [("D_head",), ("D_head", "seq_idx", "init")],
                          ids=["D", "D-seq-init"])
 def test_segmented_state_pass_compiles(over, options):
@@ -127,7 +128,9 @@ def test_segmented_state_pass_compiles(over, options):
     assert names == ["decay_cumsum", "chunk_state_pass"] + (
         ["chunk_state_carry"] if segs > 1 else []) + ["chunk_scan"]
     assert calls[1].grid[2] == 4 * segs // (over.get("state_block_n", 32) // 32)
-    for call in calls[1:-1]:
+    fold = over.get("segment_fold", 0)
+    assert variants.kernel_arg(calls[-1], "SEGS") == (segs if fold else 1)
+    for call in calls[1:] if fold else calls[1:-1]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
 
 

@@ -136,10 +136,32 @@ def _carried(acc, state_scale, start_q, HAS_SEQ: ct.Constant[bool]):
     return acc * state_scale[:, None]
 
 
+def _entry_state(states, seg_entry, chunk_factor, batch, head, chunk, p_tile, nt,
+                 BLOCK_P: ct.Constant[int], BLOCK_N: ct.Constant[int], SEGS: ct.Constant[int],
+                 LAT):
+    """The (BLOCK_P, BLOCK_N) tile nt of the state entering `chunk`: as stored, or with SEGS > 1
+    the segment's local state plus f_c H_s in float32 (chunk c in segment s: floor(C s / S) <=
+    c, the segments of kernels/_common.state_segment). The product is a select where f_c = 0
+    (a seq_idx reset: H_s may be another sequence's NaN) and in segment 0 (nothing enters it;
+    f_c unwritten there)."""
+    h = ct.load(states, index=(batch, head, chunk, p_tile, nt),
+                shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ct.PaddingMode.ZERO,
+                latency=LAT).reshape((BLOCK_P, BLOCK_N))
+    if SEGS > 1:
+        seg = ((chunk + 1) * SEGS - 1) // states.shape[2]
+        f = ct.load(chunk_factor, index=(batch, head, chunk), shape=(1, 1, 1)).reshape((1, 1))
+        f = ct.where((ct.full((1, 1), 0, dtype=ct.int32) + seg) > 0, f, 0.0)
+        hs = ct.load(seg_entry, index=(batch, head, seg, p_tile, nt),
+                     shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ct.PaddingMode.ZERO,
+                     latency=LAT).reshape((BLOCK_P, BLOCK_N))
+        h = h.astype(ct.float32) + ct.where(f == 0.0, 0.0, f * hs)
+    return h
+
+
 def _diag_tile_mma(
-    b, c, states, cb, acc, nt, batch, qblk, group, head, chunk, p_tile,
+    b, c, states, seg_entry, chunk_factor, cb, acc, nt, batch, qblk, group, head, chunk, p_tile,
     BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int], BLOCK_N: ct.Constant[int], LAT,
-    in_dtype,
+    in_dtype, SEGS: ct.Constant[int],
 ):
     """One dstate tile of C B^T (diagonal block) and of C h^T, sharing the C tile."""
     ZERO = ct.PaddingMode.ZERO
@@ -147,9 +169,8 @@ def _diag_tile_mma(
                   padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
     bt = ct.load(b, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
                  padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
-    h = ct.load(states, index=(batch, head, chunk, p_tile, nt),
-                shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
-                latency=LAT).reshape((BLOCK_P, BLOCK_N))
+    h = _entry_state(states, seg_entry, chunk_factor, batch, head, chunk, p_tile, nt, BLOCK_P,
+                     BLOCK_N, SEGS, LAT)
     c_op = mma_operand(c_t, in_dtype)
     cb = ct.mma(c_op, mma_operand(bt.transpose(), in_dtype), cb)
     acc = ct.mma(c_op, mma_operand(h.transpose(), in_dtype), acc)
@@ -157,11 +178,11 @@ def _diag_tile_mma(
 
 
 def _tile_acc(
-    x, b, c, dt, cum, states, cbuf, qblk, p_tile, batch, head, group, chunk, first_blk, g_q,
-    row, state_scale, start_q, Q: ct.Constant[int], BLOCK_Q: ct.Constant[int],
-    BLOCK_P: ct.Constant[int], NP: ct.Constant[int], HAS_SEQ: ct.Constant[bool], LAT,
-    LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], SANITIZE: ct.Constant[bool],
-    CB_IN: ct.Constant[bool],
+    x, b, c, dt, cum, states, cbuf, seg_entry, chunk_factor, qblk, p_tile, batch, head, group,
+    chunk, first_blk, g_q, row, state_scale, start_q, Q: ct.Constant[int],
+    BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int], NP: ct.Constant[int],
+    HAS_SEQ: ct.Constant[bool], LAT, LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int],
+    SANITIZE: ct.Constant[bool], CB_IN: ct.Constant[bool], SEGS: ct.Constant[int],
 ):
     """The tile's carried-state and masked (C B^T) X terms, fp32, before D x and the gate
     (SANITIZE: in the causal form, module docstring)."""
@@ -178,9 +199,8 @@ def _tile_acc(
         for nt in range(n_tiles):
             c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
                           padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
-            h = ct.load(states, index=(batch, head, chunk, p_tile, nt),
-                        shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
-                        latency=LAT).reshape((BLOCK_P, BLOCK_N))
+            h = _entry_state(states, seg_entry, chunk_factor, batch, head, chunk, p_tile, nt,
+                             BLOCK_P, BLOCK_N, SEGS, LAT)
             acc = ct.mma(mma_operand(c_t, x.dtype), mma_operand(h.transpose(), x.dtype), acc)
         acc = _carried(acc, state_scale, start_q, HAS_SEQ)
         for kblk in range(first_blk, qblk + 1):
@@ -194,12 +214,14 @@ def _tile_acc(
         # feeds both the carried-state MMA and C B^T.
         cb = ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32)
         if ONE_TILE:
-            cb, acc = _diag_tile_mma(b, c, states, cb, acc, 0, batch, qblk, group, head, chunk,
-                                     p_tile, BLOCK_Q, BLOCK_P, BLOCK_N, LAT, x.dtype)
+            cb, acc = _diag_tile_mma(b, c, states, seg_entry, chunk_factor, cb, acc, 0, batch,
+                                     qblk, group, head, chunk, p_tile, BLOCK_Q, BLOCK_P,
+                                     BLOCK_N, LAT, x.dtype, SEGS)
         else:
             for nt in range(n_tiles):
-                cb, acc = _diag_tile_mma(b, c, states, cb, acc, nt, batch, qblk, group, head,
-                                         chunk, p_tile, BLOCK_Q, BLOCK_P, BLOCK_N, LAT, x.dtype)
+                cb, acc = _diag_tile_mma(b, c, states, seg_entry, chunk_factor, cb, acc, nt,
+                                         batch, qblk, group, head, chunk, p_tile, BLOCK_Q,
+                                         BLOCK_P, BLOCK_N, LAT, x.dtype, SEGS)
         acc = _carried(acc, state_scale, start_q, HAS_SEQ)
         acc = _add_key_block(acc, cb, qblk, qblk, g_q, row, start_q, x, dt, cum, batch, head,
                              p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT, SANITIZE)
@@ -207,9 +229,8 @@ def _tile_acc(
         c_q = mma_operand(ct.load(c, index=(batch, qblk, group, 0),
                                   shape=(1, BLOCK_Q, 1, BLOCK_N), padding_mode=ZERO,
                                   latency=LAT).reshape((BLOCK_Q, BLOCK_N)), x.dtype)
-        h = ct.load(states, index=(batch, head, chunk, p_tile, 0),
-                    shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
-                    latency=LAT).reshape((BLOCK_P, BLOCK_N))
+        h = _entry_state(states, seg_entry, chunk_factor, batch, head, chunk, p_tile, 0,
+                         BLOCK_P, BLOCK_N, SEGS, LAT)
         acc = _carried(ct.mma(c_q, mma_operand(h.transpose(), x.dtype), acc), state_scale,
                        start_q, HAS_SEQ)
         for kblk in range(first_blk, qblk + 1):
@@ -223,9 +244,8 @@ def _tile_acc(
         for nt in range(n_tiles):
             c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
                           padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
-            h = ct.load(states, index=(batch, head, chunk, p_tile, nt),
-                        shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
-                        latency=LAT).reshape((BLOCK_P, BLOCK_N))
+            h = _entry_state(states, seg_entry, chunk_factor, batch, head, chunk, p_tile, nt,
+                             BLOCK_P, BLOCK_N, SEGS, LAT)
             acc = ct.mma(mma_operand(c_t, x.dtype), mma_operand(h.transpose(), x.dtype), acc)
         acc = _carried(acc, state_scale, start_q, HAS_SEQ)
         for kblk in range(first_blk, qblk + 1):
@@ -249,11 +269,13 @@ def _finite(t):
 
 
 def _scan_tile(
-    x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk, p_tile, bh,
+    x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_factor, out, qblk, p_tile,
+    bh,
     Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
     NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int], D_MODE: ct.Constant[int],
     HAS_Z: ct.Constant[bool], HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
-    LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool], flags,
+    LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool],
+    SEGS: ct.Constant[int], flags,
     CHECK: ct.Constant[int], SANITIZE: ct.Constant[bool],
 ):
     """One output tile: BLOCK_Q tokens (query block `qblk`) x BLOCK_P channels of one head
@@ -276,9 +298,9 @@ def _scan_tile(
     if HAS_SEQ:
         start_q = ct.load(seq_start, index=(batch, qblk),
                           shape=(1, BLOCK_Q)).reshape((BLOCK_Q,))
-    acc = _tile_acc(x, b, c, dt, cum, states, cbuf, qblk, p_tile, batch, head, group, chunk,
-                    first_blk, g_q, row, state_scale, start_q, Q, BLOCK_Q, BLOCK_P, NP, HAS_SEQ,
-                    LAT, LOWP, BLOCK_N, SANITIZE, CB_IN)
+    acc = _tile_acc(x, b, c, dt, cum, states, cbuf, seg_entry, chunk_factor, qblk, p_tile,
+                    batch, head, group, chunk, first_blk, g_q, row, state_scale, start_q, Q,
+                    BLOCK_Q, BLOCK_P, NP, HAS_SEQ, LAT, LOWP, BLOCK_N, SANITIZE, CB_IN, SEGS)
     if CHECK == 3 or CHECK == 5:
         # before D x and the gate (their own row only); row sums first: a flat ct.sum of the
         # tile compiled to 54 shuffles against 9 (module docstring)
@@ -310,25 +332,29 @@ def _scan_tile(
         ct.store(flags, index=(bh, qblk, p_tile), tile=bad.reshape((1, 1, 1)))
 
 
-def _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk, p_tile, bh,
+def _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_factor, out,
+                 qblk, p_tile, bh,
                  Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
                  NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
                  D_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool],
                  HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
-                 LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool], flags,
+                 LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool],
+                 SEGS: ct.Constant[int], flags,
                  CHECK: ct.Constant[int]):
     """CHECK 0, 1, 3, 5: the plain tile (and its flags); CHECK 2: the flagged tile again,
     sanitized."""
     if CHECK == 2:
         bad = ct.load(flags, index=(bh, qblk, p_tile), shape=(1, 1, 1)).reshape(())
         if bad > 0.0:
-            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk, p_tile, bh, Q,
+            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_factor,
+                       out, qblk, p_tile, bh, Q,
                        BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
-                       LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, flags, 0, True)
+                       LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, SEGS, flags, 0, True)
     else:
-        _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk, p_tile, bh, Q,
+        _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_factor, out,
+                   qblk, p_tile, bh, Q,
                    BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
-                   LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, flags, CHECK, False)
+                   LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, SEGS, flags, CHECK, False)
 
 
 #: tiles whose flags one program of the CHECK 4 / 6 pass reads at once (a power of two): its
@@ -338,12 +364,13 @@ def _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk, p_t
 FIX_SPAN = 64
 
 
-def _fix_span(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, span,
+def _fix_span(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_factor, out, span,
               Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
               NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
               D_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool],
               HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
-              LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool], flags,
+              LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool],
+              SEGS: ct.Constant[int], flags,
               W: ct.Constant[int]):
     """CHECK 4 and 6: the tiles FIX_SPAN * span .. + FIX_SPAN - 1 (in flag order) whose sums
     (W of them each: 1 or BLOCK_Q) are not all finite, again in the causal form; one load
@@ -359,18 +386,22 @@ def _fix_span(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, span,
             if t < n_tiles:
                 if not _finite(ct.load(flags, index=(t, 0), shape=(1, W))):
                     rest = t // n_p
-                    _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, rest % n_q,
+                    _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry,
+                               chunk_factor, out, rest % n_q,
                                t % n_p, rest // n_q, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP,
-                               D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, flags, 0,
+                               D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, SEGS,
+                               flags, 0,
                                True)
 
 
-def _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, span,
+def _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_factor, out,
+                span,
                 Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
                 NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
                 D_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool],
                 HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
-                LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool], flags,
+                LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool],
+                SEGS: ct.Constant[int], flags,
                 FLAG_W: ct.Constant[int]):
     """CHECK 8: the chunks FIX_SPAN * span .. + FIX_SPAN - 1 (rows of `flags`, batch * head
     major, chunks fastest) that chunk_state_pass flagged, every tile again in the causal
@@ -393,10 +424,11 @@ def _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, span,
                     q_end = ct.minimum(chunk * nbpc + nbpc, n_q)
                     for qblk in range(chunk * nbpc, q_end):
                         for p_tile in range(n_p):
-                            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk,
+                            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry,
+                                       chunk_factor, out, qblk,
                                        p_tile, bh, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP,
                                        D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N,
-                                       CB_IN, flags, 0, True)
+                                       CB_IN, SEGS, flags, 0, True)
 
 
 def chunk_scan_fn(
@@ -411,6 +443,9 @@ def chunk_scan_fn(
                  # it (decay_cumsum; ignored unless HAS_SEQ)
     states,      # (B, H, C, P, N) entry state of each chunk
     cbuf,        # (B, C, G, Q, Q) float32: C B^T per chunk and group (chunk_cb; read if CB_IN)
+    seg_entry,   # (B, H, SEGS, P, N) float32: the state entering each segment of the state
+                 # pass (chunk_state_carry, ENTRY_ONLY; read if SEGS > 1)
+    chunk_factor,  # (B, H, C) float32: f_c of the segmented state pass (read if SEGS > 1)
     out,         # (B, L, H, P)
     Q: ct.Constant[int],
     BLOCK_Q: ct.Constant[int],
@@ -426,6 +461,8 @@ def chunk_scan_fn(
     HEAD_MAJOR: ct.Constant[bool],
     BLOCK_N: ct.Constant[int],    # dstate tile (divides NP)
     CB_IN: ct.Constant[bool],     # C B^T blocks read from cbuf, not formed here
+    SEGS: ct.Constant[int],       # > 1: `states` holds the segments' local states l_c; the
+                                  # entry state is l_c + f_c H_s (ForwardConfig.segment_fold)
     FLAG_W: ct.Constant[int],     # CHECK 8: flag columns read per chunk (a power of two)
     flags,       # float32, read/written per CHECK: (B * H, cdiv(L, BLOCK_Q), cdiv(P, BLOCK_P))
                  # for 1 and 2; (B * H * cdiv(L, BLOCK_Q) * cdiv(P, BLOCK_P), W) for 3 to 6,
@@ -440,14 +477,16 @@ def chunk_scan_fn(
     n_bh = x.shape[0] * x.shape[2]
     if CHECK == 4 or CHECK == 6:
         # its own grid, (cdiv(tiles, FIX_SPAN),): PERSISTENT and HEAD_MAJOR do not apply
-        _fix_span(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, ct.bid(0), Q, BLOCK_Q,
+        _fix_span(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_factor, out,
+                  ct.bid(0), Q, BLOCK_Q,
                   BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP,
-                  BLOCK_N, CB_IN, flags, 1 if CHECK == 4 else BLOCK_Q)
+                  BLOCK_N, CB_IN, SEGS, flags, 1 if CHECK == 4 else BLOCK_Q)
     elif CHECK == 8:
         # its own grid, (cdiv(B * H * chunks, FIX_SPAN),)
-        _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, ct.bid(0), Q, BLOCK_Q,
+        _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_factor, out,
+                    ct.bid(0), Q, BLOCK_Q,
                     BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP,
-                    BLOCK_N, CB_IN, flags, FLAG_W)
+                    BLOCK_N, CB_IN, SEGS, flags, FLAG_W)
     elif PERSISTENT:
         # a fixed grid walks the tiles, so the loads of the next tile overlap this one's math
         n_p = ct.cdiv(x.shape[3], BLOCK_P)
@@ -461,9 +500,10 @@ def chunk_scan_fn(
                 qblk = t % n_q
                 rest = t // n_q
                 p_tile, bh = rest % n_p, rest // n_p
-            _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk, p_tile, bh, Q,
+            _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_factor,
+                         out, qblk, p_tile, bh, Q,
                          BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
-                         LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, flags, CHECK)
+                         LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, SEGS, flags, CHECK)
     else:
         # grid (n_q * B * H, p tiles): batch*heads on axis 0 has no 65535 limit
         t = ct.bid(0)
@@ -472,11 +512,14 @@ def chunk_scan_fn(
             qblk, bh = t // n_bh, t % n_bh
         else:
             qblk, bh = t % n_q, t // n_q
-        _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, cbuf, out, qblk, ct.bid(1), bh, Q,
+        _scan_or_fix(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_factor,
+                     out, qblk, ct.bid(1), bh, Q,
                      BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ,
-                     LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, flags, CHECK)
+                     LOAD_LATENCY, LOWP, BLOCK_N, CB_IN, SEGS, flags, CHECK)
 
 chunk_scan = ct.kernel(chunk_scan_fn)
 chunk_scan_i64 = ct.kernel(int64_variant(
-    chunk_scan_fn, ["x", "b", "c", "z", "D", "dt", "cum", "seq_start", "states", "cbuf", "out",
+    chunk_scan_fn, ["x", "b", "c", "z", "D", "dt", "cum", "seq_start", "states", "cbuf",
+    "seg_entry",
+                    "chunk_factor", "out",
                     "flags"]))

@@ -15,6 +15,10 @@ gradients, from the last segment down): H_{S-1} = 0, H_s = F_{s+1} H_{s+1} + E_{
 chunk of segment s < S-1 gets dS_c = l_c + f_c H_s, and dinitial_states = F_0 H_0 + E_0
 (written when WRITE_END).
 
+ENTRY_ONLY (ForwardConfig.segment_fold): the chunks' states are left local; each program
+writes H_s itself to `entry` (zeros for segment 0), and chunk_scan adds f_c H_s to the state
+it loads (kernels/chunk_scan.py), so the states make no second round trip through memory.
+
 Every product f H is a select where f = 0 (a seq_idx reset: the state of another sequence,
 which may hold a NaN, is dropped, never multiplied by 0), as in chunk_state_pass.
 
@@ -37,12 +41,14 @@ def chunk_state_carry_fn(
     chunk_factor,  # (B, H, C) float32: f_c
     states,        # (B, H, C, P, N) state dtype: l_c in, h_c out
     final,         # (B, H, P, N) float32 out: the end state (written only if WRITE_END)
+    entry,         # (B, H, S, P, N) float32 out: H_s (written only if ENTRY_ONLY)
     BLOCK_P: ct.Constant[int],
     BLOCK_N: ct.Constant[int],
     SEGMENTS: ct.Constant[int],
     LOAD_LATENCY: ct.Constant[int],
     REVERSE: ct.Constant[bool],
     WRITE_END: ct.Constant[bool],
+    ENTRY_ONLY: ct.Constant[bool],
 ):
     bh, p_tile = ct.bid(0), ct.bid(1)
     nheads = states.shape[1]
@@ -65,7 +71,9 @@ def chunk_state_carry_fn(
                       padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
         f = ct.load(seg_factor, index=(batch, head, src), shape=(1, 1, 1)).reshape((1, 1))
         carry = ct.where(f == 0.0, 0.0, carry * f) + end
-    if s_to > s_from:
+    if ENTRY_ONLY:
+        ct.store(entry, index=(batch, head, seg, p_tile, n_tile), tile=carry.reshape(tile))
+    elif s_to > s_from:
         for c in range(c_begin, c_end):
             loc = ct.load(states, index=(batch, head, c, p_tile, n_tile), shape=tile,
                           padding_mode=ct.PaddingMode.ZERO, latency=lat)
@@ -89,4 +97,5 @@ def chunk_state_carry_fn(
 
 chunk_state_carry = ct.kernel(chunk_state_carry_fn)
 chunk_state_carry_i64 = ct.kernel(int64_variant(
-    chunk_state_carry_fn, ["seg_final", "seg_factor", "chunk_factor", "states", "final"]))
+    chunk_state_carry_fn,
+    ["seg_final", "seg_factor", "chunk_factor", "states", "final", "entry"]))

@@ -385,8 +385,9 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
     if segs > 1:
         calls.append(KernelCall(
             chunk_state_carry_i64 if int64 else chunk_state_carry, bstate_grid,
-            (seg_final, seg_factor, chunk_factor, bufs.dstates, bufs.hbuf, cfg.bstate_block_p,
-             cfg.bstate_block_n, segs, cfg.bstate_load_latency, True, init is not None)))
+            (seg_final, seg_factor, chunk_factor, bufs.dstates, bufs.hbuf, seg_final,
+             cfg.bstate_block_p, cfg.bstate_block_n, segs, cfg.bstate_load_latency, True,
+             init is not None, False)))
 
     # 4: dB, dC (with a head split: per-split fp32 partials, then their sum in one launch),
     # before dx: bc_fused 2's dS shares its memory with the partials bwd_chunk_dx writes

@@ -5,7 +5,7 @@ kernels; chunk_scan twice with scan_causal 1 to 4), and the launcher.
 | --- | --- | --- |
 | 1 | `decay_cumsum` | dt' = clamp(softplus(dt + bias)) and the per-chunk cumsum of A dt' in log2 space |
 | 2 | `chunk_state_pass` | the chunk entry states, one sequential pass over chunks (`state_segments` S > 1: S parallel passes from zero states) |
-| 2b | `chunk_state_carry` | (S > 1 only) the states entering each segment, added to its states; the final state |
+| 2b | `chunk_state_carry` | (S > 1 only) the states entering each segment, added to its states (with `segment_fold`, only written for chunk_scan to add); the final state |
 | 2c | `chunk_cb` | (`scan_cb` only) C B^T of every chunk and group, once, for chunk_scan |
 | 3 | `chunk_scan` | the output: carried-state term, masked decayed C B^T times X, D x, z gate (with `scan_causal=1`, and per tile the count of non-finite outputs; 2 / 3: the sum / the row sums of the accumulator) |
 | 4 | `chunk_scan` | (`scan_causal` 1 to 4 only) the tiles counted non-zero (1; same grid), summed non-finite (2, 3; a program per `FIX_SPAN` tiles) or of the chunks `chunk_state_pass` flagged (4; a program per `FIX_SPAN` chunks), again in the causal form: a NaN/Inf input never changes an earlier output |
@@ -89,6 +89,11 @@ class ForwardConfig:
                                     # (B * chunks * G * Q * Q float32 scratch) and read by
                                     # chunk_scan, instead of formed in each of its H / G heads'
                                     # tiles. Not timed yet
+    segment_fold: int = 0           # 1 (with state_segments S > 1): chunk_state_carry writes
+                                    # only the S states entering the segments and chunk_scan
+                                    # adds f_c H_s to the local state it loads, instead of a
+                                    # launch rewriting every chunk state (2x the state bytes).
+                                    # Not timed yet
 
     FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
 
@@ -105,7 +110,8 @@ class ForwardConfig:
         c.check_range(self, "scan_persistent", 0, 16)
         c.check_range(self, "state_segments", 1, 64)
         c.check_range(self, "state_scale_x", -1, 1)
-        for name in ("state_fresh_acc", "scan_lowp", "scan_head_major", "scan_cb"):
+        for name in ("state_fresh_acc", "scan_lowp", "scan_head_major", "scan_cb",
+                     "segment_fold"):
             c.check_choice(self, name, (0, 1))
         c.check_choice(self, "scan_causal", (0, 1, 2, 3, 4))
         c.check_choice(self, "scan_warps", (0, 4, 8))
@@ -225,8 +231,12 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     # final's dtype (float32 on the GPU)
     cbuf = torch.empty((batch, nchunks, ngroups, Q, Q) if cfg.scan_cb else (1, 1, 1, 1, 1),
                        dtype=final.dtype, device=x.device)
+    # segment_fold: the states entering the segments, added by chunk_scan (a stand-in else)
+    fold = segs > 1 and bool(cfg.segment_fold)
+    seg_entry = torch.empty(seg_final.shape if fold else (1, 1, 1, 1, 1), dtype=final.dtype,
+                            device=x.device)
     int64 = needs_int64(x, dt, B, C, z, seq_idx, seq_start, init, dt_buf, cum_buf, states, out,
-                        seg_final, chunk_flags, cbuf)
+                        seg_final, chunk_flags, cbuf, seg_entry)
     n_q = -(-seqlen // cfg.scan_block_q)       # query blocks holding at least one token
     p_tiles = -(-headdim // cfg.scan_block_p)
     # chunk_scan's flags: scan_causal=1 counts per tile (in its grid's shape); 2 and 3 sums in
@@ -263,13 +273,14 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
             with_hints(chunk_scan_i64 if int64 else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
             scan_grid,
             (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
-             seq_start, states, cbuf, out, Q, cfg.scan_block_q, cfg.scan_block_p,
+             seq_start, states, cbuf, seg_entry, chunk_factor, out, Q, cfg.scan_block_q,
+             cfg.scan_block_p,
              cfg.dstate_pad, nheads // ngroups, 0 if D is None else D.dim(), z is not None,
              seq_idx is not None, cfg.scan_load_latency, cfg.scan_persistent > 0,
              bool(cfg.scan_lowp) and x.dtype != torch.float32,
              bool(cfg.scan_head_major),
-             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad), bool(cfg.scan_cb), 1,
-             flags,
+             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad), bool(cfg.scan_cb),
+             segs if fold else 1, 1, flags,
              (0, 1, 3, 5, 0)[cfg.scan_causal]),
         ),
     ]
@@ -282,8 +293,8 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         # each segment's entering state added to its local states, the final state
         calls.insert(2, KernelCall(
             chunk_state_carry_i64 if int64 else chunk_state_carry, state_grid,
-            (seg_final, seg_factor, chunk_factor, states, final, cfg.state_block_p,
-             cfg.state_block_n, segs, cfg.state_load_latency, False, True)))
+            (seg_final, seg_factor, chunk_factor, states, final, seg_entry, cfg.state_block_p,
+             cfg.state_block_n, segs, cfg.state_load_latency, False, True, fold)))
     scan = calls[-1]
     if cfg.scan_causal == 1:
         # the same grid again: tiles with non-finite outputs are recomputed causally
@@ -313,7 +324,7 @@ def ssd_forward_cuda(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     """Launch the forward kernels. Inputs must already be validated. No host synchronization."""
     calls, out, final, (dt_buf, cum_buf, states), (x, B, init) = forward_launches(
         x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
-        dt_limit, state_dtype, config)
+        dt_limit, state_dtype, config, need_states=cu_seqlens is not None)
     b, l, h, p = x.shape
     state_dtype = state_dtype if state_dtype is not None else C.dtype
     if not calls:                # l = 0 or no heads: nothing to launch
@@ -332,10 +343,13 @@ def ssd_forward_cuda(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
 
 def forward_launches(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                      initial_states=None, seq_idx=None, dt_softplus=False,
-                     dt_limit=(0.0, float("inf")), state_dtype=None, config=None):
+                     dt_limit=(0.0, float("inf")), state_dtype=None, config=None,
+                     need_states=False):
     """The forward's planned launches and the buffers they write, for CUDA inputs:
     (calls, out, final, (dt_buf, cum_buf, states), (x, B, init) as the kernels read them).
-    `calls` is empty when there is nothing to launch (l = 0 or b * h = 0)."""
+    `calls` is empty when there is nothing to launch (l = 0 or b * h = 0). `need_states`:
+    `states` must hold the chunks' entry states afterwards (varlen states read them), so
+    segment_fold, which leaves them local, is off."""
     b, l, h, p = x.shape
     n = B.shape[3]
     Q = chunk_size
@@ -364,6 +378,8 @@ def forward_launches(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     lo, hi = dt_clamp_bounds(dt_limit)
     cfg = config or forward_config(b, h, p, n, Q, x.dtype, num_sms(dev), seqlen=l,
                                    device_index=dev.index or 0, has_seq=seq_idx is not None)
+    if need_states and cfg.segment_fold:
+        cfg = replace(cfg, segment_fold=0)
     calls = forward_plan(x, dt, A, B, C, z, D, dt_bias, lo, hi, dt_softplus, init, seq_idx,
                          dt_buf, cum_buf, states, final, out, cfg)
     return calls, out, final, bufs, (x, B, init)
