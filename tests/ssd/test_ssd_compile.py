@@ -162,6 +162,8 @@ def test_segmented_backward_state_passes_compile(over):
     names = [variants.kernel_name(c) for c in calls]
     assert names[:5] == ["decay_cumsum", "chunk_state_pass", "chunk_state_carry",
                          "bwd_state_pass", "chunk_state_carry"] and len(calls) == 9
-    assert calls[4].args[-2:] == (True, True)          # REVERSE, and dinit (init given)
+    # REVERSE, dinit (init given), not ENTRY_ONLY
+    assert tuple(variants.kernel_arg(calls[4], k) for k in ("REVERSE", "WRITE_END",
+                                                             "ENTRY_ONLY")) == (True, True, False)
     for call in calls[1:5]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
