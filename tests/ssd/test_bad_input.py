@@ -46,6 +46,7 @@ import torch
 from mamba2_cutile import mamba_chunk_scan_combined
 from mamba2_cutile.config import ENV_FORWARD
 from mamba2_cutile.reference import ssd_recurrence
+from support import variants
 
 INF, NAN = math.inf, math.nan
 
@@ -231,7 +232,7 @@ def test_cpu_path_dt_zero_with_A_minus_inf():
 # the kernels' source, emulated in float64 on the CPU
 # ----------------------------------------------------------------------------------------------
 
-def emulated_run(Q, block_q, causal=1, dstate_pad=8):
+def emulated_run(Q, block_q, causal=1, dstate_pad=8, **over):
     pytest.importorskip("cuda.tile")
     from mamba2_cutile.runtime import dt_clamp_bounds
     from mamba2_cutile.ssd import forward
@@ -249,7 +250,7 @@ def emulated_run(Q, block_q, causal=1, dstate_pad=8):
         cfg = forward.forward_shape_config(b, h, p, n, Q, F64)
         cfg = replace(cfg, cumsum_block_h=2, state_block_p=8, state_block_n=8, scan_block_p=8,
                       dstate_pad=dstate_pad, scan_block_q=block_q, scan_causal=causal,
-                      scan_block_n=8 if dstate_pad > 8 else 0)
+                      scan_block_n=8 if dstate_pad > 8 else 0, **over)
         lo, hi = dt_clamp_bounds(kw["dt_limit"])
         seq = kw["seq_idx"]
         calls = forward.forward_plan(x, dt, A, B, C, kw["z"], kw["D"], kw["dt_bias"], lo, hi,
@@ -262,9 +263,12 @@ def emulated_run(Q, block_q, causal=1, dstate_pad=8):
             # chunk_scan's flags read "clean" unless written: a flag the first launch fails to
             # write skips its tile's fix-up, and the bad-input cases below fail (a NaN fill would
             # read "recompute" in every mode and hide it)
-            calls[2].args[-2].fill_(0.0)
+            next(c for c in calls if variants.kernel_name(c) == "chunk_scan").args[-2].fill_(0.0)
         if causal == 4:                  # the same for chunk_state_pass's chunk flags
             calls[1].args[-2].fill_(0.0)
+        for c in calls:                  # scan_cb's scratch: a block read unwritten is NaN
+            if variants.kernel_name(c) == "chunk_cb":
+                c.args[2].fill_(NAN)
         emulate_launch(calls[:launches])
         return out, final
     return run
@@ -286,6 +290,22 @@ EMULATED_CAUSAL = ([pytest.param(*e, c, id=f"{e[0]}={e[1]}-{e[2]}-{'seq' if e[3]
                     for c in (1, 2, 4) for e in EMULATED]
                    + [pytest.param(*EMULATED[i], 3, id=f"{EMULATED[i][0]}-causal3")
                       for i in (1, 2, 4, 5, 6)])
+
+
+@pytest.mark.parametrize("over", [dict(scan_cb=1), dict(state_segments=3, segment_fold=1),
+                                  dict(scan_cb=1, state_segments=2, segment_fold=1)],
+                         ids=["cb", "fold", "cb-fold"])
+@pytest.mark.parametrize("name, value, where, seq, Q, block_q",
+                         [e for e in EMULATED if e[4] == 64][:6])
+def test_emulated_kernels_causal_with_scan_cb_and_fold(name, value, where, seq, Q, block_q,
+                                                       over):
+    """scan_cb and segment_fold under scan_causal=4 keep the contract: outputs before the bad
+    token and other rows equal a clean run's, the rest as the recurrence."""
+    t = where_in_chunk(Q, where)
+    args, kw = make_problem(Q, t, seq, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
+                            n=7)
+    check_contract(emulated_run(Q, block_q, 4, **over), args, kw, name, value, t, Q, EMU_TOL,
+                   strict_nonfinite=False)
 
 
 @pytest.mark.parametrize("name, value, where, seq, Q, block_q, causal", EMULATED_CAUSAL)

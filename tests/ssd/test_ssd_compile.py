@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("cuda.tile")
 
 from mamba2_cutile.bench import compile as cpu_compile  # noqa: E402
-from mamba2_cutile.bench import plans  # noqa: E402
+from mamba2_cutile.bench import plans, resources  # noqa: E402
 from support import variants  # noqa: E402
 
 pytestmark = pytest.mark.compile
@@ -149,6 +149,7 @@ def test_scan_cb_compiles(problem, over, options):
     assert names == ["decay_cumsum", "chunk_state_pass", "chunk_cb", "chunk_scan"]
     for call in calls[2:]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
+    assert resources.compile_resources(calls[2])["stack"] == 0       # chunk_cb: no spills
 
 
 @pytest.mark.parametrize("over", [dict(bstate_segments=4, state_segments=4),
@@ -167,3 +168,23 @@ def test_segmented_backward_state_passes_compile(over):
                                                              "ENTRY_ONLY")) == (True, True, False)
     for call in calls[1:5]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
+
+
+def test_scan_cb_scratch_past_int32_widens_only_its_launches():
+    """scan_cb's C B^T scratch (B * L * G * Q floats) reaches 2^31 elements at one sequence of
+    2^20 tokens in 8 groups at chunk 256, where x (2^29 elements) does not: the launches that
+    touch the scratch (chunk_cb, chunk_scan) take the 64-bit variants, the others stay 32-bit."""
+    import cuda.tile as ct
+
+    def wide(call, param):
+        fn = call.kernel._annotated_function.pyfunc
+        return fn.__annotations__.get(param) is ct.IndexedWithInt64
+
+    calls = plans.forward_problem_plan(batch=1, seqlen=2**20, nheads=8, ngroups=8,
+                                       chunk_size=256, options=("D_head",),
+                                       overrides=dict(scan_cb=1))
+    assert [variants.kernel_name(c) for c in calls] == [
+        "decay_cumsum", "chunk_state_pass", "chunk_cb", "chunk_scan"]
+    assert variants.kernel_arg(calls[2], "cb").numel() == 2**31
+    assert [wide(c, p) for c, p in zip(calls, ("dt", "x", "cb", "cbuf"))] == [
+        False, False, True, True]

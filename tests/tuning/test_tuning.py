@@ -471,9 +471,10 @@ def test_split_space_per_kernel():
     assert search.split_space({"cumsum_block_h": (4, 8)}) == {0: {"cumsum_block_h": (4, 8)}}
     with pytest.raises(ValueError, match="dstate_pad"):
         search.split_space({"dstate_pad": (64,)})
-    # it adds a launch that a search of the state pass alone would not time
-    with pytest.raises(ValueError, match="state_segments"):
-        search.split_space({"state_segments": (1, 4)})
+    # each adds a launch that a search of one kernel alone would not time
+    for name in ("state_segments", "segment_fold", "scan_cb"):
+        with pytest.raises(ValueError, match=f"cannot tune '{name}': it changes two launches"):
+            search.split_space({name: (0, 1)})
 
 
 def test_launch_of_finds_kernels_by_name():

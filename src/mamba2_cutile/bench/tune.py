@@ -66,10 +66,10 @@ def split_space(space: dict) -> dict:
     product."""
     parts = {}
     for name, values in space.items():
-        if name == "state_segments":
-            # it adds a launch (chunk_state_carry) that a search of the state pass alone
-            # would not time
-            raise ValueError("cannot tune 'state_segments': it changes two launches; time it "
+        if name in ("state_segments", "segment_fold", "scan_cb"):
+            # each adds a launch (chunk_state_carry, chunk_cb) that a search of one kernel
+            # alone would not time
+            raise ValueError(f"cannot tune {name!r}: it changes two launches; time it "
                              "with scripts/sweep.py")
         k = next((k for prefix, k, _ in KERNELS if name.startswith(prefix)), None)
         if k is None:

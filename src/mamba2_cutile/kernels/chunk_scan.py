@@ -142,8 +142,8 @@ def _entry_state(states, seg_entry, chunk_factor, batch, head, chunk, p_tile, nt
     """The (BLOCK_P, BLOCK_N) tile nt of the state entering `chunk`: as stored, or with SEGS > 1
     the segment's local state plus f_c H_s in float32 (chunk c in segment s: floor(C s / S) <=
     c, the segments of kernels/_common.state_segment). The product is a select where f_c = 0
-    (a seq_idx reset: H_s may be another sequence's NaN) and in segment 0 (nothing enters it;
-    f_c unwritten there)."""
+    (a seq_idx reset: H_s may be another sequence's NaN) and in segment 0 (nothing enters it,
+    and its f_c, written by the state pass, may be a NaN dt's NaN)."""
     h = ct.load(states, index=(batch, head, chunk, p_tile, nt),
                 shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ct.PaddingMode.ZERO,
                 latency=LAT).reshape((BLOCK_P, BLOCK_N))
@@ -520,6 +520,4 @@ def chunk_scan_fn(
 chunk_scan = ct.kernel(chunk_scan_fn)
 chunk_scan_i64 = ct.kernel(int64_variant(
     chunk_scan_fn, ["x", "b", "c", "z", "D", "dt", "cum", "seq_start", "states", "cbuf",
-    "seg_entry",
-                    "chunk_factor", "out",
-                    "flags"]))
+                    "seg_entry", "chunk_factor", "out", "flags"]))

@@ -338,7 +338,10 @@ def _recompute_config(cfg: BackwardConfig, b, h, p, n, dtype) -> ForwardConfig:
     fwd = forward_shape_config(b, h, p, n, cfg.chunk_size, dtype)
     return replace(fwd, cumsum_block_h=cfg.cumsum_block_h, state_block_p=cfg.state_block_p,
                    state_block_n=cfg.state_block_n, state_segments=cfg.state_segments,
-                   state_occupancy=cfg.state_occupancy)
+                   state_occupancy=cfg.state_occupancy,
+                   # the backward's kernels read the entry states (never left local) and
+                   # no chunk_scan runs here (no C B^T scratch)
+                   segment_fold=0, scan_cb=0)
 
 
 def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,

@@ -236,7 +236,10 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     seg_entry = torch.empty(seg_final.shape if fold else (1, 1, 1, 1, 1), dtype=final.dtype,
                             device=x.device)
     int64 = needs_int64(x, dt, B, C, z, seq_idx, seq_start, init, dt_buf, cum_buf, states, out,
-                        seg_final, chunk_flags, cbuf, seg_entry)
+                        seg_final, chunk_flags)
+    # the scratch of scan_cb / segment_fold (the C B^T one can pass 2^31 elements before x
+    # does: B * L * G * Q) turns 64-bit indexing on only in the launches that touch it
+    wide = int64 or needs_int64(cbuf, seg_entry)
     n_q = -(-seqlen // cfg.scan_block_q)       # query blocks holding at least one token
     p_tiles = -(-headdim // cfg.scan_block_p)
     # chunk_scan's flags: scan_causal=1 counts per tile (in its grid's shape); 2 and 3 sums in
@@ -270,7 +273,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              chunk_factor, chunk_flags, cfg.scan_causal == 4),
         ),
         KernelCall(
-            with_hints(chunk_scan_i64 if int64 else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
+            with_hints(chunk_scan_i64 if wide else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
             scan_grid,
             (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
              seq_start, states, cbuf, seg_entry, chunk_factor, out, Q, cfg.scan_block_q,
@@ -286,13 +289,13 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     ]
     if cfg.scan_cb:
         nbpc = Q // cfg.scan_block_q
-        calls.insert(2, KernelCall(chunk_cb_i64 if int64 else chunk_cb,
+        calls.insert(2, KernelCall(chunk_cb_i64 if wide else chunk_cb,
                                    (nchunks * batch * ngroups, nbpc, nbpc),
                                    (B, C, cbuf, Q, cfg.scan_block_q, cfg.dstate_pad)))
     if segs > 1:
         # each segment's entering state added to its local states, the final state
         calls.insert(2, KernelCall(
-            chunk_state_carry_i64 if int64 else chunk_state_carry, state_grid,
+            chunk_state_carry_i64 if wide else chunk_state_carry, state_grid,
             (seg_final, seg_factor, chunk_factor, states, final, seg_entry, cfg.state_block_p,
              cfg.state_block_n, segs, cfg.state_load_latency, False, True, fold)))
     scan = calls[-1]
@@ -303,7 +306,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         # a program per FIX_SPAN chunks: those chunk_state_pass flagged, every tile causally
         # (without the scan's hints, as the FIX_SPAN pass below)
         # (scan_causal 4's chunk_scan launch is the default one, FLAG_W = 1: the same kernel)
-        calls.append(KernelCall(chunk_scan_i64 if int64 else chunk_scan,
+        calls.append(KernelCall(chunk_scan_i64 if wide else chunk_scan,
                                 (-(-(batch * nheads * nchunks) // FIX_SPAN), 1, 1),
                                 scan.args[:-3] + (next_pow2(state_tiles), chunk_flags, 8)))
     elif cfg.scan_causal >= 2:
@@ -312,7 +315,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         # launch compiled (384 threads) but did not return on the H200 even on clean input
         # (every program loads its sums and exits), and at 128-token query blocks it failed
         # to compile (tileiras return code 5)
-        calls.append(KernelCall(chunk_scan_i64 if int64 else chunk_scan,
+        calls.append(KernelCall(chunk_scan_i64 if wide else chunk_scan,
                                 (-(-n_tiles // FIX_SPAN), 1, 1),
                                 scan.args[:-1] + (2 * cfg.scan_causal,)))
     return calls
