@@ -158,6 +158,19 @@ def _entry_state(states, seg_entry, chunk_factor, batch, head, chunk, p_tile, nt
     return h
 
 
+def _state_term(acc, c, states, seg_entry, chunk_factor, batch, qblk, group, head, chunk,
+                p_tile, n_tiles, BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
+                BLOCK_N: ct.Constant[int], SEGS: ct.Constant[int], LAT, in_dtype):
+    """acc + C h^T over the n_tiles dstate tiles (C loaded for this product alone)."""
+    for nt in range(n_tiles):
+        c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
+                      padding_mode=ct.PaddingMode.ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
+        h = _entry_state(states, seg_entry, chunk_factor, batch, head, chunk, p_tile, nt,
+                         BLOCK_P, BLOCK_N, SEGS, LAT)
+        acc = ct.mma(mma_operand(c_t, in_dtype), mma_operand(h.transpose(), in_dtype), acc)
+    return acc
+
+
 def _diag_tile_mma(
     b, c, states, seg_entry, chunk_factor, cb, acc, nt, batch, qblk, group, head, chunk, p_tile,
     BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int], BLOCK_N: ct.Constant[int], LAT,
@@ -196,13 +209,9 @@ def _tile_acc(
     if CB_IN:
         # C B^T blocks from chunk_cb (formed once per chunk and group); C here only for the
         # carried-state term
-        for nt in range(n_tiles):
-            c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
-                          padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
-            h = _entry_state(states, seg_entry, chunk_factor, batch, head, chunk, p_tile, nt,
-                             BLOCK_P, BLOCK_N, SEGS, LAT)
-            acc = ct.mma(mma_operand(c_t, x.dtype), mma_operand(h.transpose(), x.dtype), acc)
-        acc = _carried(acc, state_scale, start_q, HAS_SEQ)
+        acc = _carried(_state_term(acc, c, states, seg_entry, chunk_factor, batch, qblk, group,
+                                   head, chunk, p_tile, n_tiles, BLOCK_Q, BLOCK_P, BLOCK_N,
+                                   SEGS, LAT, x.dtype), state_scale, start_q, HAS_SEQ)
         for kblk in range(first_blk, qblk + 1):
             cb = ct.load(cbuf, index=(batch, chunk, group, qblk - first_blk, kblk - first_blk),
                          shape=(1, 1, 1, BLOCK_Q, BLOCK_Q),
@@ -241,13 +250,9 @@ def _tile_acc(
             acc = _add_key_block(acc, cb, kblk, qblk, g_q, row, start_q, x, dt, cum, batch,
                                  head, p_tile, BLOCK_Q, BLOCK_P, HAS_SEQ, LOWP, LAT, SANITIZE)
     else:
-        for nt in range(n_tiles):
-            c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
-                          padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
-            h = _entry_state(states, seg_entry, chunk_factor, batch, head, chunk, p_tile, nt,
-                             BLOCK_P, BLOCK_N, SEGS, LAT)
-            acc = ct.mma(mma_operand(c_t, x.dtype), mma_operand(h.transpose(), x.dtype), acc)
-        acc = _carried(acc, state_scale, start_q, HAS_SEQ)
+        acc = _carried(_state_term(acc, c, states, seg_entry, chunk_factor, batch, qblk, group,
+                                   head, chunk, p_tile, n_tiles, BLOCK_Q, BLOCK_P, BLOCK_N,
+                                   SEGS, LAT, x.dtype), state_scale, start_q, HAS_SEQ)
         for kblk in range(first_blk, qblk + 1):
             cb = ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32)
             for nt in range(n_tiles):
