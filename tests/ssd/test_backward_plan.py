@@ -84,7 +84,8 @@ def test_dispatcher_head_split(b, l, h, g, splits):
     divisor of the heads per group); the launch's third grid axis is the split, it writes
     (splits, B, L, G, N) fp32 partials, and one sum_partials launch adds them into dB and dC
     (before bwd_chunk_dx). Long sequences take dB and dC through the groups' C B^T
-    gradient (bc_fused 2: bwd_chunk_dcb, then bwd_chunk_dbc_group writing dB and dC)."""
+    gradient (bc_fused 2: bwd_chunk_dcb, then bwd_chunk_dbc_group writing dB and dC), with
+    the decay gradient's W terms from bwd_chunk_dcb (da_mode 3)."""
     cfg = backward.backward_config(b, h, g, 64, 128, 256, torch.bfloat16, 132, seqlen=l)
     assert backward.head_splits(cfg, h, g) == splits
     calls = plans.backward_problem_plan(batch=b, seqlen=l, nheads=h, ngroups=g,
@@ -92,11 +93,12 @@ def test_dispatcher_head_split(b, l, h, g, splits):
     names = [_name(c) for c in calls]
     assert "sum_partials_fn" in names if splits > 1 else "sum_partials_fn" not in names
     if splits == 1:
-        assert cfg.bc_fused == 2 and "bwd_chunk_dbc_fused_fn" not in names
+        assert cfg.bc_fused == 2 and cfg.da_mode == 3 and "bwd_chunk_dbc_fused_fn" not in names
         i = names.index("bwd_chunk_dcb_fn")
         assert names[i + 1] == "bwd_chunk_dbc_group_fn"
         assert calls[i + 1].args[11].dtype == torch.bfloat16     # dB, written directly
         return
+    assert cfg.bc_fused == 1 and cfg.da_mode == 1
     dbc = calls[names.index("bwd_chunk_dbc_fused_fn")]
     assert dbc.grid[2] == splits
     assert dbc.args[10].shape == (splits, b, l, g, 128)
@@ -119,7 +121,7 @@ def test_dcb_shares_the_dx_partials_memory(b, l, h, g, p, n, d_dim):
     size; the dB/dC launches run before bwd_chunk_dx, which runs before bwd_dt. A D of shape
     (H,) gets its partials summed over each p-tile: (cdiv(L, dx_block_q), B, H, n_pt)."""
     cfg = replace(backward.backward_config(b, h, g, p, n, 256, torch.bfloat16),
-                  bc_fused=2)
+                  bc_fused=2, da_mode=1)
     e = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
     x, dt = e(b, l, h, p), e(b, l, h, dt=torch.float32)
     B = e(b, l, g, n)
@@ -172,7 +174,7 @@ def test_da_mode3_buffers(b, l, h, g, p, n):
     shares the block of dS with ddt_part and dD_part; bwd_chunk_dcb gets da_part and its W
     flag, bwd_chunk_dx the slot count."""
     base = replace(backward.backward_config(b, h, g, p, n, 256, torch.bfloat16), bc_fused=2,
-                   bc_block_q=32)
+                   da_mode=1, bc_block_q=32)
     cfg = replace(base, da_mode=3)
     e = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
     x, dt, B, D = e(b, l, h, p), e(b, l, h, dt=torch.float32), e(b, l, g, n), e(h, dt=torch.float32)

@@ -84,11 +84,13 @@ def backward_variants():
     items.append(("bf16-int64-head-split", dict(dtype=bf, int64=True, overrides=dict(
         bc_head_split=2, da_mode=2, bc_fused=1))))
     # the whole-chunk fused dB/dC launch at long sequences too (bc_fused 1)
-    items.append(("bf16-fused-dbc", dict(dtype=bf, overrides=dict(bc_fused=1, bc_block_q=64))))
-    # dB and dC through the gradient of the groups' C B^T (bc_fused 2)
-    items.append(("bf16-group-dcb", dict(dtype=bf, overrides=dict(bc_fused=2))))
-    items.append(("bf16-int64-group-dcb", dict(dtype=bf, int64=True,
-                                               overrides=dict(bc_fused=2, dcb_occupancy=4))))
+    items.append(("bf16-fused-dbc", dict(dtype=bf, overrides=dict(bc_fused=1, da_mode=1,
+                                                                       bc_block_q=64))))
+    # dB and dC through the gradient of the groups' C B^T (bc_fused 2) with the per-token da
+    # terms in bwd_chunk_dx (da_mode 1; the rule's da_mode 3 is below)
+    items.append(("bf16-group-dcb", dict(dtype=bf, overrides=dict(bc_fused=2, da_mode=1))))
+    items.append(("bf16-int64-group-dcb", dict(dtype=bf, int64=True, overrides=dict(
+        bc_fused=2, da_mode=1, dcb_occupancy=4))))
     # the decay gradient's W terms in bwd_chunk_dcb (da_mode 3), with and without z
     items.append(("bf16-group-dcb-da3", dict(dtype=bf, overrides=dict(
         bc_fused=2, da_mode=3, bc_block_q=32, dcb_occupancy=4, bc_occupancy=2, bc_warps=4))))

@@ -129,7 +129,9 @@ class BackwardConfig:
         if (self.da_mode not in (0, 1, 2, 3) or (self.da_mode == 2 and self.bc_fused != 1)
                 or (self.da_mode == 3 and self.bc_fused != 2)):
             raise ValueError(f"BackwardConfig: da_mode={self.da_mode} must be 0, 1, 2 with "
-                             "bc_fused=1, or 3 with bc_fused=2")
+                             f"bc_fused=1, or 3 with bc_fused=2 (bc_fused={self.bc_fused}; "
+                             "the rule's da_mode 3 goes with its bc_fused 2: give da_mode=1 "
+                             "with bc_fused 0 or 1)")
 
 
 def head_splits(cfg: BackwardConfig, nheads: int, ngroups: int) -> int:
@@ -156,7 +158,8 @@ def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
     With `seqlen`, a fused dB/dC grid of fewer programs than `sms` (one chunk x n-tile x
     group per program, one program per SM: short sequences) splits each group's heads over
     up to sms / programs programs (`bc_head_split`); otherwise dB and dC go through the
-    gradient of each group's C B^T (`bc_fused=2`), as without `seqlen`."""
+    gradient of each group's C B^T (`bc_fused=2`), as without `seqlen`, and that launch
+    forms the decay gradient's W terms too (`da_mode=3`)."""
     return _config.with_env(backward_shape_config(batch, nheads, ngroups, headdim, dstate,
                                                   chunk_size, dtype, sms, seqlen),
                             _config.ENV_BACKWARD)
@@ -214,8 +217,10 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # gradients bit-identical), 2: 1.252; bc_load_latency 2/6/8 and dx_load_latency 2/6
         # slower. lowp for bwd_chunk_dx too saves only 0.022 ms (0.587 -> 0.565) but made the
         # GPU tests' ddt_bias error 7x larger (1.7e-3 -> 1.3e-2 at (1, 200, 4, 2, 40, 24)), so
-        # it is off (dx_lowp=0): ddt, dA and ddt_bias keep fp32-operand accuracy (in the
-        # default da_mode 1; with da_mode=2 the dB/dC launch forms dA terms, under lowp).
+        # it is off (dx_lowp=0): ddt, dA and ddt_bias keep fp32-operand accuracy (da_mode 1,
+        # and da_mode 3 without z, whose dY X^T takes the inputs themselves; with z da_mode 3
+        # rounds the gated dY to the input dtype for it, and da_mode 2 forms dA terms under
+        # lowp).
         lowp=1,
         dx_warps=4,
         bc_load_latency=4,
@@ -231,8 +236,13 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # blocks at four programs per SM, then per whole chunk two programs per SM of 4 warps
         # (H200, bf16, B=2 T=8192 H=80 G=1 and H=128 G=8, chunk 256: the fused launch 0.999
         # and 1.627 ms -> 0.256 + 0.384 and 0.439 + 0.690 ms, whole backward 2.79 -> 2.43 and
-        # 4.40 -> 3.90 ms; benchmarks/results/2026-12-04-h200-backward-sweep-group-dcb.jsonl)
-        cfg = replace(cfg, bc_fused=2, bc_block_q=min(chunk_size, 32),
+        # 4.40 -> 3.90 ms; benchmarks/results/2026-12-04-h200-backward-sweep-group-dcb.jsonl).
+        # The decay gradient's W terms from that dS launch (da_mode 3), so that bwd_chunk_dx
+        # drops its key-block loop without z (H100, bf16, B=2 T=8192, chunk 256: 80 heads
+        # 2.48 -> 2.22 ms, headdim 128 2.79 -> 2.43, dstate 256 2.12 -> 1.81; dB/dC move by
+        # bf16 rounding, 1-3e-3 of their largest element;
+        # benchmarks/results/2026-12-05-h100-backward-sweep-da-mode-3.jsonl)
+        cfg = replace(cfg, bc_fused=2, da_mode=3, bc_block_q=min(chunk_size, 32),
                       dcb_occupancy=4, bc_occupancy=2, bc_warps=4)
     return cfg
 
