@@ -7,7 +7,9 @@ multiplied in, 0 * NaN = NaN). With `scan_causal` 1, 2 or 3 (MAMBA2_CUTILE_CONFI
 default: 1 costs 18% on clean input at the seed problem, 2 and 3 are not timed yet) the
 forward's second chunk_scan launch recomputes, in a sanitizing form, the tiles whose outputs
 hold a non-finite value (1: counted per tile, same grid) or whose accumulator's sum (2) or row
-sums (3) are not finite (a program per FIX_SPAN tiles) (kernels/chunk_scan.py); decay_cumsum
+sums (3) are not finite (a program per FIX_SPAN tiles) (kernels/chunk_scan.py); with 4,
+chunk_state_pass flags the heads a non-finite input reaches and a program per head recomputes
+the chunks holding one; decay_cumsum
 and chunk_state_pass keep the decay finite and other sequences' garbage out by selects in
 every mode. The kernel tests below run the causal modes on the kernels' source (emulated) and
 on the GPU (the decay limits in every mode); `test_emulated_default_not_causal` records that
@@ -270,6 +272,7 @@ def emulated_run(Q, block_q, causal=1, dstate_pad=8, **over):
             if variants.kernel_name(c) == "chunk_cb":
                 c.args[2].fill_(NAN)
         emulate_launch(calls[:launches])
+        run.last_calls = calls
         return out, final
     return run
 
@@ -350,19 +353,16 @@ def test_emulated_fix_pass_spans(seq, causal):
 
 
 @pytest.mark.parametrize("seq", [False, True], ids=["no_seq", "seq_idx"])
-def test_emulated_chunk_flags_across_spans(seq):
-    """scan_causal 4 with more chunks than one FIX_SPAN program reads (b=2, h=12, 3 chunks:
-    72 rows, 2 spans, the second partial): a bad x in a chunk of the second span (row 1,
-    head 11) is fixed, and the fix pass changes nothing on clean input."""
-    from mamba2_cutile.kernels.chunk_scan import FIX_SPAN
-
+def test_emulated_head_flags_many_heads(seq):
+    """scan_causal 4 with 24 (batch, head) programs in the fix-up pass (b=2, h=12): a bad x in
+    row 1, head 11 is fixed there, nothing else moves, and the fix pass changes nothing on
+    clean input."""
     Q, block_q, h = 64, 32, 12
     t = where_in_chunk(Q, "mid")
     args, kw = make_problem(Q, t, seq, softplus=True, dtype=F64, b=2, h=h, p=8, n=7)
     run = emulated_run(Q, block_q, 4)
     y_clean, _ = run(args, kw)
-    nc = -(-args["x"].shape[1] // Q)
-    assert FIX_SPAN < 2 * h * nc < 2 * FIX_SPAN and ((1 * h + 11) * nc + 1) // FIX_SPAN == 1
+    assert run.last_calls[-1].grid == (2 * h, 1, 1)
     bad = {**args, "x": args["x"].clone()}
     bad["x"][1, t, 11, 1] = NAN
     y, h_fin = run(bad, kw)
@@ -376,9 +376,9 @@ def test_emulated_chunk_flags_across_spans(seq):
 
 @pytest.mark.parametrize("second", ["x", "B"])
 def test_emulated_chunk_flags_second_bad_value(second):
-    """scan_causal 4 flags a chunk by the growth of its state tile's non-finite count: after a
-    NaN x in chunk 0 (channel 1, whose state entries stay NaN), a second bad value in chunk 1
-    (x in channel 2, or B, in the same state tile) still flags chunk 1, so its rows before
+    """scan_causal 4 finds every chunk holding a bad input in a flagged head: after a NaN x in
+    chunk 0 (channel 1, whose state entries stay NaN), a second bad value in chunk 1 (x in
+    channel 2, or B, in the same state tile) gets chunk 1 recomputed too, so its rows before
     that token equal those of a run with the first bad value alone."""
     Q, block_q = 64, 32
     t1, t2 = 10, where_in_chunk(Q, "mid")
@@ -392,6 +392,40 @@ def test_emulated_chunk_flags_second_bad_value(second):
     y_two, _ = run(two, kw)
     torch.testing.assert_close(y_two[0, :t2], y_one[0, :t2], rtol=0, atol=0, equal_nan=True)
     assert y_two[0, :t2, 0, 2].isfinite().all() and not y_two[0, t1:, 0, 1].isfinite().any()
+
+
+@pytest.mark.parametrize("segments, bad_chunk", [(1, 2), (1, 11), (2, 9), (2, 3)],
+                         ids=["chunk2", "last-chunk", "segment1", "segment0"])
+def test_emulated_head_flags_find_the_chunk(segments, bad_chunk):
+    """scan_causal 4 over 12 chunks (the last partial), with one or two state segments: a
+    bad x flags only the state programs whose run holds it (one flag per program, checked
+    after the chunk loop), the fix-up pass finds its chunk among the head's, and the outputs
+    keep the contract."""
+    Q, h, p, n = 64, 2, 8, 7
+    l = 11 * Q + 20
+    gen = torch.Generator().manual_seed(4)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    args = dict(x=r(1, l, h, p), dt=torch.rand(1, l, h, generator=gen, dtype=F64) * 0.4 + 0.05,
+                A=-torch.rand(h, generator=gen, dtype=F64) - 0.5, B=r(1, l, 1, n),
+                C=r(1, l, 1, n))
+    kw = dict(D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+              dt_softplus=False, dt_limit=(0.0, math.inf))
+    over = dict(state_segments=segments) if segments > 1 else {}
+    run = emulated_run(Q, Q, 4, **over)
+    y_clean, _ = run(args, kw)
+    assert run.last_calls[1].args[-2].shape == (h, segments)     # one 8 x 8 state tile
+    assert not run.last_calls[1].args[-2].any(), "a clean run flagged"
+    t = bad_chunk * Q + min(17, l - 1 - bad_chunk * Q)
+    bad = {**args, "x": args["x"].clone()}
+    bad["x"][0, t, 1, 3] = NAN
+    y, h_fin = run(bad, kw)
+    want = torch.zeros(h, segments)
+    want[1, 0 if segments == 1 else bad_chunk // 6] = 1.0
+    assert torch.equal(run.last_calls[1].args[-2], want)
+    assert torch.equal(y[0, :, 0], y_clean[0, :, 0]) and torch.equal(y[0, :t], y_clean[0, :t])
+    y_ref, h_ref, _ = ssd_recurrence(**as_reference(bad), **as_reference(kw))
+    assert rel_err_finite(y, y_ref) <= EMU_TOL and rel_err_finite(h_fin, h_ref) <= EMU_TOL
+    assert not torch.isfinite(y[0, t:, 1, 3]).any()
 
 
 def test_emulated_chunk_flags_several_state_tiles():

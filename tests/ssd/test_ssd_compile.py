@@ -53,11 +53,11 @@ def test_plans_have_their_launches():
             assert variants.kernel_arg(plan[1], "FLAG") is (causal == 4), name
             if causal == 1:
                 assert plan[3].grid == plan[2].grid, name
-            elif causal == 4:        # a program per FIX_SPAN chunks, the state pass's flags
+            elif causal == 4:        # a program per (batch, head), the state pass's flags
                 flags = variants.kernel_arg(plan[1], "flags")
-                assert plan[3].args[-2] is flags and flags.shape[1] == (
-                    plan[1].grid[1] * plan[1].grid[2]), name
-                assert plan[3].grid == (-(-flags.shape[0] // FIX_SPAN), 1, 1), name
+                assert plan[3].args[-2] is flags and flags.shape == (
+                    plan[1].grid[0], plan[1].grid[1] * plan[1].grid[2]), name
+                assert plan[3].grid == (flags.shape[0], 1, 1), name
                 assert variants.kernel_arg(plan[3], "FLAG_W") >= flags.shape[1], name
                 # launched without the scan's hints, as the FIX_SPAN pass (compiled in
                 # test_causal_scan_compiles)

@@ -43,12 +43,13 @@ a flagging one and a pass over the flagged tiles:
   8192 early exits in 31 waves); else it recomputes its tiles with a non-finite sum in the
   SANITIZE form, one after the other.
 - CHECK=8 (scan_causal 4, after a plain CHECK=0 launch): the flags come from
-  chunk_state_pass (FLAG), one per chunk and state tile, set where the chunk brings a new
-  non-finite value into the state (its docstring); chunk_scan's own launch is the plain one,
-  with nothing added. A program per FIX_SPAN chunks loads their flags (FLAG_W columns, the
-  state tiles padded to a power of two) and returns when none is set; else it recomputes
-  every tile of each flagged chunk in the SANITIZE form. Only a chunk holding a bad token can
-  have an earlier output made non-finite by its masked products: in a later chunk the rows
+  chunk_state_pass (FLAG), one per state program (state tile and segment), set where a chunk
+  of its run holds a non-finite x, B or dt' (its docstring); chunk_scan's own launch is the
+  plain one, with nothing added. A program per (batch, head) loads its row of flags (FLAG_W
+  columns, padded to a power of two) and returns when none is set; else it walks the head's
+  chunks, checks each one's x, B and decay weights, and recomputes every tile of a chunk
+  holding a non-finite one in the SANITIZE form. Only a chunk holding a bad token can have
+  an earlier output made non-finite by its masked products: in a later chunk the rows
   reached by the bad value are reached in the recurrence too (through the state).
 CHECK=0: the plain tile alone.
 
@@ -399,8 +400,31 @@ def _fix_span(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_
                                True)
 
 
+def _chunk_is_bad(x, b, dt, cum, batch, head, group, chunk, Q: ct.Constant[int],
+                  BLOCK_P: ct.Constant[int], BLOCK_N: ct.Constant[int]):
+    """Whether the chunk's x (every channel of the head), B (every state index of its group)
+    or decay weights w = dt' 2^(G_last - G) hold a non-finite entry (chunk_state_pass's own
+    term of the chunk, X^T (w B) over all its rows, is non-finite exactly then): the sum of
+    their sums is not finite. A sum of finite entries overflows only past 3e38 (the chunk is
+    then recomputed for nothing, to the same values)."""
+    ZERO = ct.PaddingMode.ZERO
+    dtt = ct.load(dt, index=(batch, head, chunk), shape=(1, 1, Q)).reshape((Q,))
+    g = ct.load(cum, index=(batch, head, chunk), shape=(1, 1, Q)).reshape((Q,))
+    g_last = ct.extract(g, index=(Q - 1,), shape=(1,))
+    total = ct.sum(dtt * ct.exp2(g_last - g), axis=0, keepdims=True)
+    for p_tile in range(ct.cdiv(x.shape[3], BLOCK_P)):
+        xt = ct.load(x, index=(batch, chunk, head, p_tile), shape=(1, Q, 1, BLOCK_P),
+                     padding_mode=ZERO).reshape((Q, BLOCK_P)).astype(ct.float32)
+        total = total + ct.sum(ct.sum(xt, axis=1), axis=0, keepdims=True)
+    for n_tile in range(ct.cdiv(b.shape[3], BLOCK_N)):
+        bt = ct.load(b, index=(batch, chunk, group, n_tile), shape=(1, Q, 1, BLOCK_N),
+                     padding_mode=ZERO).reshape((Q, BLOCK_N)).astype(ct.float32)
+        total = total + ct.sum(ct.sum(bt, axis=1), axis=0, keepdims=True)
+    return ct.where(ct.abs(total) < float("inf"), 0.0, 1.0).reshape(())
+
+
 def _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_factor, out,
-                span,
+                bh,
                 Q: ct.Constant[int], BLOCK_Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
                 NP: ct.Constant[int], HEADS_PER_GROUP: ct.Constant[int],
                 D_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool],
@@ -408,32 +432,30 @@ def _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chun
                 LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool],
                 SEGS: ct.Constant[int], flags,
                 FLAG_W: ct.Constant[int]):
-    """CHECK 8: the chunks FIX_SPAN * span .. + FIX_SPAN - 1 (rows of `flags`, batch * head
-    major, chunks fastest) that chunk_state_pass flagged, every tile again in the causal
-    form; one load and a sum when none is."""
-    n_rows = flags.shape[0]
-    ZERO = ct.PaddingMode.ZERO
-    marks = ct.load(flags, index=(span, 0), shape=(FIX_SPAN, FLAG_W), padding_mode=ZERO)
+    """CHECK 8: (batch, head) bh. When chunk_state_pass flagged any of its state programs
+    (row bh of `flags`), each chunk whose inputs hold a non-finite value, every tile again in
+    the causal form; one load and a sum when none is."""
+    marks = ct.load(flags, index=(bh, 0), shape=(1, FLAG_W), padding_mode=ct.PaddingMode.ZERO)
     if ct.sum(ct.sum(marks, axis=1), axis=0) > 0.0:
+        nheads = x.shape[2]
+        batch = bh // nheads
+        head = bh % nheads
+        group = head // HEADS_PER_GROUP
         nc = cum.shape[2] // Q
         n_q = ct.cdiv(x.shape[1], BLOCK_Q)
         n_p = ct.cdiv(x.shape[3], BLOCK_P)
         nbpc = Q // BLOCK_Q
-        for i in range(FIX_SPAN):
-            r = span * FIX_SPAN + i
-            if r < n_rows:
-                row = ct.load(flags, index=(r, 0), shape=(1, FLAG_W), padding_mode=ZERO)
-                if ct.sum(ct.sum(row, axis=1), axis=0) > 0.0:
-                    bh = r // nc
-                    chunk = r % nc
-                    q_end = ct.minimum(chunk * nbpc + nbpc, n_q)
-                    for qblk in range(chunk * nbpc, q_end):
-                        for p_tile in range(n_p):
-                            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry,
-                                       chunk_factor, out, qblk,
-                                       p_tile, bh, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP,
-                                       D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N,
-                                       CB_IN, SEGS, flags, 0, True)
+        for chunk in range(nc):
+            if _chunk_is_bad(x, b, dt, cum, batch, head, group, chunk, Q, BLOCK_P,
+                             BLOCK_N) > 0.0:
+                q_end = ct.minimum(chunk * nbpc + nbpc, n_q)
+                for qblk in range(chunk * nbpc, q_end):
+                    for p_tile in range(n_p):
+                        _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry,
+                                   chunk_factor, out, qblk,
+                                   p_tile, bh, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP,
+                                   D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N,
+                                   CB_IN, SEGS, flags, 0, True)
 
 
 def chunk_scan_fn(
@@ -468,13 +490,13 @@ def chunk_scan_fn(
     CB_IN: ct.Constant[bool],     # C B^T blocks read from cbuf, not formed here
     SEGS: ct.Constant[int],       # > 1: `states` holds the segments' local states l_c; the
                                   # entry state is l_c + f_c H_s (ForwardConfig.segment_fold)
-    FLAG_W: ct.Constant[int],     # CHECK 8: flag columns read per chunk (a power of two)
+    FLAG_W: ct.Constant[int],     # CHECK 8: flag columns read per head (a power of two)
     flags,       # float32, read/written per CHECK: (B * H, cdiv(L, BLOCK_Q), cdiv(P, BLOCK_P))
                  # for 1 and 2; (B * H * cdiv(L, BLOCK_Q) * cdiv(P, BLOCK_P), W) for 3 to 6,
-                 # W = 1 (3, 4) or BLOCK_Q (5, 6); 8: (B * H * chunks, state tiles)
+                 # W = 1 (3, 4) or BLOCK_Q (5, 6); 8: (B * H, state tiles * segments)
     CHECK: ct.Constant[int],      # 0 plain, 1 plain + count, 2 counted tiles again, sanitized;
                                   # 3/5 plain + tile/row sums, 4/6 the FIX_SPAN pass over them;
-                                  # 8 the pass over chunk_state_pass's chunk flags
+                                  # 8 the pass over chunk_state_pass's head flags
 ):
     # Query blocks run to cdiv(L, BLOCK_Q) only: a block past the last token would load
     # tiles lying entirely outside x, which is undefined.
@@ -487,7 +509,7 @@ def chunk_scan_fn(
                   BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP,
                   BLOCK_N, CB_IN, SEGS, flags, 1 if CHECK == 4 else BLOCK_Q)
     elif CHECK == 8:
-        # its own grid, (cdiv(B * H * chunks, FIX_SPAN),)
+        # its own grid, (B * H,)
         _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_factor, out,
                     ct.bid(0), Q, BLOCK_Q,
                     BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP,

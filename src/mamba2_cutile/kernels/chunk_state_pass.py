@@ -32,15 +32,21 @@ their end state (seg_final) and the end factor (seg_factor); `chunk_state_carry`
 H_s, adds f_c H_s to the states of segments s >= 1 and writes the final state. Rounding: l_c
 is rounded to the state dtype before H_s is added (twice in all, against once).
 
-FLAG (ForwardConfig.scan_causal=4): per chunk, whether it holds a non-finite x, B or dt', for
-chunk_scan's pass over flagged chunks (kernels/chunk_scan.py, CHECK=8): the chunk's own term
-of the update, X^T (w B) over its tokens (the carried state is not in it), holds a
-non-finite entry exactly then (0 * NaN is NaN), so the flag is whether that term's sum is
-finite, computed from the fresh accumulator before the carried state is added. A chunk
-where a sequence ends also checks its raw x, B and dt' rows (the rows the select drops
-never reach the state, but reach the scan's masked products). One float per chunk and tile
-in `flags` (B * H * C, p-tiles * n-tiles): 1.0 flagged, 0.0 not; one tile sum per chunk on
-clean input.
+FLAG (ForwardConfig.scan_causal=4): whether any chunk of the program's run holds a
+non-finite x, B or dt', for chunk_scan's pass over flagged heads (kernels/chunk_scan.py,
+CHECK=8, which then finds the chunks). A chunk's own term of the update, X^T (w B) over its
+tokens, holds a non-finite entry exactly then (0 * NaN is NaN), and without seq_idx such an
+entry stays in the carried state to the end of the run (2^G h + u is non-finite once h or u
+is: 0 * Inf is NaN too), so one tile sum of the run's last state, after the loop, is the
+flag (a sum of finite entries overflows only past 3e38: the head is then searched for
+nothing; a non-finite initial state flags too). With seq_idx a reset drops the state, so the
+own terms are added elementwise into a tile over the run instead, and a chunk where a
+sequence ends adds its raw term too, X^T (w B) over all its rows (the rows the select drops
+never reach the state, but reach the scan's masked products). One float per program in
+`flags` (B * H, p-tiles * n-tiles * SEGMENTS): 1.0 flagged, 0.0 not. No reduction runs in
+the loop: a tile sum per chunk cost the seed problem's state pass 0.114 -> 0.125 ms (H100),
+and reductions inside the loop, even every 8 chunks or only where a sequence ends, compiled
+to another pipeline (209 or 89 KB of shared memory against 151 and 128 KB).
 """
 
 import cuda.tile as ct
@@ -56,11 +62,11 @@ def _nonfinite(t):
     return ct.where(ct.abs(total) < float("inf"), 0.0, 1.0)
 
 
-def _update(hid, carry, xt, bt, w, in_dtype, BLOCK_P: ct.Constant[int],
+def _update(hid, pending, carry, xt, bt, w, in_dtype, BLOCK_P: ct.Constant[int],
             BLOCK_N: ct.Constant[int], SCALE_X: ct.Constant[bool], FRESH_ACC: ct.Constant[bool],
-            FLAG: ct.Constant[bool]):
-    """h <- carry * h + X^T (w B), one MMA; and (FLAG) whether the chunk's own term
-    X^T (w B) holds a non-finite entry, else 0.0."""
+            FLAG: ct.Constant[bool], HAS_SEQ: ct.Constant[bool]):
+    """h <- carry * h + X^T (w B), one MMA; and (FLAG with seq_idx) the chunk's own term
+    X^T (w B) added to `pending`, the run's sum of them."""
     # the weights go on the smaller operand: (w X)^T B == X^T (w B), one rounding either way
     if SCALE_X:
         lhs = mma_operand(xt.astype(ct.float32) * w[:, None], in_dtype).transpose()
@@ -71,11 +77,11 @@ def _update(hid, carry, xt, bt, w, in_dtype, BLOCK_P: ct.Constant[int],
     if FRESH_ACC or FLAG:
         # the MMA does not wait for the carried state: only a multiply-add is sequential
         upd = ct.mma(lhs, rhs, ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32))
-        bad = ct.full((1,), 0.0, dtype=ct.float32)
         if FLAG:
-            bad = _nonfinite(upd)
-        return hid * carry[:, None] + upd, bad
-    return ct.mma(lhs, rhs, hid * carry[:, None]), ct.full((1,), 0.0, dtype=ct.float32)
+            if HAS_SEQ:
+                pending = pending + upd
+        return hid * carry[:, None] + upd, pending
+    return ct.mma(lhs, rhs, hid * carry[:, None]), pending
 
 
 def chunk_state_pass_fn(
@@ -100,7 +106,7 @@ def chunk_state_pass_fn(
     seg_final,   # (B, H, SEGMENTS, P, N) float32: each segment's end state from its own start
     seg_factor,  # (B, H, SEGMENTS) float32: the factor of the state entering it at its end
     chunk_factor,  # (B, H, C) float32: f_c
-    flags,       # (B * H * C, p-tiles * n-tiles) float32: chunks that bring a non-finite value
+    flags,       # (B * H, p-tiles * n-tiles * SEGMENTS) float32: runs with a non-finite term
     FLAG: ct.Constant[bool],
 ):
     bh, p_tile = ct.bid(0), ct.bid(1)
@@ -128,8 +134,10 @@ def chunk_state_pass_fn(
                           shape=(1, 1, BLOCK_P, BLOCK_N),
                           padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
             hid = hid.astype(ct.float32)
+    pending = ct.full((1, 1), 0.0, dtype=ct.float32)
     if FLAG:
-        flag_col = p_tile * ct.cdiv(b.shape[3], BLOCK_N) + n_tile
+        if HAS_SEQ:
+            pending = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
     # the sequence the carried state belongs to: the row's first one at the start
     seq_prev = ct.full((1,), 0, dtype=ct.int32)
     if HAS_SEQ:
@@ -178,28 +186,30 @@ def chunk_state_pass_fn(
                              padding_mode=ct.PaddingMode.ZERO).reshape((Q, BLOCK_P))
                 bs = ct.load(b, index=(batch, c, group, n_tile), shape=(1, Q, 1, BLOCK_N),
                              padding_mode=ct.PaddingMode.ZERO).reshape((Q, BLOCK_N))
-                raw_bad = ct.full((1,), 0.0, dtype=ct.float32)
                 if FLAG:
                     # the dropped rows too: they stay out of the state, not out of the scan's
-                    # masked products
-                    raw_bad = ct.maximum(ct.maximum(_nonfinite(xs), _nonfinite(bs)),
-                                         _nonfinite(w_raw.reshape((1, Q))))
+                    # masked products (an MMA, not a reduction, in the loop)
+                    _, pending = _update(hid, pending, carry, xs, bs, w_raw, x.dtype, BLOCK_P,
+                                         BLOCK_N, SCALE_X, FRESH_ACC, FLAG, HAS_SEQ)
                 xs = ct.where(in_last[:, None], xs, 0.0).astype(x.dtype)
                 bs = ct.where(in_last[:, None], bs, 0.0).astype(b.dtype)
-                hid, bad = _update(hid, carry, xs, bs, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X,
-                                   FRESH_ACC, FLAG)
-                bad = ct.maximum(bad, raw_bad)
+                hid, pending = _update(hid, pending, carry, xs, bs, w, x.dtype, BLOCK_P,
+                                       BLOCK_N, SCALE_X, FRESH_ACC, FLAG, HAS_SEQ)
             else:
-                hid, bad = _update(hid, carry, xt, bt, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X,
-                                   FRESH_ACC, FLAG)
+                hid, pending = _update(hid, pending, carry, xt, bt, w, x.dtype, BLOCK_P,
+                                       BLOCK_N, SCALE_X, FRESH_ACC, FLAG, HAS_SEQ)
         else:
-            hid, bad = _update(hid, carry, xt, bt, w, x.dtype, BLOCK_P, BLOCK_N, SCALE_X,
-                               FRESH_ACC, FLAG)
-        if FLAG:
-            ct.store(flags, index=(bh * num_chunks + c, flag_col), tile=bad.reshape((1, 1)))
+            hid, pending = _update(hid, pending, carry, xt, bt, w, x.dtype, BLOCK_P, BLOCK_N,
+                                   SCALE_X, FRESH_ACC, FLAG, HAS_SEQ)
         if SEGMENTS > 1:
             factor = factor * carry
 
+    if FLAG:
+        flag_col = (p_tile * ct.cdiv(b.shape[3], BLOCK_N) + n_tile) * SEGMENTS + seg
+        bad = _nonfinite(hid)
+        if HAS_SEQ:
+            bad = _nonfinite(pending)
+        ct.store(flags, index=(bh, flag_col), tile=bad.reshape((1, 1)))
     if SEGMENTS > 1:
         ct.store(seg_final, index=(batch, head, seg, p_tile, n_tile),
                  tile=hid.reshape((1, 1, 1, BLOCK_P, BLOCK_N)))

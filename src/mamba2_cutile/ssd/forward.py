@@ -8,7 +8,7 @@ kernels; chunk_scan twice with scan_causal 1 to 4), and the launcher.
 | 2b | `chunk_state_carry` | (S > 1 only) the states entering each segment, added to its states (with `segment_fold`, only written for chunk_scan to add); the final state |
 | 2c | `chunk_cb` | (`scan_cb` only) C B^T of every chunk and group, once, for chunk_scan |
 | 3 | `chunk_scan` | the output: carried-state term, masked decayed C B^T times X, D x, z gate (with `scan_causal=1`, and per tile the count of non-finite outputs; 2 / 3: the sum / the row sums of the accumulator) |
-| 4 | `chunk_scan` | (`scan_causal` 1 to 4 only) the tiles counted non-zero (1; same grid), summed non-finite (2, 3; a program per `FIX_SPAN` tiles) or of the chunks `chunk_state_pass` flagged (4; a program per `FIX_SPAN` chunks), again in the causal form: a NaN/Inf input never changes an earlier output |
+| 4 | `chunk_scan` | (`scan_causal` 1 to 4 only) the tiles counted non-zero (1; same grid), summed non-finite (2, 3; a program per `FIX_SPAN` tiles) or of the heads `chunk_state_pass` flagged, their chunks holding a non-finite input (4; a program per head), again in the causal form: a NaN/Inf input never changes an earlier output |
 
 A plan is built from tensors (real CUDA tensors at run time, or `meta` tensors when compiling on
 a CPU), so the CPU compile check exercises exactly the argument lists the GPU path launches.
@@ -73,12 +73,16 @@ class ForwardConfig:
                                     # stored (no exchange between warps; BLOCK_Q floats a tile).
                                     # 3 on the H200: +2.3-3.4% on clean input (benchmarks/
                                     # results/2026-12-03-h200-forward-causal3-cost.jsonl.txt).
-                                    # 4: chunk_state_pass flags the chunks that bring a new
-                                    # non-finite value into the state (one count of its state
-                                    # tile per chunk), chunk_scan runs plain, and a program per
-                                    # FIX_SPAN chunks recomputes the flagged chunks' tiles
-                                    # (B * H * chunks flags, not a sum per tile or row: nothing
-                                    # added to chunk_scan). Not timed yet. Off by default
+                                    # 4: chunk_state_pass flags the runs that bring a
+                                    # non-finite value into the state (an elementwise sum of
+                                    # the chunks' own terms, one check after the loop),
+                                    # chunk_scan runs plain, and a program per (batch, head)
+                                    # recomputes the tiles of a flagged head's chunks holding
+                                    # a non-finite input (nothing added to chunk_scan). With a
+                                    # check per chunk in the state pass: +4.8% at the seed
+                                    # problem on the H100 (0.327 -> 0.343 ms; benchmarks/
+                                    # results/2026-12-05-h100-forward-sweep-scan-cb-segment-
+                                    # fold.jsonl); this form not timed yet. Off by default
     state_segments: int = 1         # S > 1: chunk_state_pass's chunk loop in S parallel runs
                                     # from zero states, then chunk_state_carry adds each run's
                                     # entering state (kernels/chunk_state_pass.py); 1: one run.
@@ -223,9 +227,9 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     # dtype (float32 on the GPU)
     segs, (seg_final, seg_factor, chunk_factor) = segment_buffers(
         cfg.state_segments, nchunks, final, cum_buf)
-    # scan_causal=4: chunk_state_pass's flags, one per chunk and state tile
-    state_tiles = -(-headdim // cfg.state_block_p) * -(-dstate // cfg.state_block_n)
-    chunk_flags = torch.empty((batch * nheads * nchunks, state_tiles) if cfg.scan_causal == 4
+    # scan_causal=4: chunk_state_pass's flags, one per (batch, head) and state program
+    state_tiles = -(-headdim // cfg.state_block_p) * -(-dstate // cfg.state_block_n) * segs
+    chunk_flags = torch.empty((batch * nheads, state_tiles) if cfg.scan_causal == 4
                               else (1, 1), dtype=torch.float32, device=x.device)
     # scan_cb: C B^T per chunk and group (blocks on or below the diagonal written, read), in
     # final's dtype (float32 on the GPU)
@@ -303,11 +307,12 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         # the same grid again: tiles with non-finite outputs are recomputed causally
         calls.append(KernelCall(scan.kernel, scan.grid, scan.args[:-1] + (2,)))
     elif cfg.scan_causal == 4:
-        # a program per FIX_SPAN chunks: those chunk_state_pass flagged, every tile causally
-        # (without the scan's hints, as the FIX_SPAN pass below)
+        # a program per (batch, head): where chunk_state_pass flagged it, the chunks holding a
+        # non-finite input, every tile causally (without the scan's hints, as the FIX_SPAN
+        # pass below)
         # (scan_causal 4's chunk_scan launch is the default one, FLAG_W = 1: the same kernel)
         calls.append(KernelCall(chunk_scan_i64 if wide else chunk_scan,
-                                (-(-(batch * nheads * nchunks) // FIX_SPAN), 1, 1),
+                                (batch * nheads, 1, 1),
                                 scan.args[:-3] + (next_pow2(state_tiles), chunk_flags, 8)))
     elif cfg.scan_causal >= 2:
         # a program per FIX_SPAN tiles: those whose sums are not finite, causally. Without the
