@@ -93,6 +93,21 @@ def test_causal_scan_compiles(chunk_size, causal):
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
 
 
+def test_causal4_state_pass_keeps_the_default_pipeline():
+    """scan_causal 4's flag without seq_idx is one tile sum of the run's last state, after the
+    chunk loop: the state pass compiles to the default's registers, threads and shared memory
+    at the seed problem but for the sum's scratch (a sum per chunk in the loop took it to
+    another pipeline, 209 KB of shared memory against 151 KB)."""
+    got = {}
+    for causal in (0, 4):
+        calls = plans.forward_problem_plan(options=("D_head",),
+                                           overrides=dict(scan_causal=causal))
+        r = resources.compile_resources(calls[1])
+        got[causal] = (r["regs"], r["stack"], r["threads"], r["smem"])
+    # the same registers, stack and threads; shared memory but for the sum's few bytes
+    assert got[4][:3] == got[0][:3] and abs(got[4][3] - got[0][3]) <= 256, got
+
+
 @pytest.mark.parametrize("causal", [2, 3])
 @pytest.mark.parametrize("block_q", [64, 128])
 def test_fix_span_pass_takes_no_scan_hints(block_q, causal):
