@@ -75,9 +75,13 @@ def split_passes(text: str, source: str) -> tuple:
 
 
 def apply_overrides(cfg, overrides: dict, source: str):
-    """`cfg` with `overrides` applied; the result validates itself. Errors name `source`."""
+    """`cfg` with `overrides` applied (through the config's `paired_overrides`, where it has
+    one: fields that must change together); the result validates itself. Errors name
+    `source`."""
     if not overrides:
         return cfg
+    if hasattr(cfg, "paired_overrides"):
+        overrides = cfg.paired_overrides(overrides)
     bad = [k for k in overrides if k not in field_names(type(cfg)) or k in type(cfg).FIXED]
     if bad:
         raise ValueError(f"{source}: cannot override {bad} of {type(cfg).__name__}")

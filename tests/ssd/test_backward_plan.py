@@ -166,6 +166,38 @@ def test_da_mode_needs_its_dbc_launch(over, ok):
             replace(cfg, **over)
 
 
+@pytest.mark.parametrize("spec, want", [
+    ("bc_fused=1", (1, 1)), ("bc_fused=0", (0, 1)), ("bc_head_split=2,bc_fused=1", (1, 1)),
+    ("bc_fused=2", (2, 3)), ("bc_fused=2,da_mode=1", (2, 1)), ("da_mode=1", (2, 1)),
+    ("bc_fused=1,da_mode=2", (1, 2))])
+@pytest.mark.parametrize("seqlen", [512, 8192])
+def test_bc_fused_override_takes_its_da_mode(spec, want, seqlen, monkeypatch):
+    """MAMBA2_CUTILE_BWD_CONFIG naming bc_fused but not da_mode works at every sequence
+    length: where the rule's da_mode or head split needs the dB/dC launch being replaced
+    (da_mode 3 with bc_fused 2, a split with 1), da_mode 1 and no split come with it. Short
+    sequences start from bc_fused 1, da_mode 1 and a head split, long ones from bc_fused 2,
+    da_mode 3."""
+    from mamba2_cutile import config
+
+    monkeypatch.setenv(config.ENV_BACKWARD, spec)
+    cfg = backward.backward_config(2, 80, 1, 64, 128, 256, torch.bfloat16, 132, seqlen=seqlen)
+    if seqlen == 512 and spec in ("bc_fused=2", "da_mode=1"):
+        want = (2, 1) if spec == "bc_fused=2" else (1, 1)     # from bc_fused 1, da_mode 1
+    assert (cfg.bc_fused, cfg.da_mode) == want
+    if "bc_head_split" in spec:
+        assert cfg.bc_head_split == 2
+    else:
+        assert cfg.bc_head_split == 1 or (seqlen == 512 and cfg.bc_fused == 1)
+
+
+def test_da_mode_named_with_the_wrong_launch_is_refused(monkeypatch):
+    from mamba2_cutile import config
+
+    monkeypatch.setenv(config.ENV_BACKWARD, "bc_fused=1,da_mode=3")
+    with pytest.raises(ValueError, match=f"{config.ENV_BACKWARD}: .*da_mode=3 must be"):
+        backward.backward_config(2, 80, 1, 64, 128, 256, torch.bfloat16, 132, seqlen=8192)
+
+
 @pytest.mark.parametrize("b,l,h,g,p,n", [(2, 8192, 80, 1, 64, 128), (2, 8192, 48, 1, 128, 128),
                                          (1, 300, 3, 1, 40, 24)])
 def test_da_mode3_buffers(b, l, h, g, p, n):

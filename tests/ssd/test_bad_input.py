@@ -428,6 +428,36 @@ def test_emulated_head_flags_find_the_chunk(segments, bad_chunk):
     assert not torch.isfinite(y[0, t:, 1, 3]).any()
 
 
+def test_emulated_head_flags_state_tiles_and_segments():
+    """scan_causal 4 with 3 x 3 state tiles (headdim and dstate 20 in tiles of 8) and two state
+    segments over 12 chunks: a bad B at state index 19 in segment 1 sets exactly the flags of
+    the three state programs whose tile holds that index in that segment, in both heads of
+    the group (column (p_tile * n_tiles + n_tile) * segments + segment), and the outputs keep
+    the contract."""
+    Q, h, p, n = 64, 2, 20, 20
+    l = 11 * Q + 20
+    gen = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    args = dict(x=r(1, l, h, p), dt=torch.rand(1, l, h, generator=gen, dtype=F64) * 0.4 + 0.05,
+                A=-torch.rand(h, generator=gen, dtype=F64) - 0.5, B=r(1, l, 1, n),
+                C=r(1, l, 1, n))
+    kw = dict(D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+              dt_softplus=False, dt_limit=(0.0, math.inf))
+    run = emulated_run(Q, Q, 4, dstate_pad=32, state_segments=2)
+    y_clean, _ = run(args, kw)
+    t = 9 * Q + 5
+    bad = {**args, "B": args["B"].clone()}
+    bad["B"][0, t, 0, 19] = NAN
+    y, h_fin = run(bad, kw)
+    flags = run.last_calls[1].args[-2]
+    want = torch.zeros(h, 3 * 3 * 2)
+    want[:, [(pt * 3 + 2) * 2 + 1 for pt in range(3)]] = 1.0
+    assert torch.equal(flags, want)
+    assert torch.equal(y[0, :t], y_clean[0, :t])
+    y_ref, h_ref, _ = ssd_recurrence(**as_reference(bad), **as_reference(kw))
+    assert rel_err_finite(y, y_ref) <= EMU_TOL and rel_err_finite(h_fin, h_ref) <= EMU_TOL
+
+
 def test_emulated_chunk_flags_several_state_tiles():
     """scan_causal 4 with 3 x 3 state tiles per head (headdim and dstate 20 in tiles of 8,
     dstate padded to 32: nine flag columns read as 16) and seq_idx: a bad B at one state index

@@ -50,7 +50,9 @@ a flagging one and a pass over the flagged tiles:
   chunks, checks each one's x, B and decay weights, and recomputes every tile of a chunk
   holding a non-finite one in the SANITIZE form. Only a chunk holding a bad token can have
   an earlier output made non-finite by its masked products: in a later chunk the rows
-  reached by the bad value are reached in the recurrence too (through the state).
+  reached by the bad value are reached in the recurrence too (through the state). Unlike
+  1 to 3, which look at the outputs, 4 looks at the inputs: finite C and B whose product
+  overflows float32 (entries near 1e19) give Inf * 0 = NaN in an earlier row unflagged.
 CHECK=0: the plain tile alone.
 
 Recomputing a flagged tile in the flagging program itself (one launch, a branch on the sum)

@@ -35,7 +35,8 @@ is rounded to the state dtype before H_s is added (twice in all, against once).
 FLAG (ForwardConfig.scan_causal=4): whether any chunk of the program's run holds a
 non-finite x, B or dt', for chunk_scan's pass over flagged heads (kernels/chunk_scan.py,
 CHECK=8, which then finds the chunks). A chunk's own term of the update, X^T (w B) over its
-tokens, holds a non-finite entry exactly then (0 * NaN is NaN), and without seq_idx such an
+tokens, holds a non-finite entry whenever one of them does (0 * NaN is NaN; rounding or an
+overflow can flag a clean chunk, which only costs a search), and without seq_idx such an
 entry stays in the carried state to the end of the run (2^G h + u is non-finite once h or u
 is: 0 * Inf is NaN too), so one tile sum of the run's last state, after the loop, is the
 flag (a sum of finite entries overflows only past 3e38: the head is then searched for

@@ -129,9 +129,23 @@ class BackwardConfig:
         if (self.da_mode not in (0, 1, 2, 3) or (self.da_mode == 2 and self.bc_fused != 1)
                 or (self.da_mode == 3 and self.bc_fused != 2)):
             raise ValueError(f"BackwardConfig: da_mode={self.da_mode} must be 0, 1, 2 with "
-                             f"bc_fused=1, or 3 with bc_fused=2 (bc_fused={self.bc_fused}; "
-                             "the rule's da_mode 3 goes with its bc_fused 2: give da_mode=1 "
-                             "with bc_fused 0 or 1)")
+                             f"bc_fused=1, or 3 with bc_fused=2 (bc_fused={self.bc_fused})")
+
+    def paired_overrides(self, overrides: dict) -> dict:
+        """`overrides` (field -> value) as applied to this config: one that changes
+        `bc_fused` without naming `da_mode` or `bc_head_split` also resets those of this
+        config's choices that need the old dB/dC launch (da_mode 3 needs bc_fused 2, 2 and a
+        head split need 1) to da_mode 1 (the per-token terms in bwd_chunk_dx, which go with
+        any bc_fused) and no split, so that MAMBA2_CUTILE_BWD_CONFIG=bc_fused=N works at every
+        sequence length."""
+        if "bc_fused" not in overrides:
+            return overrides
+        fused, out = overrides["bc_fused"], dict(overrides)
+        if "da_mode" not in out and {2: 1, 3: 2}.get(self.da_mode, fused) != fused:
+            out["da_mode"] = 1
+        if "bc_head_split" not in out and self.bc_head_split > 1 and fused != 1:
+            out["bc_head_split"] = 1
+        return out
 
 
 def head_splits(cfg: BackwardConfig, nheads: int, ngroups: int) -> int:
