@@ -394,6 +394,19 @@ def test_emulated_chunk_flags_second_bad_value(second):
     assert y_two[0, :t2, 0, 2].isfinite().all() and not y_two[0, t1:, 0, 1].isfinite().any()
 
 
+def twelve_chunk_problem(Q, h, p, n, seed):
+    """Batch 1, one group, 11 chunks of Q tokens and a partial twelfth, no options (float64)."""
+    l = 11 * Q + 20
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    args = dict(x=r(1, l, h, p), dt=torch.rand(1, l, h, generator=gen, dtype=F64) * 0.4 + 0.05,
+                A=-torch.rand(h, generator=gen, dtype=F64) - 0.5, B=r(1, l, 1, n),
+                C=r(1, l, 1, n))
+    kw = dict(D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+              dt_softplus=False, dt_limit=(0.0, math.inf))
+    return args, kw
+
+
 @pytest.mark.parametrize("segments, bad_chunk", [(1, 2), (1, 11), (2, 9), (2, 3)],
                          ids=["chunk2", "last-chunk", "segment1", "segment0"])
 def test_emulated_head_flags_find_the_chunk(segments, bad_chunk):
@@ -401,15 +414,9 @@ def test_emulated_head_flags_find_the_chunk(segments, bad_chunk):
     bad x flags only the state programs whose run holds it (one flag per program, checked
     after the chunk loop), the fix-up pass finds its chunk among the head's, and the outputs
     keep the contract."""
-    Q, h, p, n = 64, 2, 8, 7
-    l = 11 * Q + 20
-    gen = torch.Generator().manual_seed(4)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
-    args = dict(x=r(1, l, h, p), dt=torch.rand(1, l, h, generator=gen, dtype=F64) * 0.4 + 0.05,
-                A=-torch.rand(h, generator=gen, dtype=F64) - 0.5, B=r(1, l, 1, n),
-                C=r(1, l, 1, n))
-    kw = dict(D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
-              dt_softplus=False, dt_limit=(0.0, math.inf))
+    Q, h = 64, 2
+    args, kw = twelve_chunk_problem(Q, h, p=8, n=7, seed=4)
+    l = args["x"].shape[1]
     over = dict(state_segments=segments) if segments > 1 else {}
     run = emulated_run(Q, Q, 4, **over)
     y_clean, _ = run(args, kw)
@@ -434,15 +441,8 @@ def test_emulated_head_flags_state_tiles_and_segments():
     the three state programs whose tile holds that index in that segment, in both heads of
     the group (column (p_tile * n_tiles + n_tile) * segments + segment), and the outputs keep
     the contract."""
-    Q, h, p, n = 64, 2, 20, 20
-    l = 11 * Q + 20
-    gen = torch.Generator().manual_seed(5)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
-    args = dict(x=r(1, l, h, p), dt=torch.rand(1, l, h, generator=gen, dtype=F64) * 0.4 + 0.05,
-                A=-torch.rand(h, generator=gen, dtype=F64) - 0.5, B=r(1, l, 1, n),
-                C=r(1, l, 1, n))
-    kw = dict(D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
-              dt_softplus=False, dt_limit=(0.0, math.inf))
+    Q, h = 64, 2
+    args, kw = twelve_chunk_problem(Q, h, p=20, n=20, seed=5)
     run = emulated_run(Q, Q, 4, dstate_pad=32, state_segments=2)
     y_clean, _ = run(args, kw)
     t = 9 * Q + 5
