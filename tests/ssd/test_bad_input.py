@@ -3,17 +3,16 @@ output before t, on the CPU path, on the forward kernels' source (float64 emulat
 on the kernels themselves (GPU).
 
 On the GPU, chunk_scan's plain tile is not causal by itself (masked entries are zeros
-multiplied in, 0 * NaN = NaN). With `scan_causal` 1, 2 or 3 (MAMBA2_CUTILE_CONFIG; off by
-default: 1 costs 18% on clean input at the seed problem, 2 and 3 are not timed yet) the
-forward's second chunk_scan launch recomputes, in a sanitizing form, the tiles whose outputs
+multiplied in, 0 * NaN = NaN). With `scan_causal` 1, 2 or 3 (MAMBA2_CUTILE_CONFIG; 1 costs
+18% on clean input at the seed problem, 3 2.3-3.4%) the forward's second chunk_scan launch recomputes, in a sanitizing form, the tiles whose outputs
 hold a non-finite value (1: counted per tile, same grid) or whose accumulator's sum (2) or row
-sums (3) are not finite (a program per FIX_SPAN tiles) (kernels/chunk_scan.py); with 4,
-chunk_state_pass flags the heads a non-finite input reaches and a program per head recomputes
-the chunks holding one; decay_cumsum
+sums (3) are not finite (a program per FIX_SPAN tiles) (kernels/chunk_scan.py); with 4
+(the shape rule's default), chunk_state_pass flags the heads a non-finite input reaches and a
+program per head recomputes the chunks holding one; decay_cumsum
 and chunk_state_pass keep the decay finite and other sequences' garbage out by selects in
 every mode. The kernel tests below run the causal modes on the kernels' source (emulated) and
 on the GPU (the decay limits in every mode); `test_emulated_default_not_causal` records that
-the default mode is not causal.
+the plain mode (`scan_causal=0`) is not causal.
 
 The contract checked for every bad input (one entry of x, B, C, z or dt, raw or through
 dt_bias + softplus, at the middle, first or last token of a chunk, with and without seq_idx,
@@ -476,8 +475,8 @@ def test_emulated_chunk_flags_several_state_tiles():
 
 
 def test_emulated_default_not_causal():
-    """Without scan_causal (the default) a NaN x reaches the earlier rows of its query block
-    through the masked zeros of the (S X) MMA: the gap scan_causal=1 closes."""
+    """With scan_causal=0 (the plain kernels) a NaN x reaches the earlier rows of its query
+    block through the masked zeros of the (S X) MMA: the gap the causal modes close."""
     Q = 64
     t = where_in_chunk(Q, "mid")
     args, kw = make_problem(Q, t, False, softplus=True, dtype=F64, b=2, h=2, p=8, n=7)
@@ -487,7 +486,7 @@ def test_emulated_default_not_causal():
 
 
 @pytest.mark.parametrize("causal", [0, 1, 2, 3, 4],
-                         ids=["default", "causal1", "causal2", "causal3", "causal4"])
+                         ids=["plain", "causal1", "causal2", "causal3", "causal4"])
 @pytest.mark.parametrize("seq, Q, block_q", [(False, 64, 64), (True, 64, 32)])
 def test_emulated_kernels_decay_limits(seq, Q, block_q, causal):
     args, kw = make_problem(Q, Q, seq, softplus=True, dtype=F64)
@@ -495,7 +494,7 @@ def test_emulated_kernels_decay_limits(seq, Q, block_q, causal):
 
 
 @pytest.mark.parametrize("causal", [0, 1, 2, 3, 4],
-                         ids=["default", "causal1", "causal2", "causal3", "causal4"])
+                         ids=["plain", "causal1", "causal2", "causal3", "causal4"])
 def test_emulated_kernels_dt_zero_with_A_minus_inf(causal):
     check_decay_limits(emulated_run(64, 32, causal), *dt_zero_problem(dtype=F64), EMU_TOL)
 
@@ -505,7 +504,8 @@ def test_emulated_kernels_dt_zero_with_A_minus_inf(causal):
 # ----------------------------------------------------------------------------------------------
 
 def gpu_run(Q, causal=1, extra=""):
-    """The public function under MAMBA2_CUTILE_CONFIG=scan_causal=`causal` (0: the default)
+    """The public function under MAMBA2_CUTILE_CONFIG=scan_causal=`causal` (0: the default,
+    scan_causal 4 by the shape rule)
     and the config fields in `extra` ("state_segments=4,...")."""
     spec = ",".join(f for f in (f"scan_causal={causal}" if causal else "", extra) if f)
 

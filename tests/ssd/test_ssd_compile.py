@@ -32,14 +32,21 @@ def test_launch_compiles(arch, family, name, index):
 
 
 def test_plans_have_their_launches():
-    """Each forward plan holds the 3 forward launches (with scan_causal 1 to 4 a fourth,
-    chunk_scan's flagged-tile pass; with 4 the state pass writes the flags), each backward plan the 6 backward ones (2 recompute + 4
-    backward kernels; with a head split of the dB/dC launch, the partials' sum too; at long
-    sequences dB/dC in two launches, through the groups' C B^T gradient)."""
+    """Each forward plan holds the 3 forward launches and, with scan_causal 1 to 4, a fourth:
+    chunk_scan's flagged-tile pass (4, the default: the state pass writes the flags); each
+    backward plan the 6 backward ones (2 recompute, the state pass without flags + 4 backward
+    kernels; with a head split of the dB/dC launch, the partials' sum too; at long sequences
+    dB/dC in two launches, through the groups' C B^T gradient)."""
     from mamba2_cutile.kernels.chunk_scan import FIX_SPAN, chunk_scan, chunk_scan_i64
 
     for name, problem in variants.forward_variants():
-        calls = plans.forward_problem_plan(**problem)
+        default = plans.forward_problem_plan(**problem)
+        assert [variants.kernel_name(c) for c in default] == [
+            "decay_cumsum", "chunk_state_pass", "chunk_scan", "chunk_scan"], name
+        assert (default[2].args[-1], default[3].args[-1]) == (0, 8), name
+        assert variants.kernel_arg(default[1], "FLAG") is True, name
+        calls = plans.forward_problem_plan(
+            **dict(problem, overrides=dict(problem.get("overrides") or {}, scan_causal=0)))
         assert [variants.kernel_name(c) for c in calls] == [
             "decay_cumsum", "chunk_state_pass", "chunk_scan"], name
         assert calls[2].args[-1] == 0, name
@@ -62,7 +69,7 @@ def test_plans_have_their_launches():
                 # launched without the scan's hints, as the FIX_SPAN pass (compiled in
                 # test_causal_scan_compiles)
                 assert plan[3].kernel in (chunk_scan, chunk_scan_i64), name
-                # its chunk_scan launch is the default one (the same compiled kernel)
+                # its chunk_scan launch is the plain one (the same compiled kernel)
                 assert variants.variant_of(plan[2]) == variants.variant_of(calls[2]), name
             else:          # a program per FIX_SPAN tiles, flags one row per tile
                 flags = plan[2].args[-2]
@@ -70,7 +77,9 @@ def test_plans_have_their_launches():
                     1 if causal == 2 else variants.kernel_arg(plan[2], "BLOCK_Q")), name
                 assert plan[3].grid == (-(-flags.shape[0] // FIX_SPAN), 1, 1), name
     for name, problem in variants.backward_variants():
-        names = [variants.kernel_name(c) for c in plans.backward_problem_plan(**problem)]
+        bwd = plans.backward_problem_plan(**problem)
+        names = [variants.kernel_name(c) for c in bwd]
+        assert variants.kernel_arg(bwd[1], "FLAG") is False, name    # no flags to feed
         if "unfused" in name:
             dbc = ["bwd_chunk_dbc"]
         elif "head-split" in name:                          # the head split's sum
@@ -140,12 +149,13 @@ def test_segmented_state_pass_compiles(over, options):
     calls = plans.forward_problem_plan(options=options, overrides=over)
     names = [variants.kernel_name(c) for c in calls]
     segs = over["state_segments"]
+    # the flagged-tile pass of scan_causal 4 (the default) last
     assert names == ["decay_cumsum", "chunk_state_pass"] + (
-        ["chunk_state_carry"] if segs > 1 else []) + ["chunk_scan"]
+        ["chunk_state_carry"] if segs > 1 else []) + ["chunk_scan", "chunk_scan"]
     assert calls[1].grid[2] == 4 * segs // (over.get("state_block_n", 32) // 32)
     fold = over.get("segment_fold", 0)
-    assert variants.kernel_arg(calls[-1], "SEGS") == (segs if fold else 1)
-    for call in calls[1:] if fold else calls[1:-1]:
+    assert variants.kernel_arg(calls[-2], "SEGS") == (segs if fold else 1)
+    for call in calls[1:-1] if fold else calls[1:-2]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
 
 
@@ -161,8 +171,8 @@ def test_scan_cb_compiles(problem, over, options):
     without spills."""
     calls = plans.forward_problem_plan(options=options, overrides=over, **problem)
     names = [variants.kernel_name(c) for c in calls]
-    assert names == ["decay_cumsum", "chunk_state_pass", "chunk_cb", "chunk_scan"]
-    for call in calls[2:]:
+    assert names == ["decay_cumsum", "chunk_state_pass", "chunk_cb", "chunk_scan", "chunk_scan"]
+    for call in calls[2:4]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
     assert resources.compile_resources(calls[2])["stack"] == 0       # chunk_cb: no spills
 
@@ -199,7 +209,7 @@ def test_scan_cb_scratch_past_int32_widens_only_its_launches():
                                        chunk_size=256, options=("D_head",),
                                        overrides=dict(scan_cb=1))
     assert [variants.kernel_name(c) for c in calls] == [
-        "decay_cumsum", "chunk_state_pass", "chunk_cb", "chunk_scan"]
+        "decay_cumsum", "chunk_state_pass", "chunk_cb", "chunk_scan", "chunk_scan"]
     assert variants.kernel_arg(calls[2], "cb").numel() == 2**31
-    assert [wide(c, p) for c, p in zip(calls, ("dt", "x", "cb", "cbuf"))] == [
-        False, False, True, True]
+    assert [wide(c, p) for c, p in zip(calls, ("dt", "x", "cb", "cbuf", "cbuf"))] == [
+        False, False, True, True, True]

@@ -431,8 +431,8 @@ def test_seq_idx_clamps_the_scan_block_after_the_table(cache, launch, monkeypatc
     monkeypatch.delenv("MAMBA2_CUTILE_CONFIG")
     # the plan a compile test builds follows the same rule: twice the query blocks
     from mamba2_cutile.bench import plans
-    plain = plans.forward_problem_plan(options=("z",))[-1]
-    seq = plans.forward_problem_plan(options=("z", "seq_idx"))[-1]
+    plain = search.launch_of(plans.forward_problem_plan(options=("z",)), "chunk_scan")
+    seq = search.launch_of(plans.forward_problem_plan(options=("z", "seq_idx")), "chunk_scan")
     assert seq.grid[0] == 2 * plain.grid[0] and seq.grid[1:] == plain.grid[1:]
 
 
@@ -479,7 +479,8 @@ def test_split_space_per_kernel():
 
 def test_launch_of_finds_kernels_by_name():
     """The tuner's launch lookup by kernel name: with state_segments, chunk_state_carry sits
-    between the state pass and chunk_scan."""
+    between the state pass and chunk_scan; chunk_scan is the output launch, not the
+    flagged-tile pass after it (scan_causal 4, the default)."""
     pytest.importorskip("cuda.tile")
     from mamba2_cutile.bench import plans
     for over in (None, {"state_segments": 4}):
@@ -487,7 +488,8 @@ def test_launch_of_finds_kernels_by_name():
         for name in ("decay_cumsum", "chunk_state_pass", "chunk_scan"):
             call = search.launch_of(calls, name)
             assert call.kernel._annotated_function.pyfunc.__name__ == name + "_fn"
-        assert search.launch_of(calls, "chunk_scan") is calls[-1]
+        assert search.launch_of(calls, "chunk_scan") is calls[-2]
+        assert calls[-1].args[-1] == 8            # CHECK=8: the flagged-tile pass
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")

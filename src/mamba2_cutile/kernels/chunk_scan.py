@@ -21,7 +21,7 @@ a flagging one and a pass over the flagged tiles:
 - CHECK=1: the plain tile, plus one number per tile in `flags`: how many of its outputs are
   non-finite (every contamination shows there as a NaN). Clean input pays a compare and a sum
   (on the H200 at the seed problem chunk_scan 0.143 -> 0.160 ms, and 0.032 ms for the second
-  launch: `ForwardConfig.scan_causal` is off by default).
+  launch; scan_causal 4, the default, flags from the state pass instead).
 - CHECK=2 (the second launch, same grid): a tile whose flag is 0 returns at once; a flagged
   one is computed again, SANITIZE: the weights masked by a select after they are formed,
   where(M, 2^{G_i - G_k} (C_i B_k^T) dt_k, 0) (a bad B or dt column stays in the kept rows

@@ -364,8 +364,8 @@ def _recompute_config(cfg: BackwardConfig, b, h, p, n, dtype) -> ForwardConfig:
                    state_block_n=cfg.state_block_n, state_segments=cfg.state_segments,
                    state_occupancy=cfg.state_occupancy,
                    # the backward's kernels read the entry states (never left local) and
-                   # no chunk_scan runs here (no C B^T scratch)
-                   segment_fold=0, scan_cb=0)
+                   # no chunk_scan runs here (no C B^T scratch, no flagged-tile pass to feed)
+                   segment_fold=0, scan_cb=0, scan_causal=0)
 
 
 def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,

@@ -60,6 +60,7 @@ class ForwardConfig:
     scan_block_n: int = 0           # dstate tile of chunk_scan's K loop (0: all of dstate_pad)
     state_fresh_acc: int = 0        # 1: chunk_state_pass MMA into a fresh accumulator, then add
     scan_causal: int = 0            # a NaN/Inf never reaches an earlier output
+                                    # (0 here; the shape rule sets 4)
                                     # (kernels/chunk_scan.py): 1: chunk_scan counts each tile's
                                     # non-finite outputs and a second launch over the same grid
                                     # recomputes the counted tiles in a sanitizing form; on clean
@@ -78,11 +79,9 @@ class ForwardConfig:
                                     # the chunks' own terms, one check after the loop),
                                     # chunk_scan runs plain, and a program per (batch, head)
                                     # recomputes the tiles of a flagged head's chunks holding
-                                    # a non-finite input (nothing added to chunk_scan). With a
-                                    # check per chunk in the state pass: +4.8% at the seed
-                                    # problem on the H100 (0.327 -> 0.343 ms; benchmarks/
-                                    # results/2026-12-05-h100-forward-sweep-scan-cb-segment-
-                                    # fold.jsonl); this form not timed yet. Off by default
+                                    # a non-finite input (nothing added to chunk_scan); the
+                                    # shape rule's choice (forward_shape_config: +1.3% at the
+                                    # seed problem on the H100, -1% to +1.8% elsewhere)
     state_segments: int = 1         # S > 1: chunk_state_pass's chunk loop in S parallel runs
                                     # from zero states, then chunk_state_carry adds each run's
                                     # entering state (kernels/chunk_state_pass.py); 1: one run.
@@ -172,6 +171,11 @@ def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
         # from 0.662 to 0.374 ms at B=2 T=8K H=80 chunk 256, and 0.207 to 0.122 ms at H=24
         # (H200, benchmarks/results/2026-11-30-h200-forward-sweep-scan-occupancy.jsonl)
         scan_occupancy=2 if bq < chunk_size else 0,
+        # a NaN/Inf input never changes an earlier output (module docstring of
+        # kernels/chunk_scan.py): on the H100 at the seed problem 0.327 -> 0.332 ms, at B=2
+        # T=8K H=80 chunk 256 0.558-0.565 -> 0.572 ms, at B=4 T=64K 1.308-1.321 -> 1.300 ms
+        # (benchmarks/results/2026-12-05-h100-forward-causal4-cost.jsonl)
+        scan_causal=4,
     )
     return cfg
 
