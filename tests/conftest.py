@@ -16,7 +16,15 @@ def _xdist_group(item):
     minute per backward kernel shape on an H200) once per process, so spreading them over many
     workers would repeat that on each (use --dist loadgroup). The decode comparisons need no autotune
     and stay ungrouped. The conv1d tests of 2^31+-element tensors (4.3 GB a bf16 tensor, several
-    per test) share one worker too, so that no two of them fill the GPU's memory at once."""
+    per test) share one worker too, so that no two of them fill the GPU's memory at once. The
+    bad-input GPU cases of one kernel variant (dtype, chunk, seq_idx, causal mode, dt_bias) share
+    a worker: each variant's first case compiles four kernels (tens of seconds), and workers
+    missing the compile cache at once would each compile the same ones."""
+    if item.nodeid.startswith("tests/ssd/test_bad_input.py::") and "gpu" in item.keywords \
+            and hasattr(item, "callspec"):
+        p = item.callspec.params
+        return "bad-input-" + "-".join(str(p.get(k)) for k in ("dtype", "Q", "seq", "causal")) \
+            + ("-raw-dt" if p.get("name") == "dt_raw" else "")
     if item.nodeid.startswith("tests/conv1d/test_conv1d_gpu.py::") and item.name.startswith(
             ("test_int64_indexing", "test_long_sequence", "test_row_streaming_int64")):
         return "conv1d-2g-elements"
