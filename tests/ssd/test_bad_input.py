@@ -234,6 +234,8 @@ def test_cpu_path_dt_zero_with_A_minus_inf():
 # ----------------------------------------------------------------------------------------------
 
 def emulated_run(Q, block_q, causal=1, dstate_pad=8, **over):
+    """The forward plan's launches on the emulated ct, with scan_causal=`causal` (None: the
+    shape rule's own choice, not overridden)."""
     pytest.importorskip("cuda.tile")
     from mamba2_cutile.runtime import dt_clamp_bounds
     from mamba2_cutile.ssd import forward
@@ -250,8 +252,10 @@ def emulated_run(Q, block_q, causal=1, dstate_pad=8, **over):
         final, out = nan(b, h, p, n), nan(b, l, h, p)
         cfg = forward.forward_shape_config(b, h, p, n, Q, F64)
         cfg = replace(cfg, cumsum_block_h=2, state_block_p=8, state_block_n=8, scan_block_p=8,
-                      dstate_pad=dstate_pad, scan_block_q=block_q, scan_causal=causal,
+                      dstate_pad=dstate_pad, scan_block_q=block_q,
+                      scan_causal=cfg.scan_causal if causal is None else causal,
                       scan_block_n=8 if dstate_pad > 8 else 0, **over)
+        mode = cfg.scan_causal
         lo, hi = dt_clamp_bounds(kw["dt_limit"])
         seq = kw["seq_idx"]
         calls = forward.forward_plan(x, dt, A, B, C, kw["z"], kw["D"], kw["dt_bias"], lo, hi,
@@ -260,12 +264,12 @@ def emulated_run(Q, block_q, causal=1, dstate_pad=8, **over):
                                      dt_buf, cum_buf, states, final, out, cfg)
         if seq is not None:              # the run starts are written by kernel 1: poison them
             calls[0].args[8].fill_(-(2**30))
-        if causal:
+        if mode:
             # chunk_scan's flags read "clean" unless written: a flag the first launch fails to
             # write skips its tile's fix-up, and the bad-input cases below fail (a NaN fill would
             # read "recompute" in every mode and hide it)
             next(c for c in calls if variants.kernel_name(c) == "chunk_scan").args[-2].fill_(0.0)
-        if causal == 4:                  # the same for chunk_state_pass's chunk flags
+        if mode == 4:                    # the same for chunk_state_pass's chunk flags
             calls[1].args[-2].fill_(0.0)
         for c in calls:                  # scan_cb's scratch: a block read unwritten is NaN
             if variants.kernel_name(c) == "chunk_cb":
@@ -320,6 +324,33 @@ def test_emulated_kernels_causal(name, value, where, seq, Q, block_q, causal):
                             n=7)
     check_contract(emulated_run(Q, block_q, causal), args, kw, name, value, t, Q, EMU_TOL,
                    strict_nonfinite=False)
+
+
+@pytest.mark.parametrize("name, value, where, seq", [("x", NAN, "mid", False),
+                                                     ("B", INF, "first", True),
+                                                     ("dt", NAN, "last", True)],
+                         ids=["x=nan-mid", "B=inf-first-seq", "dt=nan-last-seq"])
+def test_emulated_default_is_causal(name, value, where, seq):
+    """The shape rule's own config, scan_causal not overridden, keeps the contract: the default
+    forward plan is the causal one (the state pass writes flags, a fix-up launch follows)."""
+    from mamba2_cutile.ssd import forward
+
+    Q = 64
+    t = where_in_chunk(Q, where)
+    args, kw = make_problem(Q, t, seq, softplus=True, dtype=F64, b=2, h=2, p=8, n=7)
+    run = emulated_run(Q, 32, causal=None)
+    check_contract(run, args, kw, name, value, t, Q, EMU_TOL, strict_nonfinite=False)
+    calls = run.last_calls
+    assert [variants.kernel_name(c) for c in calls] == [
+        "decay_cumsum", "chunk_state_pass", "chunk_scan", "chunk_scan"]
+    assert variants.kernel_arg(calls[1], "FLAG") is True
+    # and at the shapes users run, through the dispatcher (tuning table and seq_idx rule)
+    for shape in [(4, 8, 64, 128, 128), (2, 80, 64, 128, 256), (8, 128, 64, 128, 256),
+                  (1, 24, 64, 128, 256), (2, 32, 64, 256, 256), (2, 48, 128, 128, 256)]:
+        for has_seq in (False, True):
+            cfg = forward.forward_config(*shape, torch.bfloat16, seqlen=8192, device_index=0,
+                                         has_seq=has_seq)
+            assert cfg.scan_causal == 4, (shape, has_seq)
 
 
 @pytest.mark.parametrize("causal", [2, 3])
