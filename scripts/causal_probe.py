@@ -2,14 +2,16 @@
 first call (compiles included) and then the kernels, to tell a slow compile from a launch that
 does not return.
 
-    python3 scripts/causal_probe.py [--modes 0,1,2,3] [--limit 90] [--shape 1,1024,8]
+    python3 scripts/causal_probe.py [--modes 0,1,2,3,4] [--limit 90] [--shape 1,1024,8]
     python3 scripts/causal_probe.py --per-kernel --configs "scan_causal=3;scan_causal=3,scan_occupancy=0"
 
-Mode 0 (the default, not causal under bad input) is the control of the NaN check.
+Mode 0 (the plain forward, not causal under bad input) is the control of the NaN check; 4 is
+the shape rule's default.
 --configs: forward configs (MAMBA2_CUTILE_CONFIG values, `;` between them) in place of
 --modes. --per-kernel: the forward's planned launches one at a time, each followed by a
 synchronize, printing which launch is running (and, after a flagging chunk_scan, how many of
-its flags are not finite), so a launch that does not return is named.
+its flags are not finite; before the flagged-head pass of mode 4, how many of the state
+pass's flags are set), so a launch that does not return is named.
 """
 import argparse
 import json
@@ -85,6 +87,10 @@ for rnd in range(2):
             flags = call.args[-2]
             row["flags_not_finite"] = int((~torch.isfinite(flags)).sum())
             row["flags"] = list(flags.shape)
+        elif check == 8:          # mode 4: the state pass's flags, 1.0 where a run went bad
+            flags = call.args[-2]
+            row["flags_set"] = int((flags != 0).sum())
+            row["flags"] = list(flags.shape)
         res.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
 print(json.dumps(res))
@@ -93,7 +99,7 @@ print(json.dumps(res))
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default="0,1,2,3")
+    ap.add_argument("--modes", default="0,1,2,3,4")
     ap.add_argument("--limit", type=int, default=90)
     ap.add_argument("--shape", default="1,1024,8", help="batch,seqlen,heads")
     ap.add_argument("--configs", default=None)

@@ -535,10 +535,10 @@ def test_emulated_kernels_dt_zero_with_A_minus_inf(causal):
 # ----------------------------------------------------------------------------------------------
 
 def gpu_run(Q, causal=1, extra=""):
-    """The public function under MAMBA2_CUTILE_CONFIG=scan_causal=`causal` (0: the default,
-    scan_causal 4 by the shape rule)
+    """The public function under MAMBA2_CUTILE_CONFIG=scan_causal=`causal` (0: the plain
+    forward; None: the shape rule's choice, 4)
     and the config fields in `extra` ("state_segments=4,...")."""
-    spec = ",".join(f for f in (f"scan_causal={causal}" if causal else "", extra) if f)
+    spec = ",".join(f for f in ("" if causal is None else f"scan_causal={causal}", extra) if f)
 
     def run(args, kw):
         saved = os.environ.get(ENV_FORWARD)
@@ -593,7 +593,7 @@ def test_gpu_kernels_causal(name, value, seq, dtype, Q, where, causal):
 
 
 MODES = pytest.mark.parametrize("causal", [0, 1, 2, 3, 4],
-                                ids=["default", "causal1", "causal2", "causal3", "causal4"])
+                                ids=["plain", "causal1", "causal2", "causal3", "causal4"])
 
 
 @pytest.mark.gpu

@@ -301,7 +301,7 @@ TUNING_OPTIONS = [
     {"state_segments": 8, "state_occupancy": 2, "state_block_n": 64},
     {"state_load_latency": 0},
     {"scan_cb": 1}, {"scan_cb": 1, "scan_block_q": 64, "scan_occupancy": 2},
-    {"scan_cb": 1, "scan_causal": 4},
+    {"scan_causal": 0}, {"scan_cb": 1, "scan_causal": 0},     # the plain forward (4 the rule's)
     {"state_segments": 3, "state_occupancy": 4, "segment_fold": 1},
     {"state_segments": 2, "segment_fold": 1, "scan_causal": 4, "scan_cb": 1},
 ]

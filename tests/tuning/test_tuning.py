@@ -472,7 +472,7 @@ def test_split_space_per_kernel():
     with pytest.raises(ValueError, match="dstate_pad"):
         search.split_space({"dstate_pad": (64,)})
     # each adds a launch that a search of one kernel alone would not time
-    for name in ("state_segments", "segment_fold", "scan_cb"):
+    for name in ("state_segments", "segment_fold", "scan_cb", "scan_causal"):
         with pytest.raises(ValueError, match=f"cannot tune '{name}': it changes two launches"):
             search.split_space({name: (0, 1)})
 

@@ -66,8 +66,9 @@ def split_space(space: dict) -> dict:
     product."""
     parts = {}
     for name, values in space.items():
-        if name in ("state_segments", "segment_fold", "scan_cb"):
-            # each adds a launch (chunk_state_carry, chunk_cb) that a search of one kernel
+        if name in ("state_segments", "segment_fold", "scan_cb", "scan_causal"):
+            # each adds a launch (chunk_state_carry, chunk_cb, the flagged-tile pass) or
+            # changes two (scan_causal 4: the state pass's flags) that a search of one kernel
             # alone would not time
             raise ValueError(f"cannot tune {name!r}: it changes two launches; time it "
                              "with scripts/sweep.py")
