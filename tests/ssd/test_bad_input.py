@@ -269,7 +269,7 @@ def emulated_run(Q, block_q, causal=1, dstate_pad=8, **over):
             # write skips its tile's fix-up, and the bad-input cases below fail (a NaN fill would
             # read "recompute" in every mode and hide it)
             next(c for c in calls if variants.kernel_name(c) == "chunk_scan").args[-2].fill_(0.0)
-        if mode == 4:                    # the same for chunk_state_pass's chunk flags
+        if mode in (4, 5):               # the same for chunk_state_pass's chunk flags
             calls[1].args[-2].fill_(0.0)
         for c in calls:                  # scan_cb's scratch: a block read unwritten is NaN
             if variants.kernel_name(c) == "chunk_cb":
@@ -293,7 +293,7 @@ EMULATED = [  # (input, value, where, seq, Q, block_q): every input, place and c
 #: flags' width: every input once
 EMULATED_CAUSAL = ([pytest.param(*e, c, id=f"{e[0]}={e[1]}-{e[2]}-{'seq' if e[3] else 'noseq'}"
                                  f"-Q{e[4]}-bq{e[5]}-causal{c}")
-                    for c in (1, 2, 4) for e in EMULATED]
+                    for c in (1, 2, 4, 5) for e in EMULATED]
                    + [pytest.param(*EMULATED[i], 3, id=f"{EMULATED[i][0]}-causal3")
                       for i in (1, 2, 4, 5, 6)])
 
@@ -382,17 +382,18 @@ def test_emulated_fix_pass_spans(seq, causal):
     assert torch.equal(y_plain, y_clean)
 
 
+@pytest.mark.parametrize("causal", [4, 5])
 @pytest.mark.parametrize("seq", [False, True], ids=["no_seq", "seq_idx"])
-def test_emulated_head_flags_many_heads(seq):
-    """scan_causal 4 with 24 (batch, head) programs in the fix-up pass (b=2, h=12): a bad x in
-    row 1, head 11 is fixed there, nothing else moves, and the fix pass changes nothing on
-    clean input."""
+def test_emulated_head_flags_many_heads(seq, causal):
+    """scan_causal 4 with 24 (batch, head) programs in the fix-up pass (b=2, h=12; 5: 24 x 2,
+    a program per query block of a chunk): a bad x in row 1, head 11 is fixed there, nothing
+    else moves, and the fix pass changes nothing on clean input."""
     Q, block_q, h = 64, 32, 12
     t = where_in_chunk(Q, "mid")
     args, kw = make_problem(Q, t, seq, softplus=True, dtype=F64, b=2, h=h, p=8, n=7)
-    run = emulated_run(Q, block_q, 4)
+    run = emulated_run(Q, block_q, causal)
     y_clean, _ = run(args, kw)
-    assert run.last_calls[-1].grid == (2 * h, 1, 1)
+    assert run.last_calls[-1].grid == (2 * h, 1 if causal == 4 else Q // block_q, 1)
     bad = {**args, "x": args["x"].clone()}
     bad["x"][1, t, 11, 1] = NAN
     y, h_fin = run(bad, kw)
@@ -404,8 +405,9 @@ def test_emulated_head_flags_many_heads(seq):
     assert torch.equal(y_plain, y_clean)
 
 
+@pytest.mark.parametrize("causal", [4, 5])
 @pytest.mark.parametrize("second", ["x", "B"])
-def test_emulated_chunk_flags_second_bad_value(second):
+def test_emulated_chunk_flags_second_bad_value(second, causal):
     """scan_causal 4 finds every chunk holding a bad input in a flagged head: after a NaN x in
     chunk 0 (channel 1, whose state entries stay NaN), a second bad value in chunk 1 (x in
     channel 2, or B, in the same state tile) gets chunk 1 recomputed too, so its rows before
@@ -413,7 +415,7 @@ def test_emulated_chunk_flags_second_bad_value(second):
     Q, block_q = 64, 32
     t1, t2 = 10, where_in_chunk(Q, "mid")
     args, kw = make_problem(Q, t2, False, softplus=True, dtype=F64, b=1, h=2, p=8, n=7)
-    run = emulated_run(Q, block_q, 4)
+    run = emulated_run(Q, block_q, causal)
     one = {**args, "x": args["x"].clone()}
     one["x"][0, t1, 0, 1] = NAN
     y_one, _ = run(one, kw)
@@ -488,14 +490,15 @@ def test_emulated_head_flags_state_tiles_and_segments():
     assert rel_err_finite(y, y_ref) <= EMU_TOL and rel_err_finite(h_fin, h_ref) <= EMU_TOL
 
 
-def test_emulated_chunk_flags_several_state_tiles():
+@pytest.mark.parametrize("causal", [4, 5])
+def test_emulated_chunk_flags_several_state_tiles(causal):
     """scan_causal 4 with 3 x 3 state tiles per head (headdim and dstate 20 in tiles of 8,
     dstate padded to 32: nine flag columns read as 16) and seq_idx: a bad B at one state index
     of batch row 1 is fixed there, and nothing else moves."""
     Q = 64
     t = where_in_chunk(Q, "mid")
     args, kw = make_problem(Q, t, True, softplus=True, dtype=F64, b=2, h=2, p=20, n=20)
-    run = emulated_run(Q, 32, 4, dstate_pad=32)
+    run = emulated_run(Q, 32, causal, dstate_pad=32)
     y_clean, _ = run(args, kw)
     bad = {**args, "B": args["B"].clone()}
     bad["B"][1, t, 0, 19] = NAN
@@ -569,8 +572,9 @@ GPU_CASES = ([pytest.param(torch.bfloat16, Q, w, id=f"bf16-Q{Q}-{w}")
              + [pytest.param(torch.float32, 128, "mid", id="fp32-Q128-mid")])
 
 
-CAUSAL_MODES = pytest.mark.parametrize("causal", [1, 2, 3, 4],
-                                       ids=["causal1", "causal2", "causal3", "causal4"])
+CAUSAL_MODES = pytest.mark.parametrize("causal", [1, 2, 3, 4, 5],
+                                       ids=["causal1", "causal2", "causal3", "causal4",
+                                            "causal5"])
 
 
 @pytest.mark.gpu

@@ -302,6 +302,7 @@ TUNING_OPTIONS = [
     {"state_load_latency": 0},
     {"scan_cb": 1}, {"scan_cb": 1, "scan_block_q": 64, "scan_occupancy": 2},
     {"scan_causal": 0}, {"scan_cb": 1, "scan_causal": 0},     # the plain forward (4 the rule's)
+    {"scan_causal": 5}, {"scan_causal": 5, "scan_block_q": 64, "scan_block_p": 32},
     {"state_segments": 3, "state_occupancy": 4, "segment_fold": 1},
     {"state_segments": 2, "segment_fold": 1, "scan_causal": 4, "scan_cb": 1},
 ]

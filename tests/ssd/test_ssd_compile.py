@@ -51,20 +51,24 @@ def test_plans_have_their_launches():
             "decay_cumsum", "chunk_state_pass", "chunk_scan"], name
         assert calls[2].args[-1] == 0, name
         assert variants.kernel_arg(calls[1], "FLAG") is False, name
-        for causal, checks in ((1, (1, 2)), (2, (3, 4)), (3, (5, 6)), (4, (0, 8))):
+        for causal, checks in ((1, (1, 2)), (2, (3, 4)), (3, (5, 6)), (4, (0, 8)), (5, (0, 9))):
             plan = plans.forward_problem_plan(
                 **dict(problem, overrides=dict(problem.get("overrides") or {},
                                                scan_causal=causal)))
             assert [variants.kernel_name(c) for c in plan[2:]] == ["chunk_scan", "chunk_scan"]
             assert (plan[2].args[-1], plan[3].args[-1]) == checks, name
-            assert variants.kernel_arg(plan[1], "FLAG") is (causal == 4), name
+            assert variants.kernel_arg(plan[1], "FLAG") is (causal in (4, 5)), name
             if causal == 1:
                 assert plan[3].grid == plan[2].grid, name
-            elif causal == 4:        # a program per (batch, head), the state pass's flags
+            elif causal in (4, 5):   # a program per (batch, head), the state pass's flags
                 flags = variants.kernel_arg(plan[1], "flags")
                 assert plan[3].args[-2] is flags and flags.shape == (
                     plan[1].grid[0], plan[1].grid[1] * plan[1].grid[2]), name
-                assert plan[3].grid == (flags.shape[0], 1, 1), name
+                # 5: a program per query block of a chunk and p-tile too
+                tiles = 1 if causal == 4 else (
+                    variants.kernel_arg(plan[3], "Q") // variants.kernel_arg(plan[3], "BLOCK_Q")
+                    * plan[2].grid[1])
+                assert plan[3].grid == (flags.shape[0], tiles, 1), name
                 assert variants.kernel_arg(plan[3], "FLAG_W") >= flags.shape[1], name
                 # launched without the scan's hints, as the FIX_SPAN pass (compiled in
                 # test_causal_scan_compiles)
@@ -92,13 +96,13 @@ def test_plans_have_their_launches():
                          "bwd_chunk_dx", "bwd_dt"], name
 
 
-@pytest.mark.parametrize("causal", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("chunk_size", [64, pytest.param(256, marks=pytest.mark.slow)])
 def test_causal_scan_compiles(chunk_size, causal):
     """scan_causal's two chunk_scan launches (the flagging one and the flagged-tile pass),
     all options, for sm_90; with 4 the flagging state pass too."""
     calls = plans.forward_problem_plan(chunk_size=chunk_size, overrides={"scan_causal": causal})
-    for call in calls[1 if causal == 4 else 2:]:
+    for call in calls[1 if causal in (4, 5) else 2:]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
 
 

@@ -53,6 +53,8 @@ a flagging one and a pass over the flagged tiles:
   reached by the bad value are reached in the recurrence too (through the state). Unlike
   1 to 3, which look at the outputs, 4 looks at the inputs: finite C and B whose product
   overflows float32 (entries near 1e19) give Inf * 0 = NaN in an earlier row unflagged.
+- CHECK=9 (scan_causal 5): CHECK=8 with a program per (batch, head) and tile of the chunk
+  (query block in the chunk, p-tile) instead of one walking them: see `_fix_chunks`.
 CHECK=0: the plain tile alone.
 
 Recomputing a flagged tile in the flagging program itself (one launch, a branch on the sum)
@@ -433,10 +435,14 @@ def _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chun
                 HAS_SEQ: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
                 LOWP: ct.Constant[bool], BLOCK_N: ct.Constant[int], CB_IN: ct.Constant[bool],
                 SEGS: ct.Constant[int], flags,
-                FLAG_W: ct.Constant[int]):
+                FLAG_W: ct.Constant[int], PER_TILE: ct.Constant[bool]):
     """CHECK 8: (batch, head) bh. When chunk_state_pass flagged any of its state programs
     (row bh of `flags`), each chunk whose inputs hold a non-finite value, every tile again in
-    the causal form; one load and a sum when none is."""
+    the causal form; one load and a sum when none is. CHECK 9 (PER_TILE): the program's own
+    tile of each such chunk (grid axis 1: query block in the chunk x p-tile), so that no
+    loop over tiles wraps the tile's code: sm_90 compiles of a quarter of the size and
+    time (4.1 MB, 27 s -> 0.9-1.5 MB, 6-9 s at chunks 128 and 256, every option), at the
+    price of that many more programs exiting at once on clean input."""
     marks = ct.load(flags, index=(bh, 0), shape=(1, FLAG_W), padding_mode=ct.PaddingMode.ZERO)
     if ct.sum(ct.sum(marks, axis=1), axis=0) > 0.0:
         nheads = x.shape[2]
@@ -450,14 +456,23 @@ def _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chun
         for chunk in range(nc):
             if _chunk_is_bad(x, b, dt, cum, batch, head, group, chunk, Q, BLOCK_P,
                              BLOCK_N) > 0.0:
-                q_end = ct.minimum(chunk * nbpc + nbpc, n_q)
-                for qblk in range(chunk * nbpc, q_end):
-                    for p_tile in range(n_p):
+                if PER_TILE:
+                    qblk = chunk * nbpc + ct.bid(1) // n_p
+                    if qblk < n_q:
                         _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry,
                                    chunk_factor, out, qblk,
-                                   p_tile, bh, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP,
-                                   D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N,
-                                   CB_IN, SEGS, flags, 0, True)
+                                   ct.bid(1) % n_p, bh, Q, BLOCK_Q, BLOCK_P, NP,
+                                   HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP,
+                                   BLOCK_N, CB_IN, SEGS, flags, 0, True)
+                else:
+                    q_end = ct.minimum(chunk * nbpc + nbpc, n_q)
+                    for qblk in range(chunk * nbpc, q_end):
+                        for p_tile in range(n_p):
+                            _scan_tile(x, b, c, z, D, dt, cum, seq_start, states, cbuf,
+                                       seg_entry, chunk_factor, out, qblk,
+                                       p_tile, bh, Q, BLOCK_Q, BLOCK_P, NP, HEADS_PER_GROUP,
+                                       D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP, BLOCK_N,
+                                       CB_IN, SEGS, flags, 0, True)
 
 
 def chunk_scan_fn(
@@ -498,7 +513,8 @@ def chunk_scan_fn(
                  # W = 1 (3, 4) or BLOCK_Q (5, 6); 8: (B * H, state tiles * segments)
     CHECK: ct.Constant[int],      # 0 plain, 1 plain + count, 2 counted tiles again, sanitized;
                                   # 3/5 plain + tile/row sums, 4/6 the FIX_SPAN pass over them;
-                                  # 8 the pass over chunk_state_pass's head flags
+                                  # 8 the pass over chunk_state_pass's head flags (9: a
+                                  # program per tile of the chunk)
 ):
     # Query blocks run to cdiv(L, BLOCK_Q) only: a block past the last token would load
     # tiles lying entirely outside x, which is undefined.
@@ -510,12 +526,12 @@ def chunk_scan_fn(
                   ct.bid(0), Q, BLOCK_Q,
                   BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP,
                   BLOCK_N, CB_IN, SEGS, flags, 1 if CHECK == 4 else BLOCK_Q)
-    elif CHECK == 8:
-        # its own grid, (B * H,)
+    elif CHECK == 8 or CHECK == 9:
+        # its own grid, (B * H,) for 8, (B * H, Q / BLOCK_Q * p-tiles) for 9
         _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chunk_factor, out,
                     ct.bid(0), Q, BLOCK_Q,
                     BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_SEQ, LOAD_LATENCY, LOWP,
-                    BLOCK_N, CB_IN, SEGS, flags, FLAG_W)
+                    BLOCK_N, CB_IN, SEGS, flags, FLAG_W, CHECK == 9)
     elif PERSISTENT:
         # a fixed grid walks the tiles, so the loads of the next tile overlap this one's math
         n_p = ct.cdiv(x.shape[3], BLOCK_P)

@@ -81,7 +81,10 @@ class ForwardConfig:
                                     # recomputes the tiles of a flagged head's chunks holding
                                     # a non-finite input (nothing added to chunk_scan); the
                                     # shape rule's choice (forward_shape_config: +1.3% at the
-                                    # seed problem on the H100, -1% to +1.8% elsewhere)
+                                    # seed problem on the H100, -1% to +1.8% elsewhere).
+                                    # 5: as 4 with the fix-up a program per (batch, head)
+                                    # and tile of a chunk: its sm_90 compile a quarter of
+                                    # the size and time; not timed
     state_segments: int = 1         # S > 1: chunk_state_pass's chunk loop in S parallel runs
                                     # from zero states, then chunk_state_carry adds each run's
                                     # entering state (kernels/chunk_state_pass.py); 1: one run.
@@ -116,7 +119,7 @@ class ForwardConfig:
         for name in ("state_fresh_acc", "scan_lowp", "scan_head_major", "scan_cb",
                      "segment_fold"):
             c.check_choice(self, name, (0, 1))
-        c.check_choice(self, "scan_causal", (0, 1, 2, 3, 4))
+        c.check_choice(self, "scan_causal", (0, 1, 2, 3, 4, 5))
         c.check_choice(self, "scan_warps", (0, 4, 8))
         if self.scan_block_q > self.chunk_size:
             raise ValueError(f"ForwardConfig: scan_block_q={self.scan_block_q} is larger than "
@@ -233,7 +236,8 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         cfg.state_segments, nchunks, final, cum_buf)
     # scan_causal=4: chunk_state_pass's flags, one per (batch, head) and state program
     state_tiles = -(-headdim // cfg.state_block_p) * -(-dstate // cfg.state_block_n) * segs
-    chunk_flags = torch.empty((batch * nheads, state_tiles) if cfg.scan_causal == 4
+    head_flags = cfg.scan_causal in (4, 5)
+    chunk_flags = torch.empty((batch * nheads, state_tiles) if head_flags
                               else (1, 1), dtype=torch.float32, device=x.device)
     # scan_cb: C B^T per chunk and group (blocks on or below the diagonal written, read), in
     # final's dtype (float32 on the GPU)
@@ -278,7 +282,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
              init is not None, seq_idx is not None, cfg.state_load_latency,
              scale_x(cfg), bool(cfg.state_fresh_acc), segs, seg_final, seg_factor,
-             chunk_factor, chunk_flags, cfg.scan_causal == 4),
+             chunk_factor, chunk_flags, head_flags),
         ),
         KernelCall(
             with_hints(chunk_scan_i64 if wide else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
@@ -292,7 +296,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              bool(cfg.scan_head_major),
              min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad), bool(cfg.scan_cb),
              segs if fold else 1, 1, flags,
-             (0, 1, 3, 5, 0)[cfg.scan_causal]),
+             (0, 1, 3, 5, 0, 0)[cfg.scan_causal]),
         ),
     ]
     if cfg.scan_cb:
@@ -310,14 +314,17 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     if cfg.scan_causal == 1:
         # the same grid again: tiles with non-finite outputs are recomputed causally
         calls.append(KernelCall(scan.kernel, scan.grid, scan.args[:-1] + (2,)))
-    elif cfg.scan_causal == 4:
-        # a program per (batch, head): where chunk_state_pass flagged it, the chunks holding a
-        # non-finite input, every tile causally (without the scan's hints, as the FIX_SPAN
-        # pass below)
+    elif head_flags:
+        # a program per (batch, head) (5: and tile of a chunk): where chunk_state_pass flagged
+        # it, the chunks holding a non-finite input, every tile causally (without the scan's
+        # hints, as the FIX_SPAN pass below)
         # (scan_causal 4's chunk_scan launch is the default one, FLAG_W = 1: the same kernel)
+        per_tile = cfg.scan_causal == 5
         calls.append(KernelCall(chunk_scan_i64 if wide else chunk_scan,
-                                (batch * nheads, 1, 1),
-                                scan.args[:-3] + (next_pow2(state_tiles), chunk_flags, 8)))
+                                (batch * nheads,
+                                 (Q // cfg.scan_block_q) * p_tiles if per_tile else 1, 1),
+                                scan.args[:-3] + (next_pow2(state_tiles), chunk_flags,
+                                                  9 if per_tile else 8)))
     elif cfg.scan_causal >= 2:
         # a program per FIX_SPAN tiles: those whose sums are not finite, causally. Without the
         # scan's occupancy / warps hints: under the seed problem's tuned occupancy 2 this
