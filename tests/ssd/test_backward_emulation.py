@@ -229,3 +229,38 @@ def test_emulated_head_split(opt, split, mode):
     assert backward.head_splits(cfg, 4, 1) == {2: 2, 4: 4, 3: 2, 64: 4}[split]
     assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
                  reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("bad", ["dout", "C", "z"])
+@pytest.mark.parametrize("bc_fused, da_mode", [(1, 1), (2, 3)])
+def test_emulated_later_sequence_nan_stays_out_of_earlier_chunks(bad, bc_fused, da_mode):
+    """Three packed sequences (tokens 0-20, 21-69, 70-95; chunks of 16): a NaN in the last
+    sequence's dout, C or z at token 90 (a chunk of that sequence alone) reaches no gradient
+    of a token before the chunk where the sequence starts (64-79), nor dinitial_states:
+    bwd_state_pass selects the exit-state gradient away at a reset (0 * NaN carried it back
+    through every earlier chunk). The earlier rows of that chunk can still see it, and a NaN
+    in a chunk holding an earlier sequence's rows reaches that sequence (masked products in
+    the chunk kernels: README's Known gaps)."""
+    Q, l = 16, 96
+    args, kw, dout, dfinal = make_problem(OPTIONS["all"], b=1, l=l, Q=Q, seed=3, h=2, g=1,
+                                          p=8, n=8)
+    seq = torch.zeros(1, l, dtype=torch.int32)
+    seq[:, 21:], seq[:, 70:] = 1, 2
+    kw = {**kw, "seq_idx": seq, "dt_limit": (0.0, float("inf"))}
+    cfg = replace(small_config(32, 8, 8), chunk_size=Q, dx_block_q=8, bc_block_q=8,
+                  bc_fused=bc_fused, da_mode=da_mode)
+    clean = emulated_grads(args, kw, Q, dout, dfinal, cfg)
+    b_args, b_kw, b_dout = dict(args), dict(kw), dout.clone()
+    if bad == "dout":
+        b_dout[0, 90, 1, 3] = float("nan")
+    elif bad == "C":
+        b_args["C"] = args["C"].clone()
+        b_args["C"][0, 90, 0, 2] = float("nan")
+    else:
+        b_kw["z"] = kw["z"].clone()
+        b_kw["z"][0, 90, 1, 3] = float("nan")
+    got = emulated_grads(b_args, b_kw, Q, b_dout, dfinal, cfg)
+    for name in ("x", "B", "C", "dt", "z"):
+        assert torch.equal(got[name][0, :64], clean[name][0, :64]), name
+    assert torch.equal(got["initial_states"], clean["initial_states"])
+    assert not torch.isfinite(got["x"][0, 70:]).all()       # its own sequence does see it

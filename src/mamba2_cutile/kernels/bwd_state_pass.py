@@ -102,7 +102,14 @@ def bwd_state_pass_fn(
         w = state_weight(g, s, before, HAS_SEQ)
         carry = carry_weight(g_last, before, last, HAS_SEQ)
         wc = mma_operand(ct_ * w[:, None], c.dtype)
-        dh = ct.mma(mma_operand(dy.transpose(), c.dtype), wc, dh * carry[:, None])
+        if HAS_SEQ:
+            # a select, not a product with the zero carry weight (0 * NaN is NaN): a later
+            # sequence's NaN/Inf in the gradient carried back across a reset never reaches an
+            # earlier sequence's state gradient
+            dh = ct.mma(mma_operand(dy.transpose(), c.dtype), wc,
+                        ct.where(last == before, dh * carry[:, None], 0.0))
+        else:
+            dh = ct.mma(mma_operand(dy.transpose(), c.dtype), wc, dh * carry[:, None])
         if SEGMENTS > 1:
             factor = factor * carry
 
