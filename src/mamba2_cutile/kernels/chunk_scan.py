@@ -441,7 +441,7 @@ def _fix_chunks(x, b, c, z, D, dt, cum, seq_start, states, cbuf, seg_entry, chun
     the causal form; one load and a sum when none is. CHECK 9 (PER_TILE): the program's own
     tile of each such chunk (grid axis 1: query block in the chunk x p-tile), so that no
     loop over tiles wraps the tile's code: sm_90 compiles of a quarter of the size and
-    time (4.1 MB, 27 s -> 0.9-1.5 MB, 6-9 s at chunks 128 and 256, every option), at the
+    time (3.7-4.2 MB, 24-29 s -> 0.9-1.5 MB, 4-8 s at chunks 128 and 256, every option), at the
     price of that many more programs exiting at once on clean input."""
     marks = ct.load(flags, index=(bh, 0), shape=(1, FLAG_W), padding_mode=ct.PaddingMode.ZERO)
     if ct.sum(ct.sum(marks, axis=1), axis=0) > 0.0:

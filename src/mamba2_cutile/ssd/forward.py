@@ -177,7 +177,7 @@ def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
         # a NaN/Inf input never changes an earlier output (module docstring of
         # kernels/chunk_scan.py): on the H100 at the seed problem 0.327 -> 0.332 ms, at B=2
         # T=8K H=80 chunk 256 0.558-0.565 -> 0.572 ms, at B=4 T=64K 1.308-1.321 -> 1.300 ms
-        # (benchmarks/results/2026-12-05-h100-forward-causal4-cost.jsonl)
+        # (benchmarks/results/2026-12-05-h100-forward-sweep-causal4-cost.jsonl)
         scan_causal=4,
     )
     return cfg
