@@ -299,14 +299,16 @@ EMULATED_CAUSAL = ([pytest.param(*e, c, id=f"{e[0]}={e[1]}-{e[2]}-{'seq' if e[3]
 
 
 @pytest.mark.parametrize("over", [dict(scan_cb=1), dict(state_segments=3, segment_fold=1),
-                                  dict(scan_cb=1, state_segments=2, segment_fold=1)],
-                         ids=["cb", "fold", "cb-fold"])
+                                  dict(scan_cb=1, state_segments=2, segment_fold=1),
+                                  dict(scan_heads=2)],
+                         ids=["cb", "fold", "cb-fold", "heads"])
 @pytest.mark.parametrize("name, value, where, seq, Q, block_q",
                          [e for e in EMULATED if e[4] == 64][:6])
 def test_emulated_kernels_causal_with_scan_cb_and_fold(name, value, where, seq, Q, block_q,
                                                        over):
-    """scan_cb and segment_fold under scan_causal=4 keep the contract: outputs before the bad
-    token and other rows equal a clean run's, the rest as the recurrence."""
+    """scan_cb, segment_fold and scan_heads (chunk_scan_group, both heads of the group in one
+    program) under scan_causal=4 keep the contract: outputs before the bad token and other
+    rows equal a clean run's, the rest as the recurrence."""
     t = where_in_chunk(Q, where)
     args, kw = make_problem(Q, t, seq, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
                             n=7)

@@ -171,3 +171,43 @@ def _plan_args(args, kw, Q):
             kw["initial_states"], None if seq is None else seq.to(torch.int32),
             e(b, h, nc * Q), e(b, h, nc * Q), e(b, h, nc, p, B.shape[3]), e(b, h, p, B.shape[3]),
             e(b, l, h, p))
+
+
+@pytest.mark.parametrize("heads, n, block_n", [(2, 7, 0), (4, 20, 16)])
+@pytest.mark.parametrize("opt, Q, block_q, l", [("all", 64, 64, 150), ("none", 64, 16, 130),
+                                                ("D_head_z_seq", 128, 128, 300),
+                                                ("all", 128, 32, 300), ("seq_idx", 64, 64, 64)])
+def test_emulated_scan_heads(opt, Q, block_q, l, heads, n, block_n):
+    """scan_heads: the output launch is chunk_scan_group, a program per query block, group
+    and p-tile walking `heads` heads of its group (8 heads in 2 groups: 4 per group, walked 2
+    or 4 at a time) with the block's C B^T against its chunk formed once; a chunk of one
+    query block and of several; one dstate tile (C kept as the MMA operand) and two (dstate
+    20 in 16-wide tiles); a partial last chunk, seq_idx resets, every option; the default
+    fix-up launch (chunk_scan) after it."""
+    args, kw, _, _ = make_problem(OPTIONS[opt], l=l, Q=Q, h=8, g=2, n=n)
+    cfg = small_forward_config(Q, n, scan_block_q=block_q, scan_heads=heads,
+                               scan_block_n=block_n)
+    calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
+    names = [c.kernel._annotated_function.pyfunc.__name__ for c in calls]
+    assert names == ["decay_cumsum_fn", "chunk_state_pass_fn", "chunk_scan_group_fn",
+                     "chunk_scan_fn"]
+    assert tuple(calls[2].grid) == (-(-l // block_q) * 2 * 2 * (4 // heads), 2, 1)
+    check(args, kw, Q, cfg)
+
+
+def test_scan_heads_falls_back_to_chunk_scan():
+    """scan_heads applies where the plain tile runs: a persistent grid, scan_cb, the flagging
+    forms (scan_causal 1-3) keep chunk_scan; a heads per group count with no such divisor
+    walks fewer."""
+    Q = 64
+    args, kw, _, _ = make_problem(OPTIONS["none"], l=150, Q=Q, h=6, g=1)
+    for over, kernel, heads in [(dict(scan_persistent=1), "chunk_scan_fn", None),
+                                (dict(scan_cb=1), "chunk_scan_fn", None),
+                                (dict(scan_causal=2), "chunk_scan_fn", None),
+                                (dict(), "chunk_scan_group_fn", 2)]:
+        cfg = small_forward_config(Q, 7, scan_heads=8, **{"scan_block_q": Q, **over})
+        calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
+        scan = [c for c in calls if "scan" in c.kernel._annotated_function.pyfunc.__name__][0]
+        assert scan.kernel._annotated_function.pyfunc.__name__ == kernel
+        if heads:
+            assert scan.args[15] == heads

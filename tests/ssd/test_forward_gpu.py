@@ -332,6 +332,35 @@ def test_config_variants(overrides, dtype):
     assert e_y <= tol and e_h <= tol, msg
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("opt", ["none", "all"])
+@pytest.mark.parametrize("Q, block_q, heads, g", [(128, 128, 8, 1), (64, 64, 2, 2),
+                                                  (128, 64, 4, 2), (256, 64, 8, 1)])
+def test_scan_heads(Q, block_q, heads, g, opt, dtype):
+    """chunk_scan_group (scan_heads: C B^T once per chunk and group, the program walking
+    `heads` heads) against the float64 recurrence: headdim 80 and dstate 96 (not multiples
+    of the tiles), a partial last chunk, every option."""
+    from dataclasses import replace
+
+    from mamba2_cutile.ssd import forward
+    from mamba2_cutile.ssd.forward import ssd_forward_cuda
+
+    b, l, h, p, n = 2, 700, 8, 80, 96
+    inp, kw = make_problem(b, l, h, g, p, n, dtype, OPTS[opt], seed=5)
+    cfg = replace(forward.forward_config(b, h, p, n, Q, dtype), scan_block_q=block_q,
+                  scan_heads=heads)
+    y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
+    dt_limit = kw.pop("dt_limit")
+    y, hf, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit, config=cfg, **kw)
+    assert torch.isfinite(y).all() and torch.isfinite(hf).all()
+    e_y, e_h = rel_err(y, y_ref), rel_err(hf, h_ref)
+    tol = forward_tol(dtype)
+    msg = (f"scan_heads={heads} Q={Q} block_q={block_q} G={g}: out err {e_y:.2e}, final-state err {e_h:.2e}, "
+           f"tol {tol:.0e}")
+    log_result(msg)
+    assert e_y <= tol and e_h <= tol, msg
+
+
 def test_more_than_65535_batch_heads():
     """batch * heads above CUDA's 65535 limit of grid axes y and z."""
     inp, kw = make_problem(600, 3, 128, 1, 4, 16, torch.bfloat16, {"D": "h", "init": True})

@@ -181,6 +181,27 @@ def test_scan_cb_compiles(problem, over, options):
     assert resources.compile_resources(calls[2])["stack"] == 0       # chunk_cb: no spills
 
 
+@pytest.mark.parametrize("problem, over", [
+    ({}, dict(scan_heads=8)),
+    ({}, dict(scan_heads=2, scan_block_n=64)),
+    (dict(batch=2, seqlen=8192, nheads=128, ngroups=8, chunk_size=128), dict(scan_heads=16)),
+    (dict(chunk_size=64, headdim=128, dstate=64), dict(scan_heads=4)),
+], ids=["seed-8", "seed-2-n64", "7b-q128-16", "q64-p128-4"])
+@pytest.mark.parametrize("options", [("D_head",), ("D_head", "seq_idx", "z", "init")],
+                         ids=["D", "D-seq-z-init"])
+def test_scan_heads_compiles(problem, over, options):
+    """scan_heads: chunk_scan_group (a chunk of one query block, several heads of a group a
+    program) compiles for sm_90 in bf16 and fp32 (tf32 MMAs), the fix-up launch after it."""
+    import torch
+
+    for dtype in (torch.bfloat16, torch.float32):
+        calls = plans.forward_problem_plan(options=options, dtype=dtype, overrides=dict(
+            scan_block_q=problem.get("chunk_size", 128), **over), **problem)
+        assert [variants.kernel_name(c) for c in calls] == [
+            "decay_cumsum", "chunk_state_pass", "chunk_scan_group", "chunk_scan"]
+        assert len(cpu_compile.compile_cubin(calls[2], "sm_90")) > 0
+
+
 @pytest.mark.parametrize("over", [dict(bstate_segments=4, state_segments=4),
                                   dict(bstate_segments=8, bstate_occupancy=4,
                                        state_segments=4, state_occupancy=4)],
@@ -217,3 +238,26 @@ def test_scan_cb_scratch_past_int32_widens_only_its_launches():
     assert variants.kernel_arg(calls[2], "cb").numel() == 2**31
     assert [wide(c, p) for c, p in zip(calls, ("dt", "x", "cb", "cbuf", "cbuf"))] == [
         False, False, True, True, True]
+
+
+@pytest.mark.parametrize("problem, over, spill_free", [
+    ({}, dict(dx_heads=8), True),
+    (dict(batch=2, seqlen=8192, nheads=80, chunk_size=256), dict(dx_heads=16), True),
+    (dict(batch=2, seqlen=8192, nheads=128, ngroups=8, chunk_size=256), dict(dx_heads=16), True),
+    (dict(batch=2, seqlen=8192, nheads=48, headdim=128, chunk_size=256), dict(dx_heads=8), True),
+    (dict(batch=2, seqlen=8192, nheads=32, dstate=256, chunk_size=256), dict(dx_heads=8), False),
+], ids=["seed-8", "2.7b-16", "7b-16", "p128-8", "n256-8"])
+@pytest.mark.parametrize("options", [("D_head", "dfinal"), ("D_chan", "seq_idx", "init")],
+                         ids=["D", "Dp-seq-init"])
+def test_dx_heads_compiles(problem, over, spill_free, options):
+    """dx_heads: bwd_chunk_dx_group compiles for sm_90 in place of bwd_chunk_dx (no z), without
+    spills at headdim 64 and 128 with dstate 128 (at dstate 256 it spills: 448 bytes per
+    thread)."""
+    calls = plans.backward_problem_plan(options=options, overrides=over, **problem)
+    names = [variants.kernel_name(c) for c in calls]
+    assert "bwd_chunk_dx_group" in names and "bwd_chunk_dx" not in names
+    call = calls[names.index("bwd_chunk_dx_group")]
+    res = resources.compile_resources(call)
+    assert res["regs"] > 0
+    if spill_free:
+        assert res["stack"] == 0, res

@@ -11,7 +11,9 @@ Six launches (no host synchronization, CUDA-graph capturable), following the sta
                          one sum_partials launch adds; bc_fused 2: the gradient of each
                          group's C B^T first, bwd_chunk_dcb, then bwd_chunk_dbc_group)
   5. bwd_chunk_dx        per chunk: dx, dz, and per-tile partials of dD, ddt_direct, da
-                         (after dB/dC: its partials reuse the memory of bc_fused 2's dS)
+                         (after dB/dC: its partials reuse the memory of bc_fused 2's dS;
+                         dx_heads > 1, da_mode 3 without z: bwd_chunk_dx_group, several heads
+                         of a group a program, B_t C^T formed once)
   6. bwd_dt              da -> ddt' -> ddt (clamp, softplus, dt_bias), partials of dA, ddt_bias
 
 then three small fixed-shape torch sums (dA, ddt_bias, dD partials; deterministic) and dtype
@@ -36,6 +38,7 @@ from ..kernels.bwd_chunk_dcb import (bwd_chunk_dbc_group, bwd_chunk_dbc_group_i6
 from ..kernels.bwd_chunk_dbc import (bwd_chunk_dbc, bwd_chunk_dbc_fused, bwd_chunk_dbc_fused_i64,
                                      bwd_chunk_dbc_i64)
 from ..kernels.bwd_chunk_dx import bwd_chunk_dx, bwd_chunk_dx_i64
+from ..kernels.bwd_chunk_dx_group import bwd_chunk_dx_group, bwd_chunk_dx_group_i64
 from ..kernels.bwd_dt import bwd_dt, bwd_dt_i64
 from ..kernels.bwd_state_pass import bwd_state_pass, bwd_state_pass_i64
 from ..kernels.chunk_state_carry import chunk_state_carry, chunk_state_carry_i64
@@ -97,6 +100,10 @@ class BackwardConfig:
     bc_head_split: int = 1       # the fused dB/dC launch spreads each group's heads over
                                  # `head_splits` programs (the largest divisor of the heads per
                                  # group <= this) writing fp32 partials that sum_partials adds
+    dx_heads: int = 1            # > 1 (da_mode 3, no z): dx by bwd_chunk_dx_group, a program
+                                 # per token block, group and p-tile walking this many of the
+                                 # group's heads (clamped to a power-of-two divisor of the heads
+                                 # per group) with B_t C^T of its chunk formed once
 
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
     FIXED = ("dstate_pad",)
@@ -118,6 +125,7 @@ class BackwardConfig:
         c.check_range(self, "state_segments", 1, 64)
         c.check_range(self, "bstate_segments", 1, 64)
         c.check_range(self, "bc_head_split", 1, 64)
+        c.check_pow2(self, "dx_heads")
         if self.bc_head_split > 1 and self.bc_fused != 1:
             raise ValueError(f"BackwardConfig: bc_head_split={self.bc_head_split} needs "
                              "bc_fused=1 (the other dB/dC launches do not split heads)")
@@ -146,6 +154,17 @@ class BackwardConfig:
         if "bc_head_split" not in out and self.bc_head_split > 1 and fused != 1:
             out["bc_head_split"] = 1
         return out
+
+
+def dx_group_heads(cfg: BackwardConfig, heads_per_group: int, has_z: bool) -> int:
+    """The heads one bwd_chunk_dx_group program walks (`BackwardConfig.dx_heads`), or 1 where
+    it does not apply (da_mode other than 3, or z given)."""
+    if cfg.dx_heads <= 1 or cfg.da_mode != 3 or has_z:
+        return 1
+    heads = 1
+    while heads * 2 <= cfg.dx_heads and heads_per_group % (heads * 2) == 0:
+        heads *= 2
+    return heads
 
 
 def head_splits(cfg: BackwardConfig, nheads: int, ngroups: int) -> int:
@@ -470,15 +489,28 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
     d_mode = 0 if D is None else D.dim()
     int64 = needs_int64(x, B, C, z, dout, D, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
                       bufs.dstates, bufs.dx, bufs.dz, bufs.da_part, bufs.ddt_part, bufs.dD_part)
-    calls.append(KernelCall(
-        with_hints(bwd_chunk_dx_i64 if int64 else bwd_chunk_dx, cfg.dx_occupancy, cfg.dx_warps),
-        (n_q * batch * nheads, -(-headdim // cfg.dx_block_p), 1),
-        (x, B, C, z if has_z else x, dout, D if D is not None else A, bufs.dt_buf, bufs.cum_buf,
-         seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
-         bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
-         v_part, Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z,
-         has_seq, dx_lowp, cfg.da_mode, Q // cfg.bc_block_q if cfg.da_mode == 3 else 0,
-         cfg.dx_load_latency)))
+    dx_heads = dx_group_heads(cfg, hpg, has_z)
+    if dx_heads > 1:
+        calls.append(KernelCall(
+            with_hints(bwd_chunk_dx_group_i64 if int64 else bwd_chunk_dx_group, cfg.dx_occupancy,
+                       cfg.dx_warps),
+            (n_q * batch * ngroups * (hpg // dx_heads), -(-headdim // cfg.dx_block_p), 1),
+            (x, B, C, dout, D if D is not None else A, bufs.dt_buf, bufs.cum_buf, seq_arg,
+             bufs.states, bufs.dstates, bufs.dx, bufs.da_part, bufs.ddt_part,
+             bufs.dD_part if D is not None else bufs.ddt_part, v_part, Q, cfg.dx_block_q,
+             cfg.dx_block_p, cfg.dstate_pad, hpg, dx_heads, d_mode, has_seq, dx_lowp,
+             Q // cfg.bc_block_q, cfg.dx_load_latency)))
+    else:
+        calls.append(KernelCall(
+            with_hints(bwd_chunk_dx_i64 if int64 else bwd_chunk_dx, cfg.dx_occupancy,
+                       cfg.dx_warps),
+            (n_q * batch * nheads, -(-headdim // cfg.dx_block_p), 1),
+            (x, B, C, z if has_z else x, dout, D if D is not None else A, bufs.dt_buf,
+             bufs.cum_buf, seq_arg, bufs.states, bufs.dstates, bufs.dx, bufs.dz if has_z else bufs.dx,
+             bufs.da_part, bufs.ddt_part, bufs.dD_part if D is not None else bufs.ddt_part,
+             v_part, Q, cfg.dx_block_q, cfg.dx_block_p, cfg.dstate_pad, hpg, d_mode, has_z,
+             has_seq, dx_lowp, cfg.da_mode, Q // cfg.bc_block_q if cfg.da_mode == 3 else 0,
+             cfg.dx_load_latency)))
 
     # 6: dt chain, dA and ddt_bias partials
     int64 = needs_int64(dt, bufs.dt_buf, bufs.da_part, bufs.ddt_part, bufs.ddt, bufs.dA_part)

@@ -7,7 +7,7 @@ kernels; chunk_scan twice with scan_causal 1 to 4), and the launcher.
 | 2 | `chunk_state_pass` | the chunk entry states, one sequential pass over chunks (`state_segments` S > 1: S parallel passes from zero states) |
 | 2b | `chunk_state_carry` | (S > 1 only) the states entering each segment, added to its states (with `segment_fold`, only written for chunk_scan to add); the final state |
 | 2c | `chunk_cb` | (`scan_cb` only) C B^T of every chunk and group, once, for chunk_scan |
-| 3 | `chunk_scan` | the output: carried-state term, masked decayed C B^T times X, D x, z gate (with `scan_causal=1`, and per tile the count of non-finite outputs; 2 / 3: the sum / the row sums of the accumulator) |
+| 3 | `chunk_scan` (`scan_heads` > 1: `chunk_scan_group`) | the output: carried-state term, masked decayed C B^T times X, D x, z gate (with `scan_causal=1`, and per tile the count of non-finite outputs; 2 / 3: the sum / the row sums of the accumulator); `chunk_scan_group`: the plain tile for several heads of a group a program, C B^T formed once |
 | 4 | `chunk_scan` | (`scan_causal` 1 to 4 only) the tiles counted non-zero (1; same grid), summed non-finite (2, 3; a program per `FIX_SPAN` tiles) or of the heads `chunk_state_pass` flagged, their chunks holding a non-finite input (4; a program per head), again in the causal form: a NaN/Inf input never changes an earlier output |
 
 A plan is built from tensors (real CUDA tensors at run time, or `meta` tensors when compiling on
@@ -25,6 +25,7 @@ import torch
 from .. import config as _config
 from ..kernels.chunk_cb import chunk_cb, chunk_cb_i64
 from ..kernels.chunk_scan import FIX_SPAN, chunk_scan, chunk_scan_i64
+from ..kernels.chunk_scan_group import chunk_scan_group, chunk_scan_group_i64
 from ..kernels.chunk_state_carry import chunk_state_carry, chunk_state_carry_i64
 from ..kernels.chunk_state_pass import chunk_state_pass, chunk_state_pass_i64
 from ..kernels.decay_cumsum import decay_cumsum, decay_cumsum_i64
@@ -100,6 +101,13 @@ class ForwardConfig:
                                     # adds f_c H_s to the local state it loads, instead of a
                                     # launch rewriting every chunk state (2x the state bytes).
                                     # Not timed yet
+    scan_heads: int = 1             # > 1 where the plain tile is launched (scan_causal 0, 4,
+                                    # 5; not with scan_cb, segment_fold, scan_persistent): the
+                                    # output launch is kernels/chunk_scan_group.py, a program
+                                    # per query block, group and p-tile walking this many of
+                                    # the group's heads with the block's C B^T against its
+                                    # chunk formed once (clamped to a divisor of the heads per
+                                    # group). 1: chunk_scan, C B^T in every head's tile
 
     FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
 
@@ -115,6 +123,7 @@ class ForwardConfig:
             c.check_range(self, name, 0, 32)
         c.check_range(self, "scan_persistent", 0, 16)
         c.check_range(self, "state_segments", 1, 64)
+        c.check_pow2(self, "scan_heads")
         c.check_range(self, "state_scale_x", -1, 1)
         for name in ("state_fresh_acc", "scan_lowp", "scan_head_major", "scan_cb",
                      "segment_fold"):
@@ -216,6 +225,19 @@ def segment_buffers(segments, nchunks, state, vector):
     return segs, (new(b, h, segs, p, n), new(b, h, segs), new(b, h, nchunks))
 
 
+def group_scan_heads(cfg: ForwardConfig, heads_per_group: int, fold: bool) -> int:
+    """The heads one output program walks (`ForwardConfig.scan_heads`), or 1 where
+    chunk_scan_group does not apply: the flagging forms (scan_causal 1 to 3), C B^T from
+    chunk_cb, the segments folded in, or a persistent grid."""
+    if (cfg.scan_heads <= 1 or cfg.scan_cb or fold or cfg.scan_causal in (1, 2, 3)
+            or cfg.scan_persistent):
+        return 1
+    heads = 1
+    while heads * 2 <= cfg.scan_heads and heads_per_group % (heads * 2) == 0:
+        heads *= 2
+    return heads
+
+
 def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
                  dt_buf, cum_buf, states, final, out, cfg: ForwardConfig):
     """The launches of the forward pass (module docstring). Unused optional inputs must be
@@ -311,6 +333,20 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
             (seg_final, seg_factor, chunk_factor, states, final, seg_entry, cfg.state_block_p,
              cfg.state_block_n, segs, cfg.state_load_latency, False, True, fold)))
     scan = calls[-1]
+    heads = group_scan_heads(cfg, nheads // ngroups, fold)
+    if heads > 1:
+        # the plain tile for `heads` heads of a group per program (kernels/chunk_scan_group.py);
+        # a fix-up launch below still takes chunk_scan's arguments from `scan`
+        calls[-1] = KernelCall(
+            with_hints(chunk_scan_group_i64 if int64 else chunk_scan_group, cfg.scan_occupancy,
+                       cfg.scan_warps),
+            (n_q * batch * ngroups * (nheads // ngroups // heads), p_tiles, 1),
+            (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
+             seq_start, states, out, Q, cfg.scan_block_q, cfg.scan_block_p, cfg.dstate_pad,
+             nheads // ngroups,
+             heads, 0 if D is None else D.dim(), z is not None, seq_idx is not None,
+             cfg.scan_load_latency, bool(cfg.scan_lowp) and x.dtype != torch.float32,
+             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad)))
     if cfg.scan_causal == 1:
         # the same grid again: tiles with non-finite outputs are recomputed causally
         calls.append(KernelCall(scan.kernel, scan.grid, scan.args[:-1] + (2,)))
