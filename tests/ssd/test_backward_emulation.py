@@ -266,18 +266,20 @@ def test_emulated_later_sequence_nan_stays_out_of_earlier_chunks(bad, bc_fused, 
     assert not torch.isfinite(got["x"][0, 70:]).all()       # its own sequence does see it
 
 
-@pytest.mark.parametrize("heads, bq, bp", [(2, 16, 16), (4, 8, 32), (4, 32, 16)])
+@pytest.mark.parametrize("heads, bq, bp, bcq", [(2, 16, 16, 16), (4, 8, 32, 16),
+                                                (4, 32, 16, 16), (2, 16, 8, 32)])
 @pytest.mark.parametrize("opt", ["seq_idx", "init_no_dfinal", "all_but_z", "D_head"])
-def test_emulated_dx_heads(opt, heads, bq, bp):
+def test_emulated_dx_heads(opt, heads, bq, bp, bcq):
     """dx_heads: bwd_chunk_dx_group (da_mode 3 without z) walks 2 or 4 of each group's 4 heads
     with B_t C^T of the chunk formed once: 1, 4 and 2 token blocks per chunk of 32 (the
     query columns before the block masked), 2 and 1 p-tiles of 24 channels, a last chunk of 20
     tokens, seq_idx resets inside chunks, D per head and per channel, initial states, no
-    dfinal. With z the per-head kernel runs."""
+    dfinal; bwd_chunk_dcb's W terms in 2 slots, and in 1 against 3 p-tiles (the slots it did
+    not write are selected away, never read into da). With z the per-head kernel runs."""
     Q = 32
     options = dict(OPTIONS["all"], z=False) if opt == "all_but_z" else OPTIONS[opt]
     args, kw, dout, dfinal = make_problem(options, l=84, Q=Q, seed=13, h=8, g=2, p=24, n=20)
-    cfg = small_config(Q, 24, 20, bc_fused=2, da_mode=3, bc_block_q=16, dx_block_q=bq,
+    cfg = small_config(Q, 24, 20, bc_fused=2, da_mode=3, bc_block_q=bcq, dx_block_q=bq,
                        dx_block_p=bp, dx_heads=heads)
     assert backward.dx_group_heads(cfg, 4, False) == heads
     assert backward.dx_group_heads(cfg, 4, True) == 1
@@ -291,3 +293,31 @@ def test_emulated_dx_heads(opt, heads, bq, bp):
                                 config=cfg, launch_fn=launch, buf_dtype=F64, on_buffers=poison)
     assert "bwd_chunk_dx_group_fn" in names and "bwd_chunk_dx_fn" not in names
     assert_close(got, reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("bad", ["dout", "C"])
+def test_emulated_dx_heads_later_sequence_nan_stays_out_of_earlier_chunks(bad):
+    """The packed-sequence case above without z, with dx_heads=2 (bwd_chunk_dx_group, whose
+    masked products span the whole chunk): a NaN at token 90 reaches no gradient of a token
+    before the chunk where its sequence starts, nor dinitial_states."""
+    Q, l = 16, 96
+    options = dict(OPTIONS["all"], z=False)
+    args, kw, dout, dfinal = make_problem(options, b=1, l=l, Q=Q, seed=3, h=2, g=1, p=8, n=8)
+    seq = torch.zeros(1, l, dtype=torch.int32)
+    seq[:, 21:], seq[:, 70:] = 1, 2
+    kw = {**kw, "seq_idx": seq, "dt_limit": (0.0, float("inf"))}
+    cfg = replace(small_config(32, 8, 8), chunk_size=Q, dx_block_q=8, bc_block_q=8,
+                  bc_fused=2, da_mode=3, dx_heads=2)
+    assert backward.dx_group_heads(cfg, 2, False) == 2
+    clean = emulated_grads(args, kw, Q, dout, dfinal, cfg)
+    b_args, b_dout = dict(args), dout.clone()
+    if bad == "dout":
+        b_dout[0, 90, 1, 3] = float("nan")
+    else:
+        b_args["C"] = args["C"].clone()
+        b_args["C"][0, 90, 0, 2] = float("nan")
+    got = emulated_grads(b_args, kw, Q, b_dout, dfinal, cfg)
+    for name in ("x", "B", "C", "dt"):
+        assert torch.equal(got[name][0, :64], clean[name][0, :64]), name
+    assert torch.equal(got["initial_states"], clean["initial_states"])
+    assert not torch.isfinite(got["x"][0, 70:]).all()

@@ -393,19 +393,25 @@ def test_config_variants(overrides):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("opt", ["none", "D_chan", "seq_idx", "no_dfinal"])
+@pytest.mark.parametrize("opt", ["none", "D_head", "D_chan", "seq_idx", "no_dfinal"])
 @pytest.mark.parametrize("Q, heads, g, block_q", [(256, 8, 1, 64), (128, 4, 2, 32),
                                                   (64, 2, 2, 64)])
 def test_dx_heads(Q, heads, g, block_q, opt, dtype):
     """bwd_chunk_dx_group (dx_heads: B_t C^T of the chunk once per token block and group, the
-    program walking `heads` heads) against the float64 backward: headdim 80 and dstate 96,
-    a partial last chunk, chunk 256 computed at 128, 64 and 32-token blocks."""
+    program walking `heads` heads) against the float64 backward and against bwd_chunk_dx at
+    the same config (the same products; the sums in another order): headdim 80 and dstate
+    96, a partial last chunk, chunk 256 computed at 128, 64 and 32-token blocks."""
     b, l, h, p, n = 2, 700, 8, 80, 96
     inp, kw, dout, dfinal = make_problem(b, l, h, g, p, n, dtype, OPTS[opt], seed=7, Q=Q)
     cfg = replace(backward.backward_config(b, h, g, p, n, Q, dtype), bc_fused=2, da_mode=3,
                   dx_block_q=block_q, dx_heads=heads)
     assert backward.dx_group_heads(cfg, h // g, False) == heads
-    check(inp, kw, Q, dout, dfinal, dtype, config=cfg)
+    got = check(inp, kw, Q, dout, dfinal, dtype, config=cfg)
+    one = ours(inp, kw, Q, dout, dfinal, config=replace(cfg, dx_heads=1))
+    diffs = {k: rel_err(got[k], one[k]) for k in NAMES if got[k] is not None}
+    log_result("against bwd_chunk_dx: " + ", ".join(f"d{k} {e:.2e}" for k, e in diffs.items()))
+    for k, e in diffs.items():
+        assert e <= grad_tol(k, dtype, got[k].dtype) / 4, (k, e)
 
 
 DA3 = {"bc_fused": 2, "da_mode": 3, "bc_block_q": 32, "dcb_occupancy": 4, "bc_occupancy": 2,

@@ -316,6 +316,23 @@ def test_emulated_kernels_causal_with_scan_cb_and_fold(name, value, where, seq, 
                    strict_nonfinite=False)
 
 
+@pytest.mark.parametrize("causal", [4, 5])
+@pytest.mark.parametrize("name, value, where, seq, Q, block_q",
+                         [("x", -INF, "last", True, 128, 64), ("dt", NAN, "mid", True, 64, 16),
+                          ("B", INF, "mid", True, 128, 32), ("x", NAN, "mid", False, 64, 16),
+                          ("C", NAN, "mid", False, 128, 128)])
+def test_emulated_kernels_causal_with_scan_heads(name, value, where, seq, Q, block_q, causal):
+    """scan_heads=4 (chunk_scan_group: a group's 4 heads in one program, several key blocks
+    per chunk) under the flagged-chunk fix-ups: the clean run sums key block by key block in
+    chunk_scan's order, so the rows before a bad token of a recomputed chunk stay
+    bit-identical (torch.equal) to a clean run's."""
+    t = where_in_chunk(Q, where)
+    args, kw = make_problem(Q, t, seq, softplus=name != "dt_raw", dtype=F64, b=2, h=4, p=8,
+                            n=7)
+    check_contract(emulated_run(Q, block_q, causal, scan_heads=4), args, kw, name, value, t,
+                   Q, EMU_TOL, strict_nonfinite=False)
+
+
 @pytest.mark.parametrize("name, value, where, seq, Q, block_q, causal", EMULATED_CAUSAL)
 def test_emulated_kernels_causal(name, value, where, seq, Q, block_q, causal):
     """The forward plan's launches with scan_causal=1 to 4 (decay_cumsum, chunk_state_pass

@@ -211,3 +211,21 @@ def test_scan_heads_falls_back_to_chunk_scan():
         assert scan.kernel._annotated_function.pyfunc.__name__ == kernel
         if heads:
             assert scan.args[15] == heads
+
+
+@pytest.mark.parametrize("causal", [0, 5])
+@pytest.mark.parametrize("opt, block_q", [("all", 16), ("D_head_z_seq", 64)])
+def test_emulated_scan_heads_other_causal_modes(opt, block_q, causal):
+    """scan_heads with the plain forward (scan_causal 0: no fix-up launch) and with the
+    per-tile fix-up (5); the output equals chunk_scan's (scan_heads=1) exactly."""
+    Q = 64
+    args, kw, _, _ = make_problem(OPTIONS[opt], l=150, Q=Q, h=8, g=2)
+    cfg = small_forward_config(Q, 7, scan_block_q=block_q, scan_heads=4, scan_causal=causal)
+    calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
+    names = [c.kernel._annotated_function.pyfunc.__name__ for c in calls]
+    assert names == ["decay_cumsum_fn", "chunk_state_pass_fn", "chunk_scan_group_fn"] + (
+        ["chunk_scan_fn"] if causal else [])
+    check(args, kw, Q, cfg)
+    out, _ = emulated_forward(args, kw, Q, cfg)
+    one, _ = emulated_forward(args, kw, Q, replace(cfg, scan_heads=1))
+    assert torch.equal(out, one)

@@ -333,13 +333,14 @@ def test_config_variants(overrides, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("opt", ["none", "all"])
+@pytest.mark.parametrize("opt", ["none", "D_head", "all"])
 @pytest.mark.parametrize("Q, block_q, heads, g", [(128, 128, 8, 1), (64, 64, 2, 2),
                                                   (128, 64, 4, 2), (256, 64, 8, 1)])
 def test_scan_heads(Q, block_q, heads, g, opt, dtype):
-    """chunk_scan_group (scan_heads: C B^T once per chunk and group, the program walking
-    `heads` heads) against the float64 recurrence: headdim 80 and dstate 96 (not multiples
-    of the tiles), a partial last chunk, every option."""
+    """chunk_scan_group (scan_heads: C B^T once per query block and group, the program walking
+    `heads` heads) against the float64 recurrence and against chunk_scan at the same tiles
+    (the same products in the same order: equal but for the compiler's MMA shapes): headdim 80
+    and dstate 96 (not multiples of the tiles), a partial last chunk, every option."""
     from dataclasses import replace
 
     from mamba2_cutile.ssd import forward
@@ -352,13 +353,15 @@ def test_scan_heads(Q, block_q, heads, g, opt, dtype):
     y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
     dt_limit = kw.pop("dt_limit")
     y, hf, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit, config=cfg, **kw)
+    y1, _, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit,
+                                config=replace(cfg, scan_heads=1), **kw)
     assert torch.isfinite(y).all() and torch.isfinite(hf).all()
-    e_y, e_h = rel_err(y, y_ref), rel_err(hf, h_ref)
+    e_y, e_h, e_1 = rel_err(y, y_ref), rel_err(hf, h_ref), rel_err(y, y1)
     tol = forward_tol(dtype)
-    msg = (f"scan_heads={heads} Q={Q} block_q={block_q} G={g}: out err {e_y:.2e}, final-state err {e_h:.2e}, "
-           f"tol {tol:.0e}")
+    msg = (f"scan_heads={heads} Q={Q} block_q={block_q} G={g}: out err {e_y:.2e}, final-state "
+           f"err {e_h:.2e}, tol {tol:.0e}; against chunk_scan {e_1:.2e}")
     log_result(msg)
-    assert e_y <= tol and e_h <= tol, msg
+    assert e_y <= tol and e_h <= tol and e_1 <= tol / 4, msg
 
 
 def test_more_than_65535_batch_heads():

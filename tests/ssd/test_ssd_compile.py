@@ -183,10 +183,11 @@ def test_scan_cb_compiles(problem, over, options):
 
 @pytest.mark.parametrize("problem, over", [
     ({}, dict(scan_heads=8)),
+    ({}, dict(scan_heads=8, scan_block_q=64, scan_occupancy=2)),
     ({}, dict(scan_heads=2, scan_block_n=64)),
     (dict(batch=2, seqlen=8192, nheads=128, ngroups=8, chunk_size=128), dict(scan_heads=16)),
     (dict(chunk_size=64, headdim=128, dstate=64), dict(scan_heads=4)),
-], ids=["seed-8", "seed-2-n64", "7b-q128-16", "q64-p128-4"])
+], ids=["seed-8", "seed-8-q64", "seed-2-n64", "7b-q128-16", "q64-p128-4"])
 @pytest.mark.parametrize("options", [("D_head",), ("D_head", "seq_idx", "z", "init")],
                          ids=["D", "D-seq-z-init"])
 def test_scan_heads_compiles(problem, over, options):
@@ -195,8 +196,8 @@ def test_scan_heads_compiles(problem, over, options):
     import torch
 
     for dtype in (torch.bfloat16, torch.float32):
-        calls = plans.forward_problem_plan(options=options, dtype=dtype, overrides=dict(
-            scan_block_q=problem.get("chunk_size", 128), **over), **problem)
+        calls = plans.forward_problem_plan(options=options, dtype=dtype, overrides={
+            "scan_block_q": problem.get("chunk_size", 128), **over}, **problem)
         assert [variants.kernel_name(c) for c in calls] == [
             "decay_cumsum", "chunk_state_pass", "chunk_scan_group", "chunk_scan"]
         assert len(cpu_compile.compile_cubin(calls[2], "sm_90")) > 0
@@ -261,3 +262,19 @@ def test_dx_heads_compiles(problem, over, spill_free, options):
     assert res["regs"] > 0
     if spill_free:
         assert res["stack"] == 0, res
+
+
+def test_heads_kernels_int64_variants_compile():
+    """Past 2^31 elements the plans launch the 64-bit variants of chunk_scan_group and
+    bwd_chunk_dx_group; both compile for sm_90."""
+    import cuda.tile as ct
+
+    fwd = plans.forward_problem_plan(options=("D_head",), int64=True, overrides=dict(
+        scan_heads=8, scan_block_q=64, scan_occupancy=2))
+    bwd = plans.backward_problem_plan(options=("D_head", "dfinal"), int64=True,
+                                      overrides=dict(dx_heads=8))
+    for calls, name in ((fwd, "chunk_scan_group"), (bwd, "bwd_chunk_dx_group")):
+        call = next(c for c in calls if variants.kernel_name(c) == name)
+        fn = call.kernel._annotated_function.pyfunc
+        assert fn.__annotations__["x"] is ct.IndexedWithInt64
+        assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0

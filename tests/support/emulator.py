@@ -234,6 +234,10 @@ class FakeCT(types.SimpleNamespace):
         return acc + a @ b
 
     @staticmethod
+    def static_iter(iterable):
+        return list(iterable)
+
+    @staticmethod
     def extract(x, index, shape):
         sl = tuple(slice(i * s, i * s + s) for i, s in zip(index, shape))
         return x[sl]

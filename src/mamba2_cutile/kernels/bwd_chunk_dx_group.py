@@ -24,8 +24,9 @@ as one (Q-wide) MMA: the columns of queries before the block are masked to 0. Th
 are bwd_chunk_dx's (the same operand roundings, fp32 accumulation), so gradients move only
 by the order of the sums. Without z only: with z, y (for dz) needs C_t B_k^T for the key
 blocks k <= t as well. Under NaN/Inf the masked columns are zeros multiplied in, as in
-bwd_chunk_dx's diagonal block, but over the whole chunk: a non-finite dout at a token of the
-chunk reaches dx of its earlier rows (bwd_chunk_dx: of its block's).
+bwd_chunk_dx's diagonal block, but over the whole chunk: a non-finite dout at token q
+reaches dx of the chunk's rows after q (bwd_chunk_dx: of its 64-token block's), which do not
+depend on it, a later packed sequence's rows among them.
 
 sm_90 compiles (bf16, internal chunk 128, 64-token blocks, 32-channel p-tiles): 254
 registers, no stack, 128 threads, 2 CTAs per SM at the seed problem (8 heads), 2.7B (16 of 80),

@@ -17,24 +17,26 @@ of the group's heads. For each head h:
     Y_h <- Y_h * silu(Z_h,i)                                         gate, if z is given
 
 with chunk_scan's causal (and, with seq_idx, same-sequence) mask M, applied to the exponent
-before exp2; keys after the block (M = 0 on them) are multiplied in as zeros, one Q-wide MMA
-instead of a loop over key blocks. The products are chunk_scan's own (C B^T with input-dtype
-operands and float32 accumulation, the weights rounded to the input dtype or tf32 for the X
-MMA), so outputs equal chunk_scan's up to the order of the sums. The head loop also gives the
-compiler a stream of loads (x, the entry state, the decay row) to overlap with the MMAs of the
-head before.
+before exp2, key block by key block in chunk_scan's order (the blocks after the query block,
+read as the query block, add exact zeros on finite input: a fixed trip count), so that the
+scan_causal fix-up, which recomputes a chunk with chunk_scan, leaves the rows before a bad
+token bit-identical. The products and their order are chunk_scan's own (C B^T with
+input-dtype operands and float32 accumulation, the weights rounded to the input dtype or tf32
+for the X MMA): in the float64 emulation the outputs equal chunk_scan's exactly. The head loop
+also gives the compiler a stream of loads (x, the entry state, the decay row) to overlap with
+the MMAs of the head before.
 
 The plain tile only: scan_causal 0, 4 and 5 (4 and 5 run chunk_scan's fix-up launch after it,
 over the chunks holding a non-finite input, whose masked keys this tile multiplies in).
 
 sm_90 compiles (bf16, D per head): at the seed problem with 64-token blocks and 8 heads, 128
-registers, 8 bytes of stack, 2 CTAs per SM (chunk_scan at the same tiles: 128, none, 2); with
-128-token blocks 255 registers and 472 bytes of stack; at chunk 256 every block size tried
-spills (504 bytes at 64-token blocks: S is 64 x 256 floats).
+registers, 24 bytes of stack, 2 CTAs per SM (chunk_scan at the same tiles: 128, none, 2); with
+128-token blocks 255 registers and 472 bytes of stack; at chunk 256 176-200 bytes of stack.
 
-Tiles: C_i (BLOCK_Q, BLOCK_N) walking NP in BLOCK_N steps, B_c (Q, BLOCK_N); S_i (BLOCK_Q, Q)
-float32; X_c (Q, BLOCK_P); Y (BLOCK_Q, BLOCK_P); h (BLOCK_P, BLOCK_N). Grid:
-(cdiv(L, BLOCK_Q) * B * G * (H / G / HEADS), cdiv(P, BLOCK_P)), query blocks fastest.
+Tiles: C_i (BLOCK_Q, BLOCK_N) walking NP in BLOCK_N steps, B_k (BLOCK_Q, BLOCK_N); S_i as
+Q / BLOCK_Q float32 (BLOCK_Q, BLOCK_Q) blocks; X_k, Y (BLOCK_Q, BLOCK_P); h (BLOCK_P,
+BLOCK_N). Grid: (cdiv(L, BLOCK_Q) * B * G * (H / G / HEADS), cdiv(P, BLOCK_P)), query blocks
+fastest.
 """
 
 import cuda.tile as ct
@@ -85,41 +87,44 @@ def chunk_scan_group_fn(
     ONE_TILE = BLOCK_N == NP
 
     row = qblk * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)      # query tokens
-    col = chunk * Q + ct.arange(Q, dtype=ct.int32)                  # key tokens: the chunk
-    keep = row[:, None] >= col[None, :]
     start_q = row
     if HAS_SEQ:
         start_q = ct.load(seq_start, index=(batch, qblk), shape=(1, BLOCK_Q)).reshape((BLOCK_Q,))
-        keep = keep & (col[None, :] >= start_q[:, None])
 
-    # S = C_q B_c^T (the query rows against every key of the chunk; the keys after the
-    # block are masked below), once for the group's heads (with one dstate tile, C stays an
-    # MMA operand)
+    # S = C_q B_c^T (the query rows against every key of the chunk; the keys after the block
+    # are masked below), once for the group's heads, as NBPC (BLOCK_Q, BLOCK_Q) blocks formed
+    # as chunk_scan forms them (with one dstate tile, C stays an MMA operand)
+    NBPC = Q // BLOCK_Q
     if ONE_TILE:
         c_op = mma_operand(ct.load(c, index=(batch, qblk, group, 0),
                                    shape=(1, BLOCK_Q, 1, BLOCK_N),
                                    padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_N)), x.dtype)
-        b_t = ct.load(b, index=(batch, chunk, group, 0), shape=(1, Q, 1, BLOCK_N),
-                      padding_mode=ZERO).reshape((Q, BLOCK_N))
-        s = ct.mma(c_op, mma_operand(b_t.transpose(), x.dtype),
-                   ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32))
-    else:
-        s = ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32)
-        for nt in range(n_tiles):
-            c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
+    # key blocks after the query block are read as the query block itself (a block past the
+    # last token would lie outside the arrays): their weights are masked to 0 anyway
+    s = ()
+    for k in ct.static_iter(range(NBPC)):
+        kblk = ct.minimum(chunk * NBPC + k, qblk)
+        if ONE_TILE:
+            b_k = ct.load(b, index=(batch, kblk, group, 0), shape=(1, BLOCK_Q, 1, BLOCK_N),
                           padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_N))
-            b_t = ct.load(b, index=(batch, chunk, group, nt), shape=(1, Q, 1, BLOCK_N),
-                          padding_mode=ZERO).reshape((Q, BLOCK_N))
-            s = ct.mma(mma_operand(c_t, x.dtype), mma_operand(b_t.transpose(), x.dtype), s)
+            s_k = ct.mma(c_op, mma_operand(b_k.transpose(), x.dtype),
+                         ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
+        else:
+            s_k = ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32)
+            for nt in range(n_tiles):
+                c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
+                              padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_N))
+                b_k = ct.load(b, index=(batch, kblk, group, nt),
+                              shape=(1, BLOCK_Q, 1, BLOCK_N),
+                              padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_N))
+                s_k = ct.mma(mma_operand(c_t, x.dtype), mma_operand(b_k.transpose(), x.dtype),
+                             s_k)
+        s += (s_k,)
 
     for j in range(HEADS):
         head = group * HEADS_PER_GROUP + head0 + j
         g_q = ct.load(cum, index=(batch, head, qblk), shape=(1, 1, BLOCK_Q),
                       latency=LAT).reshape((BLOCK_Q,))
-        g_k = ct.load(cum, index=(batch, head, chunk), shape=(1, 1, Q),
-                      latency=LAT).reshape((Q,))
-        dt_k = ct.load(dt, index=(batch, head, chunk), shape=(1, 1, Q),
-                       latency=LAT).reshape((Q,))
         acc = ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32)
         if ONE_TILE:
             h = _entry_state(states, states, dt, batch, head, chunk, p_tile, 0, BLOCK_P,
@@ -134,18 +139,29 @@ def chunk_scan_group_fn(
                 acc = ct.mma(mma_operand(c_t, x.dtype), mma_operand(h.transpose(), x.dtype),
                              acc)
         acc = _carried(acc, ct.exp2(g_q), start_q, HAS_SEQ)
-        expo = ct.where(keep, g_q[:, None] - g_k[None, :], -float("inf"))
-        w = s * ct.exp2(expo) * dt_k[None, :]
-        xk = ct.load(x, index=(batch, chunk, head, p_tile), shape=(1, Q, 1, BLOCK_P),
-                     padding_mode=ZERO, latency=LAT).reshape((Q, BLOCK_P))
-        acc = _mma_x(acc, w, xk, LOWP, x.dtype)
+        # key block by key block, in chunk_scan's order and with its products: the scan_causal
+        # fix-up recomputes a bad chunk with chunk_scan, and its rows before the bad token
+        # must equal these bit for bit (blocks after the query block add exact zeros on
+        # finite input: their weights are masked to 0)
+        for k in ct.static_iter(range(NBPC)):
+            kblk = ct.minimum(chunk * NBPC + k, qblk)
+            g_k = ct.load(cum, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q),
+                          latency=LAT).reshape((BLOCK_Q,))
+            dt_k = ct.load(dt, index=(batch, head, kblk), shape=(1, 1, BLOCK_Q),
+                           latency=LAT).reshape((BLOCK_Q,))
+            col = (chunk * NBPC + k) * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
+            keep = row[:, None] >= col[None, :]
+            if HAS_SEQ:
+                keep = keep & (col[None, :] >= start_q[:, None])
+            w = s[k] * ct.exp2(ct.where(keep, g_q[:, None] - g_k[None, :], -float("inf")))
+            w = w * dt_k[None, :]
+            xk = ct.load(x, index=(batch, kblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
+                         padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_P))
+            acc = _mma_x(acc, w, xk, LOWP, x.dtype)
         if D_MODE != 0:
-            if BLOCK_Q == Q:
-                xq = xk.astype(ct.float32)
-            else:
-                xq = ct.load(x, index=(batch, qblk, head, p_tile),
-                             shape=(1, BLOCK_Q, 1, BLOCK_P), padding_mode=ZERO,
-                             latency=LAT).reshape((BLOCK_Q, BLOCK_P)).astype(ct.float32)
+            xq = ct.load(x, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
+                         padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_P)).astype(
+                             ct.float32)
             if D_MODE == 1:
                 acc = acc + ct.load(D, index=(head,), shape=(1,)).reshape((1, 1)) * xq
             else:

@@ -102,8 +102,9 @@ class BackwardConfig:
                                  # group <= this) writing fp32 partials that sum_partials adds
     dx_heads: int = 1            # > 1 (da_mode 3, no z): dx by bwd_chunk_dx_group, a program
                                  # per token block, group and p-tile walking this many of the
-                                 # group's heads (clamped to a power-of-two divisor of the heads
-                                 # per group) with B_t C^T of its chunk formed once
+                                 # group's heads (clamped to the largest power-of-two divisor
+                                 # of the heads per group at most this) with B_t C^T of its
+                                 # chunk formed once
 
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
     FIXED = ("dstate_pad",)
@@ -383,8 +384,9 @@ def _recompute_config(cfg: BackwardConfig, b, h, p, n, dtype) -> ForwardConfig:
                    state_block_n=cfg.state_block_n, state_segments=cfg.state_segments,
                    state_occupancy=cfg.state_occupancy,
                    # the backward's kernels read the entry states (never left local) and
-                   # no chunk_scan runs here (no C B^T scratch, no flagged-tile pass to feed)
-                   segment_fold=0, scan_cb=0, scan_causal=0)
+                   # no output launch runs here (no C B^T scratch, no flagged-tile pass to
+                   # feed, no chunk_scan_group: the plan's output launches are dropped below)
+                   segment_fold=0, scan_cb=0, scan_causal=0, scan_heads=1)
 
 
 def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
@@ -411,7 +413,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
                          seq_idx, bufs.dt_buf, bufs.cum_buf, bufs.states, bufs.hbuf, x,
                          recompute_config(cfg, x, B))
     calls = [c for c in calls if c.kernel._annotated_function.pyfunc.__name__
-             != "chunk_scan_fn"]
+             not in ("chunk_scan_fn", "chunk_scan_group_fn")]
 
     # 3: reverse pass over chunks (with bstate_segments, in parallel runs, then the carry)
     segs, (seg_final, seg_factor, chunk_factor) = segment_buffers(

@@ -105,9 +105,11 @@ class ForwardConfig:
                                     # 5; not with scan_cb, segment_fold, scan_persistent): the
                                     # output launch is kernels/chunk_scan_group.py, a program
                                     # per query block, group and p-tile walking this many of
-                                    # the group's heads with the block's C B^T against its
-                                    # chunk formed once (clamped to a divisor of the heads per
-                                    # group). 1: chunk_scan, C B^T in every head's tile
+                                    # the group's heads (clamped to the largest power-of-two
+                                    # divisor of the heads per group at most this; its grid
+                                    # has no head-major order, so scan_head_major does not
+                                    # apply) with C B^T of the block against its chunk formed
+                                    # once. 1: chunk_scan, C B^T in every head's tile
 
     FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
 
