@@ -475,6 +475,8 @@ def test_split_space_per_kernel():
     for name in ("state_segments", "segment_fold", "scan_cb", "scan_causal"):
         with pytest.raises(ValueError, match=f"cannot tune '{name}': it changes two launches"):
             search.split_space({name: (0, 1)})
+    with pytest.raises(ValueError, match="cannot tune 'scan_heads': it replaces chunk_scan"):
+        search.split_space({"scan_heads": (1, 8)})
 
 
 def test_launch_of_finds_kernels_by_name():
