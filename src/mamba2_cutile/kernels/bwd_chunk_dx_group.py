@@ -31,10 +31,12 @@ depend on it, a later packed sequence's rows among them.
 sm_90 compiles (bf16, internal chunk 128, 64-token blocks, 32-channel p-tiles): 254
 registers, no stack, 128 threads, 2 CTAs per SM at the seed problem (8 heads), 2.7B (16 of 80),
 7B-class (16 of a group's 16) and headdim 128 (8), against bwd_chunk_dx's 128 registers and
-256 threads; at dstate 256 it spills 448 bytes per thread.
+256 threads; at dstate 256 whole-N tiles spill 448 bytes per thread, 128-wide dstate tiles
+(BLOCK_N) under occupancy 2 none (244 registers, 128 threads, 2 CTAs per SM).
 
-Tiles: B_t, C_t (BLOCK_Q, NP), C_c (Q, NP), S_t (BLOCK_Q, Q) float32, x, dout (BLOCK_Q,
-BLOCK_P), dY_c (Q, BLOCK_P), h_c, dS_c (BLOCK_P, NP). Grid: (cdiv(L, BLOCK_Q) * B * G *
+Tiles: B_t, C_t (BLOCK_Q, BLOCK_N), C_c (Q, BLOCK_N), walking NP in BLOCK_N steps (one step:
+B_t and C_t held across the heads); S_t (BLOCK_Q, Q) float32, x, dout (BLOCK_Q, BLOCK_P),
+dY_c (Q, BLOCK_P), h_c, dS_c (BLOCK_P, BLOCK_N). Grid: (cdiv(L, BLOCK_Q) * B * G *
 (H / G / HEADS), cdiv(P, BLOCK_P)), token blocks fastest.
 """
 
@@ -83,6 +85,7 @@ def bwd_chunk_dx_group_fn(
     LOWP: ct.Constant[bool],
     W_SLOTS: ct.Constant[int],    # the slots bwd_chunk_dcb wrote (Q // its BLOCK_Q)
     LAT: ct.Constant[int],        # load latency hint in the head loop (0: none)
+    BLOCK_N: ct.Constant[int],    # dstate tile of the N-deep products (divides NP)
 ):
     ZERO = ct.PaddingMode.ZERO
     NBPC = Q // BLOCK_Q                  # token blocks per chunk
@@ -116,10 +119,21 @@ def bwd_chunk_dx_group_fn(
     on_first = (ct.full((1,), 0, dtype=ct.int32) + t) == first      # carry once per chunk
     w_slot = (ct.full((1,), 0, dtype=ct.int32) + p_tile) < W_SLOTS  # a slot dcb wrote
 
-    ct_t = mma_operand(load_rows(c, batch, t, group, 0, BLOCK_Q, NP), mm)
-    bt = mma_operand(load_rows(b, batch, t, group, 0, BLOCK_Q, NP), mm)
-    cc = mma_operand(load_rows(c, batch, chunk, group, 0, Q, NP), mm)
-    st = ct.mma(bt, cc.transpose(), ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32))
+    # with one dstate tile B_t and C_t stay MMA operands across the heads; with several
+    # (dstate 256: the whole-N tiles spill) each product walks the n-tiles, reloading them
+    ONE_TILE = BLOCK_N == NP
+    n_tiles = NP // BLOCK_N
+    if ONE_TILE:
+        ct_t = mma_operand(load_rows(c, batch, t, group, 0, BLOCK_Q, NP), mm)
+        bt = mma_operand(load_rows(b, batch, t, group, 0, BLOCK_Q, NP), mm)
+        cc = mma_operand(load_rows(c, batch, chunk, group, 0, Q, NP), mm)
+        st = ct.mma(bt, cc.transpose(), ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32))
+    else:
+        st = ct.full((BLOCK_Q, Q), 0.0, dtype=ct.float32)
+        for nt in range(n_tiles):
+            b_n = mma_operand(load_rows(b, batch, t, group, nt, BLOCK_Q, BLOCK_N), mm)
+            c_n = mma_operand(load_rows(c, batch, chunk, group, nt, Q, BLOCK_N), mm)
+            st = ct.mma(b_n, c_n.transpose(), st)
 
     for j in range(HEADS):
         head = group * HEADS_PER_GROUP + head0 + j
@@ -132,14 +146,26 @@ def bwd_chunk_dx_group_fn(
 
         xt = load_rows(x, batch, t, head, p_tile, BLOCK_Q, BLOCK_P, LAT).astype(ct.float32)
         dy = load_rows(dout, batch, t, head, p_tile, BLOCK_Q, BLOCK_P, LAT).astype(ct.float32)
-        h = load_state(states, batch, head, chunk, p_tile, 0, BLOCK_P, NP, LAT)
-        ds = load_state(dstates, batch, head, chunk, p_tile, 0, BLOCK_P, NP, LAT)
-        carry = ct.where(on_first, carry_weight(g_last, before, last, HAS_SEQ) * ct.sum(
-            ct.sum(ds * h, axis=1), axis=0, keepdims=True), 0.0)
-        ch = ct.mma(ct_t, mma_operand(h.transpose(), mm),
-                    ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32))
-        bds = ct.mma(bt, mma_operand(ds.transpose(), mm),
-                     ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32))
+        zero = ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32)
+        if ONE_TILE:
+            h = load_state(states, batch, head, chunk, p_tile, 0, BLOCK_P, NP, LAT)
+            ds = load_state(dstates, batch, head, chunk, p_tile, 0, BLOCK_P, NP, LAT)
+            dsh = ct.sum(ct.sum(ds * h, axis=1), axis=0, keepdims=True)
+            ch = ct.mma(ct_t, mma_operand(h.transpose(), mm), zero)
+            bds = ct.mma(bt, mma_operand(ds.transpose(), mm), zero)
+        else:
+            dsh = ct.full((1,), 0.0, dtype=ct.float32)
+            ch = zero
+            bds = zero
+            for nt in range(n_tiles):
+                h = load_state(states, batch, head, chunk, p_tile, nt, BLOCK_P, BLOCK_N, LAT)
+                ds = load_state(dstates, batch, head, chunk, p_tile, nt, BLOCK_P, BLOCK_N, LAT)
+                dsh = dsh + ct.sum(ct.sum(ds * h, axis=1), axis=0, keepdims=True)
+                c_n = mma_operand(load_rows(c, batch, t, group, nt, BLOCK_Q, BLOCK_N, LAT), mm)
+                b_n = mma_operand(load_rows(b, batch, t, group, nt, BLOCK_Q, BLOCK_N, LAT), mm)
+                ch = ct.mma(c_n, mma_operand(h.transpose(), mm), ch)
+                bds = ct.mma(b_n, mma_operand(ds.transpose(), mm), bds)
+        carry = ct.where(on_first, carry_weight(g_last, before, last, HAS_SEQ) * dsh, 0.0)
         dgs = state_w * ct.sum(dy * ch, axis=1)                 # (BQ,) state term of dG
         v = exit_w * dt_t * ct.sum(xt * bds, axis=1)            # (BQ,) exit term V
 

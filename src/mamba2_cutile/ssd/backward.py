@@ -105,6 +105,7 @@ class BackwardConfig:
                                  # group's heads (clamped to the largest power-of-two divisor
                                  # of the heads per group at most this) with B_t C^T of its
                                  # chunk formed once
+    dx_block_n: int = 0          # bwd_chunk_dx_group's dstate tile (0: all of dstate_pad)
 
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
     FIXED = ("dstate_pad",)
@@ -114,7 +115,7 @@ class BackwardConfig:
         c.check_pow2(self, "chunk_size")      # the API takes SUPPORTED_CHUNK_SIZES
         c.check_pow2(self, *(f.name for f in fields(self)
                              if f.name.endswith(("_block_q", "_block_p", "_block_n", "_block_h",
-                                                 "_pad"))))
+                                                 "_pad")) and f.name != "dx_block_n"))
         if self.chunk_size % self.dx_block_q or self.chunk_size % self.bc_block_q:
             raise ValueError(f"BackwardConfig: dx_block_q={self.dx_block_q} and bc_block_q="
                              f"{self.bc_block_q} must divide chunk_size={self.chunk_size}")
@@ -127,6 +128,7 @@ class BackwardConfig:
         c.check_range(self, "bstate_segments", 1, 64)
         c.check_range(self, "bc_head_split", 1, 64)
         c.check_pow2(self, "dx_heads")
+        c.check_pow2(self, "dx_block_n", allow_zero=True)
         if self.bc_head_split > 1 and self.bc_fused != 1:
             raise ValueError(f"BackwardConfig: bc_head_split={self.bc_head_split} needs "
                              "bc_fused=1 (the other dB/dC launches do not split heads)")
@@ -501,7 +503,8 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
              bufs.states, bufs.dstates, bufs.dx, bufs.da_part, bufs.ddt_part,
              bufs.dD_part if D is not None else bufs.ddt_part, v_part, Q, cfg.dx_block_q,
              cfg.dx_block_p, cfg.dstate_pad, hpg, dx_heads, d_mode, has_seq, dx_lowp,
-             Q // cfg.bc_block_q, cfg.dx_load_latency)))
+             Q // cfg.bc_block_q, cfg.dx_load_latency,
+             min(cfg.dx_block_n or cfg.dstate_pad, cfg.dstate_pad))))
     else:
         calls.append(KernelCall(
             with_hints(bwd_chunk_dx_i64 if int64 else bwd_chunk_dx, cfg.dx_occupancy,
