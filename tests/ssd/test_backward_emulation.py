@@ -323,3 +323,17 @@ def test_emulated_dx_heads_later_sequence_nan_stays_out_of_earlier_chunks(bad):
         assert torch.equal(got[name][0, :64], clean[name][0, :64]), name
     assert torch.equal(got["initial_states"], clean["initial_states"])
     assert not torch.isfinite(got["x"][0, 70:]).all()
+
+
+@pytest.mark.parametrize("l", [5, 40])
+def test_emulated_dx_heads_odd_heads_per_group(l):
+    """6 heads in one group (dx_heads=8 walks 2 a program), sequences shorter than a chunk
+    and one partial chunk, seq_idx and D per channel."""
+    Q = 32
+    args, kw, dout, dfinal = make_problem(dict(OPTIONS["all"], z=False), l=l, Q=Q, seed=5,
+                                          h=6, g=1, p=24, n=20)
+    cfg = small_config(Q, 24, 20, bc_fused=2, da_mode=3, bc_block_q=16, dx_block_q=16,
+                       dx_heads=8)
+    assert backward.dx_group_heads(cfg, 6, False) == 2
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))

@@ -229,3 +229,18 @@ def test_emulated_scan_heads_other_causal_modes(opt, block_q, causal):
     out, _ = emulated_forward(args, kw, Q, cfg)
     one, _ = emulated_forward(args, kw, Q, replace(cfg, scan_heads=1))
     assert torch.equal(out, one)
+
+
+@pytest.mark.parametrize("l", [1, 37, 130])
+def test_emulated_scan_heads_odd_heads_per_group(l):
+    """6 heads in one group (scan_heads=8 walks 2 a program, 3 programs per query block), a
+    sequence shorter than a chunk, seq_idx: equal to chunk_scan's output."""
+    Q = 64
+    args, kw, _, _ = make_problem(OPTIONS["D_head_z_seq"], l=l, Q=Q, h=6, g=1)
+    cfg = small_forward_config(Q, 7, scan_block_q=32, scan_heads=8)
+    calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
+    assert calls[2].args[15] == 2 and calls[2].grid[0] == -(-l // 32) * 2 * 3
+    check(args, kw, Q, cfg)
+    out, _ = emulated_forward(args, kw, Q, cfg)
+    one, _ = emulated_forward(args, kw, Q, replace(cfg, scan_heads=1))
+    assert torch.equal(out, one)
