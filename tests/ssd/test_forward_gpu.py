@@ -351,7 +351,7 @@ def test_scan_heads(Q, block_q, heads, g, opt, dtype):
     cfg = replace(forward.forward_config(b, h, p, n, Q, dtype), scan_block_q=block_q,
                   scan_heads=heads)
     y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
-    dt_limit = kw.pop("dt_limit")
+    dt_limit = kw.pop("dt_limit", (0.0, float("inf")))
     y, hf, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit, config=cfg, **kw)
     y1, _, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit,
                                 config=replace(cfg, scan_heads=1), **kw)

@@ -41,22 +41,33 @@ def test_plans_have_their_launches():
 
     for name, problem in variants.forward_variants():
         default = plans.forward_problem_plan(**problem)
+        # the output launch: chunk_scan_group where the shape rule sets scan_heads (chunk
+        # 128) and the heads per group allow it, chunk_scan otherwise
+        out = variants.kernel_name(default[2])
+        group = out == "chunk_scan_group"
         assert [variants.kernel_name(c) for c in default] == [
-            "decay_cumsum", "chunk_state_pass", "chunk_scan", "chunk_scan"], name
-        assert (default[2].args[-1], default[3].args[-1]) == (0, 8), name
+            "decay_cumsum", "chunk_state_pass", out, "chunk_scan"], name
+        persistent = (problem.get("overrides") or {}).get("scan_persistent", 0)
+        assert group == (problem.get("chunk_size", 128) == 128 and not persistent
+                         and problem.get("nheads", 8) > problem.get("ngroups", 1)), name
+        assert default[3].args[-1] == 8 and (group or default[2].args[-1] == 0), name
         assert variants.kernel_arg(default[1], "FLAG") is True, name
         calls = plans.forward_problem_plan(
             **dict(problem, overrides=dict(problem.get("overrides") or {}, scan_causal=0)))
         assert [variants.kernel_name(c) for c in calls] == [
-            "decay_cumsum", "chunk_state_pass", "chunk_scan"], name
-        assert calls[2].args[-1] == 0, name
+            "decay_cumsum", "chunk_state_pass", out], name
+        assert group or calls[2].args[-1] == 0, name
         assert variants.kernel_arg(calls[1], "FLAG") is False, name
         for causal, checks in ((1, (1, 2)), (2, (3, 4)), (3, (5, 6)), (4, (0, 8)), (5, (0, 9))):
             plan = plans.forward_problem_plan(
                 **dict(problem, overrides=dict(problem.get("overrides") or {},
                                                scan_causal=causal)))
-            assert [variants.kernel_name(c) for c in plan[2:]] == ["chunk_scan", "chunk_scan"]
-            assert (plan[2].args[-1], plan[3].args[-1]) == checks, name
+            # the flagging forms (1-3) take chunk_scan's plain launch
+            first = out if causal >= 4 else "chunk_scan"
+            assert [variants.kernel_name(c) for c in plan[2:]] == [first, "chunk_scan"]
+            if first == "chunk_scan":
+                assert plan[2].args[-1] == checks[0], name
+            assert plan[3].args[-1] == checks[1], name
             assert variants.kernel_arg(plan[1], "FLAG") is (causal in (4, 5)), name
             if causal == 1:
                 assert plan[3].grid == plan[2].grid, name
@@ -154,11 +165,14 @@ def test_segmented_state_pass_compiles(over, options):
     names = [variants.kernel_name(c) for c in calls]
     segs = over["state_segments"]
     # the flagged-tile pass of scan_causal 4 (the default) last
-    assert names == ["decay_cumsum", "chunk_state_pass"] + (
-        ["chunk_state_carry"] if segs > 1 else []) + ["chunk_scan", "chunk_scan"]
-    assert calls[1].grid[2] == 4 * segs // (over.get("state_block_n", 32) // 32)
     fold = over.get("segment_fold", 0)
-    assert variants.kernel_arg(calls[-2], "SEGS") == (segs if fold else 1)
+    # the output launch at chunk 128: chunk_scan_group, but chunk_scan with the segments folded
+    out = "chunk_scan" if fold and segs > 1 else "chunk_scan_group"
+    assert names == ["decay_cumsum", "chunk_state_pass"] + (
+        ["chunk_state_carry"] if segs > 1 else []) + [out, "chunk_scan"]
+    assert calls[1].grid[2] == 4 * segs // (over.get("state_block_n", 32) // 32)
+    if out == "chunk_scan":
+        assert variants.kernel_arg(calls[-2], "SEGS") == segs
     for call in calls[1:-1] if fold else calls[1:-2]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
 

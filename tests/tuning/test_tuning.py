@@ -414,10 +414,12 @@ def test_seq_idx_clamps_the_scan_block_after_the_table(cache, launch, monkeypatc
     kw = dict(seqlen=16384, device_index=0)
     for chunk in (128, 256):
         cfg = seed_cfg(launch, chunk_size=chunk)
-        assert cfg.scan_block_q == 128
+        # chunk 128: 64-token blocks under the shape rule already (chunk_scan_group)
+        assert cfg.scan_block_q == (64 if chunk == 128 else 128)
         seq = launch.forward_config(4, 8, 64, 128, chunk, torch.bfloat16, has_seq=True)
         assert (seq.scan_block_q, seq.scan_occupancy) == (64, 2)
-        assert replace(seq, scan_block_q=128, scan_occupancy=cfg.scan_occupancy) == cfg
+        assert replace(seq, scan_block_q=cfg.scan_block_q,
+                       scan_occupancy=cfg.scan_occupancy) == cfg
     assert launch.forward_config(4, 8, 64, 128, 64, torch.bfloat16, has_seq=True) == \
         seed_cfg(launch, chunk_size=64)
     k = tuning.make_key(batch=4, seqlen=16384, nheads=8, headdim=64, dstate=128,
@@ -431,8 +433,10 @@ def test_seq_idx_clamps_the_scan_block_after_the_table(cache, launch, monkeypatc
     monkeypatch.delenv("MAMBA2_CUTILE_CONFIG")
     # the plan a compile test builds follows the same rule: twice the query blocks
     from mamba2_cutile.bench import plans
-    plain = search.launch_of(plans.forward_problem_plan(options=("z",)), "chunk_scan")
-    seq = search.launch_of(plans.forward_problem_plan(options=("z", "seq_idx")), "chunk_scan")
+    plain = search.launch_of(plans.forward_problem_plan(options=("z",), chunk_size=256),
+                             "chunk_scan")
+    seq = search.launch_of(plans.forward_problem_plan(options=("z", "seq_idx"),
+                                                      chunk_size=256), "chunk_scan")
     assert seq.grid[0] == 2 * plain.grid[0] and seq.grid[1:] == plain.grid[1:]
 
 
@@ -449,11 +453,11 @@ def test_parse_space():
 
 
 def test_candidates(launch):
-    cfg = seed_cfg(launch)                 # seed: state_block_n 32, block_q 128, occupancy 0
+    cfg = seed_cfg(launch)                 # seed: state_block_n 32, block_q 64, occupancy 2
     cands = search.candidates(cfg, search.DEFAULT_SPACE)
     assert cands[0] == {}
     assert len(cands) == 12                # 3 x 2 x 2, the default combination once
-    assert {"state_block_n": 16} in cands and {"scan_block_q": 64} in cands
+    assert {"state_block_n": 16} in cands and {"scan_block_q": 128} in cands
     assert tuning.valid_overrides(cfg, {"scan_lowp": 2}) is None
     assert all(k not in ("chunk_size", "dstate_pad") for c in cands for k in c)
     small = seed_cfg(launch, dstate=32)    # dstate_pad 32: state_block_n 64 is invalid
@@ -481,15 +485,17 @@ def test_split_space_per_kernel():
 
 def test_launch_of_finds_kernels_by_name():
     """The tuner's launch lookup by kernel name: with state_segments, chunk_state_carry sits
-    between the state pass and chunk_scan; chunk_scan is the output launch, not the
-    flagged-tile pass after it (scan_causal 4, the default)."""
+    between the state pass and chunk_scan; chunk_scan is the output launch (chunk_scan_group
+    at chunk 128), not the flagged-tile pass after it (scan_causal 4, the default)."""
     pytest.importorskip("cuda.tile")
     from mamba2_cutile.bench import plans
-    for over in (None, {"state_segments": 4}):
-        calls = plans.forward_problem_plan(overrides=over)
+    for chunk, over, out in ((256, None, "chunk_scan"), (256, {"state_segments": 4}, "chunk_scan"),
+                             (128, None, "chunk_scan_group")):
+        calls = plans.forward_problem_plan(overrides=over, chunk_size=chunk)
         for name in ("decay_cumsum", "chunk_state_pass", "chunk_scan"):
             call = search.launch_of(calls, name)
-            assert call.kernel._annotated_function.pyfunc.__name__ == name + "_fn"
+            want = out if name == "chunk_scan" else name
+            assert call.kernel._annotated_function.pyfunc.__name__ == want + "_fn"
         assert search.launch_of(calls, "chunk_scan") is calls[-2]
         assert calls[-1].args[-1] == 8            # CHECK=8: the flagged-tile pass
 

@@ -90,9 +90,12 @@ def kernel_name(k: int) -> str:
 
 def launch_of(calls, name: str):
     """The first launch of kernel `name` in a forward plan (its position moves with the
-    config: `state_segments` puts chunk_state_carry before chunk_scan)."""
+    config: `state_segments` puts chunk_state_carry before chunk_scan). "chunk_scan" is the
+    output launch: chunk_scan, or chunk_scan_group where `scan_heads` puts it there (the
+    flagged-tile pass after it is chunk_scan too)."""
+    names = (name, "chunk_scan_group") if name == "chunk_scan" else (name,)
     return next(c for c in calls
-                if c.kernel._annotated_function.pyfunc.__name__.removesuffix("_fn") == name)
+                if c.kernel._annotated_function.pyfunc.__name__.removesuffix("_fn") in names)
 
 
 def tune(shapes, space=None, reps=30, min_gain=0.01, store_results=True, progress=None,

@@ -165,6 +165,14 @@ def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
         bn //= 2
     wide = np_ >= 256 or dtype == torch.float32      # larger tiles per query row
     bq = min(chunk_size, 64 if wide else 128)
+    # chunk 128: the output launch as chunk_scan_group, up to 16 of a group's heads a program
+    # (the plan clamps to a divisor of the heads per group) with C B^T formed once, in 64-token
+    # blocks at 2 CTAs/SM: on the H100 chunk_scan 0.212 -> 0.112 ms at the seed problem, 0.790
+    # -> 0.387 ms at B=2 T=8K H=128 G=8 (benchmarks/results/2026-12-05-h100-forward-sweep-
+    # scan-heads.jsonl); at chunk 256 it was slower (0.369 -> 0.475 ms at best at 80 heads)
+    heads = 16 if chunk_size == 128 else 1
+    if heads > 1:
+        bq = 64
     # Measured on the H200 (2026-11-30; benchmarks/results/, docs/measurements.md): the
     # (C B^T) X MMA in the input dtype (scan_lowp, as mamba_ssm) cut chunk_scan from 0.280 to 0.210 ms at the seed problem; the
     # state pass's MMA into a fresh accumulator was as fast or faster at both shapes swept; the
@@ -185,6 +193,7 @@ def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
         # from 0.662 to 0.374 ms at B=2 T=8K H=80 chunk 256, and 0.207 to 0.122 ms at H=24
         # (H200, benchmarks/results/2026-11-30-h200-forward-sweep-scan-occupancy.jsonl)
         scan_occupancy=2 if bq < chunk_size else 0,
+        scan_heads=heads,
         # a NaN/Inf input never changes an earlier output (module docstring of
         # kernels/chunk_scan.py): on the H100 at the seed problem 0.327 -> 0.332 ms, at B=2
         # T=8K H=80 chunk 256 0.558-0.565 -> 0.572 ms, at B=4 T=64K 1.308-1.321 -> 1.300 ms
