@@ -31,6 +31,23 @@ def test_launch_compiles(arch, family, name, index):
     assert cpu_compile.compile_call(variants.launch_of(family, name, index), arch) > 0
 
 
+def _rule_heads(problem):
+    """The heads a chunk_scan_group program walks in `problem`'s plan (1: chunk_scan), from
+    the config forward_problem_plan builds."""
+    import inspect
+    from dataclasses import replace
+
+    from mamba2_cutile.ssd.forward import forward_config, group_scan_heads
+
+    kw = {k: v.default for k, v in inspect.signature(plans.forward_problem_plan).parameters.items()
+          if v.default is not inspect.Parameter.empty}
+    kw.update(problem)
+    cfg = replace(forward_config(kw["batch"], kw["nheads"], kw["headdim"],
+                                 kw["dstate"], kw["chunk_size"], kw["dtype"],
+                                 has_seq="seq_idx" in kw["options"]), **(kw["overrides"] or {}))
+    return group_scan_heads(cfg, kw["nheads"] // kw["ngroups"], False)
+
+
 def test_plans_have_their_launches():
     """Each forward plan holds the 3 forward launches and, with scan_causal 1 to 4, a fourth:
     chunk_scan's flagged-tile pass (4, the default: the state pass writes the flags); each
@@ -47,9 +64,7 @@ def test_plans_have_their_launches():
         group = out == "chunk_scan_group"
         assert [variants.kernel_name(c) for c in default] == [
             "decay_cumsum", "chunk_state_pass", out, "chunk_scan"], name
-        persistent = (problem.get("overrides") or {}).get("scan_persistent", 0)
-        assert group == (problem.get("chunk_size", 128) == 128 and not persistent
-                         and problem.get("nheads", 8) > problem.get("ngroups", 1)), name
+        assert group == (_rule_heads(problem) > 1), name
         assert default[3].args[-1] == 8 and (group or default[2].args[-1] == 0), name
         assert variants.kernel_arg(default[1], "FLAG") is True, name
         calls = plans.forward_problem_plan(

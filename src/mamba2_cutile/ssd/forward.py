@@ -169,8 +169,9 @@ def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
     # (the plan clamps to a divisor of the heads per group) with C B^T formed once, in 64-token
     # blocks at 2 CTAs/SM: on the H100 chunk_scan 0.212 -> 0.112 ms at the seed problem, 0.790
     # -> 0.387 ms at B=2 T=8K H=128 G=8 (benchmarks/results/2026-12-05-h100-forward-sweep-
-    # scan-heads.jsonl); at chunk 256 it was slower (0.369 -> 0.475 ms at best at 80 heads)
-    heads = 16 if chunk_size == 128 else 1
+    # scan-heads.jsonl); at chunk 256 it was slower (0.369 -> 0.475 ms at best at 80 heads).
+    # Only where it was timed: 16-bit inputs, headdim <= 64, dstate <= 128
+    heads = 16 if chunk_size == 128 and not wide and headdim <= 64 else 1
     if heads > 1:
         bq = 64
     # Measured on the H200 (2026-11-30; benchmarks/results/, docs/measurements.md): the
