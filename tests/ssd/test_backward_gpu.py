@@ -410,8 +410,11 @@ def test_dx_heads(Q, heads, g, block_q, opt, dtype):
     one = ours(inp, kw, Q, dout, dfinal, config=replace(cfg, dx_heads=1))
     diffs = {k: rel_err(got[k], one[k]) for k in NAMES if got[k] is not None}
     log_result("against bwd_chunk_dx: " + ", ".join(f"d{k} {e:.2e}" for k, e in diffs.items()))
+    # the same products, sums in another order: equal to the bit at five shapes in bf16 on an
+    # H100 (benchmarks/results/2026-12-05-h100-backward-sweep-dx-heads.jsonl, dA within
+    # 1e-6); at most one rounding of a 16-bit gradient apart
     for k, e in diffs.items():
-        assert e <= grad_tol(k, dtype, got[k].dtype) / 4, (k, e)
+        assert e <= (4e-3 if got[k].dtype in (torch.bfloat16, torch.float16) else 1e-5), (k, e)
 
 
 DA3 = {"bc_fused": 2, "da_mode": 3, "bc_block_q": 32, "dcb_occupancy": 4, "bc_occupancy": 2,

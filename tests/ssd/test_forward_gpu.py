@@ -361,7 +361,10 @@ def test_scan_heads(Q, block_q, heads, g, opt, dtype):
     msg = (f"scan_heads={heads} Q={Q} block_q={block_q} G={g}: out err {e_y:.2e}, final-state "
            f"err {e_h:.2e}, tol {tol:.0e}; against chunk_scan {e_1:.2e}")
     log_result(msg)
-    assert e_y <= tol and e_h <= tol and e_1 <= tol / 4, msg
+    # the same products in the same order (equal in the float64 emulation): at most one
+    # rounding of the output dtype at the largest output apart, 2^-8 in bf16
+    same = 4e-3 if dtype != torch.float32 else 1e-5
+    assert e_y <= tol and e_h <= tol and e_1 <= same, msg
 
 
 def test_more_than_65535_batch_heads():
