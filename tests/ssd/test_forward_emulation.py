@@ -244,3 +244,48 @@ def test_emulated_scan_heads_odd_heads_per_group(l):
     out, _ = emulated_forward(args, kw, Q, cfg)
     one, _ = emulated_forward(args, kw, Q, replace(cfg, scan_heads=1))
     assert torch.equal(out, one)
+
+
+def test_computed_chunk_shorter_than_the_callers():
+    """A chunk-256 call computed at chunk 128 (`ForwardConfig.chunk_size`, the rule's
+    `computed_chunk`): forward_launches sizes its buffers at the computed chunk, gives the bits
+    of a chunk-128 call, and the recurrence's output and final state (to its float32 decay
+    buffers' rounding: 4e-5 measured; the chunked algorithm is exact for any chunk)."""
+    args, kw, _, _ = make_problem(OPTIONS["all"], l=300, Q=256)
+    cfg = small_forward_config(128, 7, scan_block_q=32)
+    x, dt, A, B, C = (args[k] for k in ("x", "dt", "A", "B", "C"))
+    results = []
+    for caller_chunk in (256, 128):
+        calls, out, final, (dt_buf, cum_buf, states), _ = forward.forward_launches(
+            x, dt, A, B, C, caller_chunk, config=cfg, **kw)
+        assert cum_buf.shape[2] == 384 and states.shape[2] == 3
+        for t in (out, final, dt_buf, cum_buf, states):
+            t.fill_(float("nan"))
+        calls[0].args[8].fill_(-(2**30))     # seq_idx's run starts, written by kernel 1
+        emulate_launch(calls)
+        results.append((out, final))
+    ref_out, ref_final, _ = ssd_recurrence(**args, **kw)
+    for name, got, same, ref in (("out", *results[0][:1], results[1][0], ref_out),
+                                 ("final", results[0][1], results[1][1], ref_final)):
+        assert torch.equal(got, same), name
+        err = (got - ref).abs().max().item()
+        assert err <= 1.5e-4 * ref.abs().max().item(), f"{name}: error {err:.3e}"
+
+
+@pytest.mark.parametrize("dtype, headdim, dstate, computed", [
+    (torch.bfloat16, 64, 128, 128), (torch.float16, 32, 64, 128),
+    (torch.float32, 64, 128, 256), (torch.bfloat16, 128, 128, 256),
+    (torch.bfloat16, 64, 256, 256)])
+def test_computed_chunk_rule(monkeypatch, dtype, headdim, dstate, computed):
+    """Where chunk_scan_group applies (16-bit inputs, headdim <= 64, dstate <= 128) a chunk-256
+    call is computed at GROUP_CHUNK with the group launch; elsewhere at the caller's chunk.
+    Calls of chunk 128 or less keep theirs."""
+    monkeypatch.setattr(forward, "GROUP_CHUNK", 128)
+    forward.forward_shape_config.cache_clear()
+    try:
+        cfg = forward.forward_shape_config(2, 80, headdim, dstate, 256, dtype)
+        assert cfg.chunk_size == computed
+        assert (cfg.scan_heads > 1) == (computed == 128)
+        assert forward.forward_shape_config(2, 80, headdim, dstate, 64, dtype).chunk_size == 64
+    finally:
+        forward.forward_shape_config.cache_clear()

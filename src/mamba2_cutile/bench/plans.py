@@ -24,12 +24,13 @@ def forward_problem_plan(dtype=torch.bfloat16, chunk_size=128, batch=4, seqlen=1
     if int64:
         l = max(l, -(-(2**31) // (b * h * p)) + 1)
     e = lambda *s, dt=dtype: torch.empty(s, dtype=dt, device=device)  # noqa: E731
-    nc = -(-l // Q)
     x = e(b, l, h, p)
     f32 = torch.float32
     D = e(h, p, dt=f32) if "D_chan" in options else e(h, dt=f32) if "D_head" in options else None
     cfg = replace(forward_config(b, h, p, n, Q, dtype, has_seq="seq_idx" in options),
                   **(overrides or {}))
+    Q = cfg.chunk_size          # the chunk the forward computes with
+    nc = -(-l // Q)
     return forward_plan(
         x, e(b, l, h, dt=dt_dtype), e(h, dt=f32), e(b, l, g, n), e(b, l, g, n),
         e(b, l, h, p) if "z" in options else None, D,

@@ -38,9 +38,10 @@ def candidates(base_cfg, space: dict) -> list:
     duplicates (combinations equal to the default collapse to {}), default first."""
     names = list(space)
     bad = [n for n in names if n not in {f.name for f in fields(base_cfg)}
-           or n in type(base_cfg).FIXED]
+           or n in type(base_cfg).FIXED or n == "chunk_size"]
     if bad:
-        raise ValueError(f"cannot tune {bad}: not ForwardConfig fields, or fixed")
+        raise ValueError(f"cannot tune {bad}: not ForwardConfig fields, or fixed (the chunk "
+                         "is the table's key)")
     out, seen = [{}], {base_cfg}
     for combo in itertools.product(*(space[n] for n in names)):
         over = dict(zip(names, combo))
@@ -128,9 +129,9 @@ def tune(shapes, space=None, reps=30, min_gain=0.01, store_results=True, progres
     report = []
     for shape in shapes:
         b, l, h, g, p, n = shape.dims()
-        Q = shape.chunk
         inp = problems.make_inputs(shape)
-        base = forward_shape_config(b, h, p, n, Q, shape.dtype, num_sms(dev))
+        base = forward_shape_config(b, h, p, n, shape.chunk, shape.dtype, num_sms(dev))
+        Q = base.chunk_size         # the chunk the forward computes with (the tuning key's)
         nc = -(-l // Q)
         f32 = torch.float32
         x, C = inp["x"], inp["C"]

@@ -41,7 +41,11 @@ MAX_DSTATE = 256
 
 @dataclass(frozen=True)
 class ForwardConfig:
-    """Tile sizes and hints of the three forward kernels (all powers of two)."""
+    """Tile sizes and hints of the three forward kernels (all powers of two).
+
+    `chunk_size` is the chunk length the forward computes with. It may differ from the
+    caller's (`forward_shape_config`): the chunked algorithm is an exact rewrite of the
+    recurrence for any chunk length, so outputs and final states differ only in rounding."""
     chunk_size: int
     cumsum_block_h: int
     state_block_p: int
@@ -111,11 +115,14 @@ class ForwardConfig:
                                     # apply) with C B^T of the block against its chunk formed
                                     # once. 1: chunk_scan, C B^T in every head's tile
 
-    FIXED = ("chunk_size", "dstate_pad")     # set by the problem, never overridden
+    FIXED = ("dstate_pad",)     # set by the problem, never overridden
 
     def __post_init__(self):
         c = _config
         c.check_pow2(self, "chunk_size")      # the API takes SUPPORTED_CHUNK_SIZES
+        if self.chunk_size > max(SUPPORTED_CHUNK_SIZES):
+            raise ValueError(f"ForwardConfig: chunk_size={self.chunk_size} is larger than "
+                             f"{max(SUPPORTED_CHUNK_SIZES)}")
         c.check_pow2(self, "cumsum_block_h", "state_block_p", "state_block_n", "scan_block_q",
                      "scan_block_p", "dstate_pad")
         c.check_pow2(self, "scan_block_n", allow_zero=True)
@@ -148,12 +155,28 @@ def scale_x(cfg: ForwardConfig) -> bool:
     return cfg.state_block_n > cfg.state_block_p
 
 
+#: the chunk length a chunk-256 call is computed with where chunk_scan_group applies (16-bit
+#: inputs, headdim <= 64, dstate <= 128); 256: the caller's
+GROUP_CHUNK = 256
+
+
+def computed_chunk(chunk_size, headdim, dstate, dtype) -> int:
+    """The chunk length the forward computes a call of `chunk_size` with (`ForwardConfig.
+    chunk_size`): the chunked algorithm is exact for any chunk length, so a shorter one
+    changes only rounding, and at chunk 128 the output launch can be chunk_scan_group."""
+    if (chunk_size > GROUP_CHUNK and dtype != torch.float32 and headdim <= 64
+            and dstate <= 128):
+        return GROUP_CHUNK
+    return chunk_size
+
+
 @functools.lru_cache(maxsize=1024)
 def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
                          sms=DEFAULT_SMS) -> ForwardConfig:
     """The dispatcher's rule: a good config from the shape alone (no search, no sync).
     Memoized: a pure function of its arguments, on every call's hot path (the configs are
     frozen)."""
+    chunk_size = computed_chunk(chunk_size, headdim, dstate, dtype)
     np_ = max(16, next_pow2(dstate))
     bp = min(64, max(16, next_pow2(headdim)))
     p_tiles = -(-headdim // bp)
@@ -403,8 +426,9 @@ def ssd_forward_cuda(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     launch_calls(calls, x.device)
     varlen = None
     if cu_seqlens is not None:
+        # at the chunk length the states were computed with (ForwardConfig.chunk_size)
         varlen = varlen_states_from_chunks(x, B, dt_buf, cum_buf, states, init, cu_seqlens,
-                                           chunk_size).to(state_dtype)
+                                           cum_buf.shape[2] // states.shape[2]).to(state_dtype)
     return out, final, varlen
 
 
@@ -414,6 +438,8 @@ def forward_launches(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                      need_states=False):
     """The forward's planned launches and the buffers they write, for CUDA inputs:
     (calls, out, final, (dt_buf, cum_buf, states), (x, B, init) as the kernels read them).
+    The buffers are at the chunk length the config computes with (`ForwardConfig.chunk_size`,
+    which may differ from `chunk_size`).
     `calls` is empty when there is nothing to launch (l = 0 or b * h = 0). `need_states`:
     `states` must hold the chunks' entry states afterwards (varlen states read them), so
     segment_fold, which leaves them local, is off."""
@@ -433,18 +459,21 @@ def forward_launches(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     if seq_idx is not None:
         seq_idx = seq_ids_int32(seq_idx)
 
-    nchunks = -(-l // Q)
     final = torch.empty((b, h, p, n), dtype=torch.float32, device=dev)
     out = torch.empty((b, l, h, p), dtype=x.dtype, device=dev)
+    cfg = None
+    if l > 0 and b * h > 0:
+        cfg = config or forward_config(b, h, p, n, Q, x.dtype, num_sms(dev), seqlen=l,
+                                       device_index=dev.index or 0, has_seq=seq_idx is not None)
+        Q = cfg.chunk_size          # the chunk the kernels compute with
+    nchunks = -(-l // Q)
     dt_buf = torch.empty((b, h, nchunks * Q), dtype=torch.float32, device=dev)
     cum_buf = torch.empty((b, h, nchunks * Q), dtype=torch.float32, device=dev)
     states = torch.empty((b, h, nchunks, p, n), dtype=state_dtype, device=dev)
     bufs = (dt_buf, cum_buf, states)
-    if l == 0 or b * h == 0:     # a zero-sized grid is a launch error
+    if cfg is None:              # a zero-sized grid is a launch error
         return [], out, final, bufs, (x, B, init)
     lo, hi = dt_clamp_bounds(dt_limit)
-    cfg = config or forward_config(b, h, p, n, Q, x.dtype, num_sms(dev), seqlen=l,
-                                   device_index=dev.index or 0, has_seq=seq_idx is not None)
     if need_states and cfg.segment_fold:
         cfg = replace(cfg, segment_fold=0)
     calls = forward_plan(x, dt, A, B, C, z, D, dt_bias, lo, hi, dt_softplus, init, seq_idx,

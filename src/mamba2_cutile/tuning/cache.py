@@ -286,8 +286,11 @@ def _write_merged(path: Path, new: dict) -> dict:
 
 def valid_overrides(cfg, overrides: dict) -> dict | None:
     """`overrides` checked against config `cfg`: int fields of its class, none of its `FIXED`
-    ones, and a result that passes the config's own validation. None when anything is off."""
+    ones nor `chunk_size` (the table is keyed by the chunk a call computes with), and a result
+    that passes the config's own validation. None when anything is off."""
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in overrides.values()):
+        return None
+    if "chunk_size" in overrides:
         return None
     try:
         apply_overrides(cfg, overrides, "tuning cache")
