@@ -615,6 +615,37 @@ def test_gpu_kernels_causal(name, value, seq, dtype, Q, where, causal):
                f"tol {forward_tol(dtype):.0e}")
 
 
+#: the shape rule's config where chunk_scan_group runs (long sequences at headdim <= 64):
+#: computed at chunk 128, also for a chunk-256 call
+GROUP_RULE = "chunk_size=128,scan_heads=16,scan_block_q=64,scan_occupancy=2"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [False, True], ids=["no_seq", "seq_idx"])
+@pytest.mark.parametrize("Q, where", [(128, "mid"), (256, "mid"), (256, "first"),
+                                      (256, "last")])
+@pytest.mark.parametrize("name, value", [("x", NAN), ("x", INF), ("B", INF), ("C", NAN),
+                                         ("z", NAN), ("dt", INF)],
+                         ids=["x=nan", "x=inf", "B=inf", "C=nan", "z=nan", "dt=inf"])
+def test_gpu_group_launch_causal(name, value, Q, where, seq):
+    """The group output launch (chunk_scan_group over 8 heads of a group, headdim 64, 64-token
+    blocks) with the default causal form (4), computed at chunk 128 for chunk-128 and
+    chunk-256 calls, as the shape rule runs long sequences: the contract of the module
+    docstring (outputs before the bad token bit-identical to a clean run's)."""
+    from support.gpu import log_result
+    from support.tolerances import forward_tol
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    t = where_in_chunk(Q, where)
+    args, kw = make_problem(Q, t, seq, True, dtype=torch.bfloat16, b=2, h=8, g=1, p=64, n=128,
+                            device="cuda")
+    e_y, e_h = check_contract(gpu_run(Q, None, GROUP_RULE), args, kw, name, value, t, Q,
+                              forward_tol(torch.bfloat16), strict_nonfinite=False)
+    log_result(f"out err {e_y:.2e}, final-state err {e_h:.2e} (finite entries), "
+               f"tol {forward_tol(torch.bfloat16):.0e}")
+
+
 MODES = pytest.mark.parametrize("causal", [0, 1, 2, 3, 4],
                                 ids=["plain", "causal1", "causal2", "causal3", "causal4"])
 

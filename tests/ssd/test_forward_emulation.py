@@ -276,16 +276,30 @@ def test_computed_chunk_shorter_than_the_callers():
     (torch.bfloat16, 64, 128, 128), (torch.float16, 32, 64, 128),
     (torch.float32, 64, 128, 256), (torch.bfloat16, 128, 128, 256),
     (torch.bfloat16, 64, 256, 256)])
-def test_computed_chunk_rule(monkeypatch, dtype, headdim, dstate, computed):
+def test_computed_chunk_rule(dtype, headdim, dstate, computed):
     """Where chunk_scan_group applies (16-bit inputs, headdim <= 64, dstate <= 128) a chunk-256
     call is computed at GROUP_CHUNK with the group launch; elsewhere at the caller's chunk.
-    Calls of chunk 128 or less keep theirs."""
-    monkeypatch.setattr(forward, "GROUP_CHUNK", 128)
-    forward.forward_shape_config.cache_clear()
-    try:
-        cfg = forward.forward_shape_config(2, 80, headdim, dstate, 256, dtype)
-        assert cfg.chunk_size == computed
-        assert (cfg.scan_heads > 1) == (computed == 128)
-        assert forward.forward_shape_config(2, 80, headdim, dstate, 64, dtype).chunk_size == 64
-    finally:
-        forward.forward_shape_config.cache_clear()
+    Calls of chunk 64 keep theirs."""
+    cfg = forward.forward_shape_config(2, 80, headdim, dstate, 256, dtype, 132, 8192)
+    assert cfg.chunk_size == computed
+    assert (cfg.scan_heads > 1) == (computed == 128)
+    assert forward.forward_shape_config(2, 80, headdim, dstate, 64, dtype).chunk_size == 64
+
+
+@pytest.mark.parametrize("batch, seqlen, nheads, ngroups, chunk, group", [
+    (1, 512, 24, 1, 256, False),     # 8 blocks x 3 programs of 8 heads: 24 programs
+    (1, 2048, 64, 1, 256, False),    # 32 x 4: 128
+    (4, 4096, 8, 1, 128, True),      # 64 x 4 x 1: 256
+    (2, 8192, 128, 8, 256, True),
+    (1, 8192, 24, 1, 256, True),     # 128 x 3: 384
+    (4, 1024, 8, 1, 128, False),     # 16 x 4: 64
+    (1, 4096, 128, 8, 128, True)])   # 64 x 8 x 1: 512
+def test_group_scan_needs_a_full_grid(batch, seqlen, nheads, ngroups, chunk, group):
+    """The group launch only where its grid gives each of the 132 SMs a program; otherwise
+    chunk_scan at the caller's chunk (the rule before the group kernel)."""
+    cfg = forward.forward_shape_config(batch, nheads, 64, 128, chunk, torch.bfloat16, 132,
+                                       seqlen, ngroups)
+    assert (cfg.scan_heads > 1) == group
+    assert cfg.chunk_size == (128 if group else chunk)
+    if not group:
+        assert cfg.scan_block_q == 128

@@ -230,7 +230,10 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         bstate_block_n=fwd.state_block_n if wide else min(np_, 64),
         bstate_occupancy=0 if wide else 4,
         dx_block_q=min(chunk_size, 64),
-        dx_block_p=min(pp, 32),
+        # headdim 128: the whole-state dx program over 64 channels (C B^T formed half as
+        # often): 1.135 -> 1.000 ms at B=2 T=8K H=48 P=128 chunk 256 (H200, 2026-12-05,
+        # benchmarks/results/2026-12-05-h200-backward-sweep-dstate256-headdim128.jsonl)
+        dx_block_p=64 if pp == 128 and not wide else min(pp, 32),
         dx_occupancy=0 if wide else 2,
         dstate_pad=np_,
         bc_block_q=min(chunk_size, 64),
@@ -258,7 +261,9 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # rounds the gated dY to the input dtype for it, and da_mode 2 forms dA terms under
         # lowp).
         lowp=1,
-        dx_warps=4,
+        # dstate 256 in 16 bits: 8 warps (0.962 -> 0.901 ms at B=2 T=8K H=32 N=256 chunk 256,
+        # H200, the same file)
+        dx_warps=8 if np_ >= 256 and dtype != torch.float32 else 4,
         bc_load_latency=4,
         bstate_load_latency=8,
     )

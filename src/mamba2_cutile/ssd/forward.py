@@ -155,28 +155,63 @@ def scale_x(cfg: ForwardConfig) -> bool:
     return cfg.state_block_n > cfg.state_block_p
 
 
-#: the chunk length a chunk-256 call is computed with where chunk_scan_group applies (16-bit
-#: inputs, headdim <= 64, dstate <= 128); 256: the caller's
-GROUP_CHUNK = 256
+#: the chunk length chunk_scan_group computes with (a chunk-256 call where it applies)
+GROUP_CHUNK = 128
+GROUP_HEADS = 16            # heads a chunk_scan_group program walks (at most)
+GROUP_BLOCK_Q = 64
 
 
-def computed_chunk(chunk_size, headdim, dstate, dtype) -> int:
-    """The chunk length the forward computes a call of `chunk_size` with (`ForwardConfig.
-    chunk_size`): the chunked algorithm is exact for any chunk length, so a shorter one
-    changes only rounding, and at chunk 128 the output launch can be chunk_scan_group."""
-    if (chunk_size > GROUP_CHUNK and dtype != torch.float32 and headdim <= 64
-            and dstate <= 128):
-        return GROUP_CHUNK
-    return chunk_size
+def pow2_divisor(n, cap) -> int:
+    """The largest power-of-two divisor of `n` that is at most `cap`."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def group_heads(nheads, ngroups) -> int:
+    """The heads one chunk_scan_group program of the shape rule walks (`group_scan_heads`)."""
+    return pow2_divisor(max(1, nheads // max(1, ngroups)), GROUP_HEADS)
+
+
+def uses_group_scan(batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size, dtype,
+                    sms=DEFAULT_SMS) -> bool:
+    """Whether the shape rule's output launch is chunk_scan_group, computed at GROUP_CHUNK:
+    where it was timed (16-bit inputs, headdim <= 64, dstate <= 128, chunk 128 or 256), and
+    its grid gives every SM a program (`seqlen` None: assumed long). Its grid is a program per
+    64-token block, group, p-tile and `group_heads` heads, a fraction of chunk_scan's: at B=1
+    T=512 H=24 chunk 256 it had 24 programs, 0.033 -> 0.041 ms; at B=1 T=2048 H=64, 128
+    programs, 0.0895 -> 0.0915 ms; at B=4 T=4096 H=8 chunk 128, 256 programs, 0.093 -> 0.068 ms
+    (H100, 2026-12-05; the others H200, 2026-12-05)."""
+    if (chunk_size not in (128, 256) or dtype == torch.float32 or headdim > 64
+            or dstate > 128):
+        return False
+    if chunk_size == 256 and dtype not in (torch.bfloat16, torch.float16):
+        return False        # the float64 emulation keeps chunk-256 plans at 256
+    if seqlen is None:
+        return True
+    ngroups = max(1, ngroups)
+    programs = (-(-seqlen // GROUP_BLOCK_Q) * batch * ngroups
+                * (max(1, nheads // ngroups) // group_heads(nheads, ngroups)))
+    return programs >= sms
 
 
 @functools.lru_cache(maxsize=1024)
 def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
-                         sms=DEFAULT_SMS) -> ForwardConfig:
+                         sms=DEFAULT_SMS, seqlen=None, ngroups=1) -> ForwardConfig:
     """The dispatcher's rule: a good config from the shape alone (no search, no sync).
-    Memoized: a pure function of its arguments, on every call's hot path (the configs are
-    frozen)."""
-    chunk_size = computed_chunk(chunk_size, headdim, dstate, dtype)
+    `seqlen` None: a long sequence. Memoized: a pure function of its arguments, on every
+    call's hot path (the configs are frozen)."""
+    group = uses_group_scan(batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size, dtype,
+                            sms)
+    if group:
+        # a chunk-256 call computed at chunk 128 (`ForwardConfig.chunk_size`: the chunked
+        # algorithm is exact for any chunk, outputs differ in rounding only), where
+        # chunk_scan_group runs: on the H200 at B=2 T=8K, 80 heads 0.554 -> 0.420 ms (mamba_ssm
+        # 0.696), 64 heads 0.400 -> 0.295 (0.557), 128 heads G=8 0.775 -> 0.582 (1.139), 24
+        # heads 0.221 -> 0.192 (0.234) (benchmarks/results/2026-12-05-h200-forward-sweep-
+        # computed-chunk-128.jsonl); at chunk 256 itself the group launch was slower
+        chunk_size = GROUP_CHUNK
     np_ = max(16, next_pow2(dstate))
     bp = min(64, max(16, next_pow2(headdim)))
     p_tiles = -(-headdim // bp)
@@ -188,15 +223,14 @@ def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
         bn //= 2
     wide = np_ >= 256 or dtype == torch.float32      # larger tiles per query row
     bq = min(chunk_size, 64 if wide else 128)
-    # chunk 128: the output launch as chunk_scan_group, up to 16 of a group's heads a program
-    # (the plan clamps to a divisor of the heads per group) with C B^T formed once, in 64-token
-    # blocks at 2 CTAs/SM: on the H100 chunk_scan 0.212 -> 0.112 ms at the seed problem, 0.790
-    # -> 0.387 ms at B=2 T=8K H=128 G=8 (benchmarks/results/2026-12-05-h100-forward-sweep-
-    # scan-heads.jsonl); at chunk 256 it was slower (0.369 -> 0.475 ms at best at 80 heads).
-    # Only where it was timed: 16-bit inputs, headdim <= 64, dstate <= 128
-    heads = 16 if chunk_size == 128 and not wide and headdim <= 64 else 1
-    if heads > 1:
-        bq = 64
+    # the output launch as chunk_scan_group, up to 16 of a group's heads a program (the plan
+    # clamps to a divisor of the heads per group) with C B^T formed once, in 64-token blocks
+    # at 2 CTAs/SM: on the H100 chunk_scan 0.212 -> 0.112 ms at the seed problem, 0.790 ->
+    # 0.387 ms at B=2 T=8K H=128 G=8 chunk 128 (benchmarks/results/2026-12-05-h100-forward-
+    # sweep-scan-heads.jsonl)
+    heads = GROUP_HEADS if group else 1
+    if group:
+        bq = GROUP_BLOCK_Q
     # Measured on the H200 (2026-11-30; benchmarks/results/, docs/measurements.md): the
     # (C B^T) X MMA in the input dtype (scan_lowp, as mamba_ssm) cut chunk_scan from 0.280 to 0.210 ms at the seed problem; the
     # state pass's MMA into a fresh accumulator was as fast or faster at both shapes swept; the
@@ -228,12 +262,14 @@ def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
 
 
 def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=DEFAULT_SMS, seqlen=None,
-                   device_index=None, has_seq=False) -> ForwardConfig:
+                   device_index=None, has_seq=False, ngroups=1) -> ForwardConfig:
     """The config a forward launch uses, in the precedence of `mamba2_cutile.config`: the shape
     rule, then the tuning table's overrides for the shape's bucket on this GPU when `seqlen`
     and `device_index` are given, then the seq_idx rule below, then MAMBA2_CUTILE_CONFIG.
-    `has_seq`: seq_idx is given (its same-sequence mask changes the best chunk_scan tile)."""
-    cfg = forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms)
+    `has_seq`: seq_idx is given (its same-sequence mask changes the best chunk_scan tile).
+    `seqlen` and `ngroups` size the output grid for the rule (`uses_group_scan`)."""
+    cfg = forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms, seqlen,
+                               ngroups)
     if seqlen is not None and device_index is not None:
         from ..tuning import apply_forward
         cfg = apply_forward(cfg, batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim,
@@ -267,10 +303,7 @@ def group_scan_heads(cfg: ForwardConfig, heads_per_group: int, fold: bool) -> in
     if (cfg.scan_heads <= 1 or cfg.scan_cb or fold or cfg.scan_causal in (1, 2, 3)
             or cfg.scan_persistent):
         return 1
-    heads = 1
-    while heads * 2 <= cfg.scan_heads and heads_per_group % (heads * 2) == 0:
-        heads *= 2
-    return heads
+    return pow2_divisor(heads_per_group, cfg.scan_heads)
 
 
 def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
@@ -464,7 +497,8 @@ def forward_launches(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     cfg = None
     if l > 0 and b * h > 0:
         cfg = config or forward_config(b, h, p, n, Q, x.dtype, num_sms(dev), seqlen=l,
-                                       device_index=dev.index or 0, has_seq=seq_idx is not None)
+                                       device_index=dev.index or 0, has_seq=seq_idx is not None,
+                                       ngroups=B.shape[2])
         Q = cfg.chunk_size          # the chunk the kernels compute with
     nchunks = -(-l // Q)
     dt_buf = torch.empty((b, h, nchunks * Q), dtype=torch.float32, device=dev)
