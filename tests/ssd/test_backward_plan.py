@@ -224,9 +224,12 @@ def test_da_mode3_buffers(b, l, h, g, p, n):
         u = backward.allocate_buffers(x, dt, B, B, None, D, None, c)
         return u.dcb._base.numel() + (u.da_part.numel() if u.da_part._base is None else 0)
     # at model shapes (many heads: dS smaller than the partials) one v_part number per dx
-    # program more, and at 4 p-tiles half of da_mode 1's da slots fewer
+    # program more, and at 4 p-tiles half of da_mode 1's da slots fewer; headdim 128 in two
+    # 64-channel dx programs: as many da slots as da_mode 1 (Q / 32 = n_pt * Q / dx_block_q),
+    # and dS's block 10.5% larger
     if h >= 48:
-        assert scratch(cfg) <= scratch(base) * (1.01 if n_pt <= 2 else 0.75)
+        assert scratch(cfg) <= scratch(base) * (
+            0.75 if n_pt > 2 else 1.11 if cfg.dx_block_p == 64 else 1.01)
     calls = []
     backward.run_backward(x, dt, e(h, dt=torch.float32), B, B, 256, x, D=D,
                           launch_fn=calls.extend, config=cfg)
