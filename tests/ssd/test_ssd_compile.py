@@ -262,7 +262,7 @@ def test_scan_cb_scratch_past_int32_widens_only_its_launches():
 
     calls = plans.forward_problem_plan(batch=1, seqlen=2**20, nheads=8, ngroups=8,
                                        chunk_size=256, options=("D_head",),
-                                       overrides=dict(scan_cb=1))
+                                       overrides=dict(scan_cb=1, chunk_size=256))
     assert [variants.kernel_name(c) for c in calls] == [
         "decay_cumsum", "chunk_state_pass", "chunk_cb", "chunk_scan", "chunk_scan"]
     assert variants.kernel_arg(calls[2], "cb").numel() == 2**31
@@ -274,17 +274,21 @@ def test_scan_cb_scratch_past_int32_widens_only_its_launches():
     ({}, dict(dx_heads=8), True),
     (dict(batch=2, seqlen=8192, nheads=80, chunk_size=256), dict(dx_heads=16), True),
     (dict(batch=2, seqlen=8192, nheads=128, ngroups=8, chunk_size=256), dict(dx_heads=16), True),
-    (dict(batch=2, seqlen=8192, nheads=48, headdim=128, chunk_size=256), dict(dx_heads=8), True),
-    (dict(batch=2, seqlen=8192, nheads=32, dstate=256, chunk_size=256), dict(dx_heads=8), False),
+    (dict(batch=2, seqlen=8192, nheads=48, headdim=128, chunk_size=256),
+     dict(dx_heads=8, dx_block_p=32), True),
     (dict(batch=2, seqlen=8192, nheads=32, dstate=256, chunk_size=256),
-     dict(dx_heads=8, dx_block_n=128, dx_occupancy=2), True),
+     dict(dx_heads=8, dx_warps=4), False),
+    (dict(batch=2, seqlen=8192, nheads=32, dstate=256, chunk_size=256),
+     dict(dx_heads=8, dx_block_n=128, dx_occupancy=2, dx_warps=4), True),
 ], ids=["seed-8", "2.7b-16", "7b-16", "p128-8", "n256-8", "n256-8-n128-occ2"])
 @pytest.mark.parametrize("options", [("D_head", "dfinal"), ("D_chan", "seq_idx", "init")],
                          ids=["D", "Dp-seq-init"])
 def test_dx_heads_compiles(problem, over, spill_free, options):
     """dx_heads: bwd_chunk_dx_group compiles for sm_90 in place of bwd_chunk_dx (no z), without
-    spills at headdim 64 and 128 with dstate 128, and at dstate 256 in 128-wide dstate tiles
-    under occupancy 2 (whole-N tiles there spill 448 bytes per thread)."""
+    spills at headdim 64 and 128 with dstate 128 (32-channel programs at headdim 128: 64
+    spill 336-392 bytes per thread), and at dstate 256 in 128-wide dstate tiles under
+    occupancy 2 and 4 warps (whole-N tiles there spill 448 bytes per thread; 8 warps, the
+    per-head kernel's rule there, 424-464)."""
     calls = plans.backward_problem_plan(options=options, overrides=over, **problem)
     names = [variants.kernel_name(c) for c in calls]
     assert "bwd_chunk_dx_group" in names and "bwd_chunk_dx" not in names
