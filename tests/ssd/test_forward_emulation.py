@@ -272,6 +272,29 @@ def test_computed_chunk_shorter_than_the_callers():
         assert err <= 1.5e-4 * ref.abs().max().item(), f"{name}: error {err:.3e}"
 
 
+def test_varlen_states_at_the_computed_chunk():
+    """varlen states of a chunk-256 call computed at chunk 128: read from the 128-token chunk
+    states (four packed sequences, one of a single token, one ending inside a chunk)."""
+    args, kw, _, _ = make_problem(OPTIONS["D_head"], b=1, l=300, Q=256)
+    lens = torch.tensor([100, 1, 150, 49])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
+    kw["seq_idx"] = torch.repeat_interleave(torch.arange(4, dtype=torch.int32), lens)[None]
+    kw["initial_states"] = torch.randn(1, 4, 20, 7, dtype=F64)
+    cfg = small_forward_config(128, 7, scan_block_q=32)
+    x, dt, A, B, C = (args[k] for k in ("x", "dt", "A", "B", "C"))
+    calls, out, final, (dt_buf, cum_buf, states), (xk, Bk, init) = forward.forward_launches(
+        x, dt, A, B, C, 256, config=cfg, need_states=True, **kw)
+    for t in (out, final, dt_buf, cum_buf, states):
+        t.fill_(float("nan"))
+    calls[0].args[8].fill_(-(2**30))
+    emulate_launch(calls)
+    got = forward.varlen_states(xk, Bk, dt_buf, cum_buf, states, init, cu)
+    _, _, ref = ssd_recurrence(**args, **kw, cu_seqlens=cu)
+    assert got.shape == ref.shape == (4, 4, 20, 7)
+    err = (got - ref).abs().max().item()
+    assert err <= 1.5e-4 * ref.abs().max().item(), f"varlen error {err:.3e}"
+
+
 @pytest.mark.parametrize("dtype, headdim, dstate, computed", [
     (torch.bfloat16, 64, 128, 128), (torch.float16, 32, 64, 128),
     (torch.float32, 64, 128, 256), (torch.bfloat16, 128, 128, 256),

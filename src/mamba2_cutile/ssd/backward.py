@@ -231,7 +231,8 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         bstate_occupancy=0 if wide else 4,
         dx_block_q=min(chunk_size, 64),
         # headdim 128: the whole-state dx program over 64 channels (C B^T formed half as
-        # often): 1.135 -> 1.000 ms at B=2 T=8K H=48 P=128 chunk 256 (H200, 2026-12-05,
+        # often): 1.135 -> 1.000 ms at B=2 T=8K H=48 P=128 chunk 256 (H200, 2026-12-05, timed
+        # while GPU tests shared the GPU, not yet alone; gradients equal;
         # benchmarks/results/2026-12-05-h200-backward-sweep-dstate256-headdim128.jsonl)
         dx_block_p=64 if pp == 128 and not wide else min(pp, 32),
         dx_occupancy=0 if wide else 2,
@@ -262,7 +263,7 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # lowp).
         lowp=1,
         # dstate 256 in 16 bits: 8 warps (0.962 -> 0.901 ms at B=2 T=8K H=32 N=256 chunk 256,
-        # H200, the same file)
+        # H200, the same run)
         dx_warps=8 if np_ >= 256 and dtype != torch.float32 else 4,
         bc_load_latency=4,
         bstate_load_latency=8,

@@ -459,10 +459,16 @@ def ssd_forward_cuda(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     launch_calls(calls, x.device)
     varlen = None
     if cu_seqlens is not None:
-        # at the chunk length the states were computed with (ForwardConfig.chunk_size)
-        varlen = varlen_states_from_chunks(x, B, dt_buf, cum_buf, states, init, cu_seqlens,
-                                           cum_buf.shape[2] // states.shape[2]).to(state_dtype)
+        varlen = varlen_states(x, B, dt_buf, cum_buf, states, init, cu_seqlens).to(state_dtype)
     return out, final, varlen
+
+
+def varlen_states(x, B, dt_buf, cum_buf, states, init, cu_seqlens):
+    """The state after each of `cu_seqlens`' sequences (float32), from the buffers of
+    `forward_launches` after its launches ran, at the chunk length they were computed with
+    (`ForwardConfig.chunk_size`, which may differ from the caller's)."""
+    return varlen_states_from_chunks(x, B, dt_buf, cum_buf, states, init, cu_seqlens,
+                                     cum_buf.shape[2] // states.shape[2])
 
 
 def forward_launches(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
