@@ -3,14 +3,17 @@
 A config is a frozen dataclass of ints (`ssd.forward.ForwardConfig`, `ssd.backward.BackwardConfig`,
 `decode.plan.DecodeConfig`) that validates itself in `__post_init__`: a bad value raises
 `ValueError` naming the field, whichever source it came from. Fields listed in the class's
-`FIXED` are set by the problem (chunk size, padded dstate) and no override may change them.
+`FIXED` are set by the problem (the padded dstate) and no override may change them.
 
 Where a launch's config comes from, lowest precedence first (this is the one place that says
 so; the dispatchers follow it):
 
 1. the dispatcher's rule, from the shape alone (`forward_shape_config`, `backward_config`,
    `decode_config`; no search, no synchronization). The backward's rule computes a chunk-256
-   call at chunk 128 (`BackwardConfig.chunk_size`: any chunk length is exact);
+   call at chunk 128 (`BackwardConfig.chunk_size`: any chunk length is exact), and so does
+   the forward's for long sequences at headdim <= 64 and dstate <= 128 in 16 bits
+   (`ForwardConfig.chunk_size`, `ssd.forward.uses_group_scan`); an override of `chunk_size`
+   picks the chunk a call is computed with (the tuning table never does);
 2. forward only: the tuning table's overrides for the shape's bucket on this GPU (the user
    cache written by `mamba2-cutile tune`, then the table shipped with the package;
    `MAMBA2_CUTILE_TUNING=0` skips both); then, with seq_idx, chunk_scan's query block is cut

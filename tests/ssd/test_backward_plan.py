@@ -237,3 +237,25 @@ def test_da_mode3_buffers(b, l, h, g, p, n):
     dcb, dx = calls[names.index("bwd_chunk_dcb_fn")], calls[names.index("bwd_chunk_dx_fn")]
     assert dcb.args[-1] is True and dcb.args[9].shape == bufs.da_part.shape
     assert dx.args[-2] == Q // 32
+
+
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+def test_recompute_at_the_backwards_chunk(chunk):
+    """The recompute launches run at the backward's chunk (BackwardConfig.chunk_size, e.g.
+    MAMBA2_CUTILE_BWD_CONFIG=chunk_size=256), not at the chunk the forward's rule would
+    compute a call of that length with (128 for a long bf16 chunk-256 call): its buffers are
+    sized at the backward's chunk."""
+    from support.variants import kernel_arg
+    b, l, h, g, p, n = 2, 8192, 80, 1, 64, 128
+    cfg = replace(backward.backward_config(b, h, g, p, n, 256, torch.bfloat16, seqlen=l),
+                  chunk_size=chunk, dx_block_q=min(64, chunk), bc_block_q=min(32, chunk))
+    e = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
+    x, dt, B = e(b, l, h, p), e(b, l, h, dt=torch.float32), e(b, l, g, n)
+    assert backward.recompute_config(cfg, x, B).chunk_size == chunk
+    calls = []
+    backward.run_backward(x, dt, e(h, dt=torch.float32), B, B, 256, x, launch_fn=calls.extend,
+                          config=cfg)
+    state = next(c for c in calls if _name(c) == "chunk_state_pass_fn")
+    assert kernel_arg(state, "Q") == chunk
+    assert kernel_arg(state, "cum").shape[2] == -(-l // chunk) * chunk
+    assert kernel_arg(state, "states").shape[2] == -(-l // chunk)

@@ -127,7 +127,10 @@ def test_plans_have_their_launches():
 def test_causal_scan_compiles(chunk_size, causal):
     """scan_causal's two chunk_scan launches (the flagging one and the flagged-tile pass),
     all options, for sm_90; with 4 the flagging state pass too."""
-    calls = plans.forward_problem_plan(chunk_size=chunk_size, overrides={"scan_causal": causal})
+    # 1000 tokens: chunk_scan at the chunk asked (too few group programs for the SMs)
+    calls = plans.forward_problem_plan(chunk_size=chunk_size, seqlen=1000,
+                                       overrides={"scan_causal": causal})
+    assert variants.kernel_arg(calls[2], "Q") == chunk_size
     for call in calls[1 if causal in (4, 5) else 2:]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
 

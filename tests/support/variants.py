@@ -22,6 +22,11 @@ def forward_variants():
         for Q in SUPPORTED_CHUNK_SIZES:
             items.append((f"{str(dtype)[6:]}-Q{Q}-all", dict(dtype=dtype, chunk_size=Q)))
     bf = torch.bfloat16
+    # 16 bits at chunk 256: long sequences are computed at chunk 128 (chunk_scan_group), short
+    # ones keep chunk_scan at 256 (too few group programs for the SMs)
+    for dtype in (torch.bfloat16, torch.float16):
+        items.append((f"{str(dtype)[6:]}-Q256-short", dict(dtype=dtype, chunk_size=256,
+                                                           seqlen=1000)))
     for (h, p, n) in ((8, 16, 16), (8, 32, 32), (64, 80, 64), (2, 256, 256), (128, 64, 96)):
         items.append((f"bf16-h{h}-p{p}-n{n}", dict(dtype=bf, nheads=h, headdim=p, dstate=n)))
     items.append(("bf16-no-options", dict(dtype=bf, options=())))
@@ -36,7 +41,7 @@ def forward_variants():
     items.append(("bf16-lowp-head-major", dict(dtype=bf, overrides=dict(scan_lowp=1,
                                                                        scan_head_major=1))))
     items.append(("fp16-lowp-Q256", dict(dtype=torch.float16, chunk_size=256,
-                                         overrides=dict(scan_lowp=1))))
+                                         seqlen=1000, overrides=dict(scan_lowp=1))))
     items.append(("bf16-8-warps-occupancy-2", dict(dtype=bf, overrides=dict(
         scan_warps=8, scan_occupancy=2, state_occupancy=2))))
     items.append(("fp32-scale-x-Q256", dict(dtype=torch.float32, chunk_size=256,
@@ -45,12 +50,13 @@ def forward_variants():
         state_fresh_acc=1, state_block_p=32))))
     items.append(("bf16-scan-occupancy-2-p32", dict(dtype=bf, overrides=dict(
         scan_occupancy=2, scan_block_p=32))))
-    items.append(("bf16-Q256-scan-occupancy-2", dict(dtype=bf, chunk_size=256, overrides=dict(
-        scan_occupancy=2))))
+    items.append(("bf16-Q256-scan-occupancy-2", dict(dtype=bf, chunk_size=256, seqlen=1000,
+                                                     overrides=dict(scan_occupancy=2))))
     for bn in (32, 64):
         items.append((f"bf16-scan-block-n{bn}", dict(dtype=bf, overrides=dict(scan_block_n=bn))))
     items.append(("fp16-Q256-scan-block-n32-n96", dict(dtype=torch.float16, chunk_size=256,
                                                        dstate=96,
+                                                       seqlen=1000,
                                                        overrides=dict(scan_block_n=32))))
     return items
 
@@ -64,6 +70,11 @@ def backward_variants():
         for Q in SUPPORTED_CHUNK_SIZES:
             items.append((f"{str(dtype)[6:]}-Q{Q}-all", dict(dtype=dtype, chunk_size=Q)))
     bf = torch.bfloat16
+    # 16 bits at chunk 256: long sequences are computed at chunk 128 (chunk_scan_group), short
+    # ones keep chunk_scan at 256 (too few group programs for the SMs)
+    for dtype in (torch.bfloat16, torch.float16):
+        items.append((f"{str(dtype)[6:]}-Q256-short", dict(dtype=dtype, chunk_size=256,
+                                                           seqlen=1000)))
     items.append(("bf16-h8-g2-p80-n96", dict(dtype=bf, nheads=8, ngroups=2, headdim=80,
                                              dstate=96)))
     items.append(("bf16-h2-p256-n256", dict(dtype=bf, nheads=2, headdim=256, dstate=256)))

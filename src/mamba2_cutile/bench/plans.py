@@ -27,8 +27,8 @@ def forward_problem_plan(dtype=torch.bfloat16, chunk_size=128, batch=4, seqlen=1
     x = e(b, l, h, p)
     f32 = torch.float32
     D = e(h, p, dt=f32) if "D_chan" in options else e(h, dt=f32) if "D_head" in options else None
-    cfg = replace(forward_config(b, h, p, n, Q, dtype, has_seq="seq_idx" in options),
-                  **(overrides or {}))
+    cfg = replace(forward_config(b, h, p, n, Q, dtype, seqlen=l, has_seq="seq_idx" in options,
+                                 ngroups=g), **(overrides or {}))
     Q = cfg.chunk_size          # the chunk the forward computes with
     nc = -(-l // Q)
     return forward_plan(

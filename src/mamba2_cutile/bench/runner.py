@@ -263,7 +263,7 @@ def breakdown(shape, reps=30):
     b, l, h, g, p, n = shape.dims()
     cfg = forward_config(b, h, p, n, shape.chunk, shape.dtype, num_sms(0),
                          seqlen=l, device_index=0,       # what a call would run
-                         has_seq="seq_idx" in shape.options)
+                         has_seq="seq_idx" in shape.options, ngroups=g)
     calls = forward_launches(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], shape.chunk,
                              D=inp["D"], z=inp.get("z"), dt_bias=inp.get("dt_bias"),
                              initial_states=inp["initial_states"], seq_idx=inp.get("seq_idx"),

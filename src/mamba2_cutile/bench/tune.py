@@ -130,7 +130,7 @@ def tune(shapes, space=None, reps=30, min_gain=0.01, store_results=True, progres
     for shape in shapes:
         b, l, h, g, p, n = shape.dims()
         inp = problems.make_inputs(shape)
-        base = forward_shape_config(b, h, p, n, shape.chunk, shape.dtype, num_sms(dev))
+        base = forward_shape_config(b, h, p, n, shape.chunk, shape.dtype, num_sms(dev), l, g)
         Q = base.chunk_size         # the chunk the forward computes with (the tuning key's)
         nc = -(-l // Q)
         f32 = torch.float32

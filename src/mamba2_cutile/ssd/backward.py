@@ -388,7 +388,11 @@ def recompute_config(cfg: BackwardConfig, x, B) -> ForwardConfig:
 @functools.lru_cache(maxsize=1024)
 def _recompute_config(cfg: BackwardConfig, b, h, p, n, dtype) -> ForwardConfig:
     fwd = forward_shape_config(b, h, p, n, cfg.chunk_size, dtype)
-    return replace(fwd, cumsum_block_h=cfg.cumsum_block_h, state_block_p=cfg.state_block_p,
+    # at the backward's chunk, whatever chunk the forward's rule would compute a call of that
+    # length with (the buffers are the backward's)
+    return replace(fwd, chunk_size=cfg.chunk_size,
+                   scan_block_q=min(fwd.scan_block_q, cfg.chunk_size),
+                   cumsum_block_h=cfg.cumsum_block_h, state_block_p=cfg.state_block_p,
                    state_block_n=cfg.state_block_n, state_segments=cfg.state_segments,
                    state_occupancy=cfg.state_occupancy,
                    # the backward's kernels read the entry states (never left local) and

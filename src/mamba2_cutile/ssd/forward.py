@@ -119,9 +119,9 @@ class ForwardConfig:
 
     def __post_init__(self):
         c = _config
-        c.check_pow2(self, "chunk_size")      # the API takes SUPPORTED_CHUNK_SIZES
-        if self.chunk_size > max(SUPPORTED_CHUNK_SIZES):
-            raise ValueError(f"ForwardConfig: chunk_size={self.chunk_size} is larger than "
+        c.check_pow2(self, "chunk_size")      # the API takes SUPPORTED_CHUNK_SIZES; smaller
+        if not 16 <= self.chunk_size <= max(SUPPORTED_CHUNK_SIZES):   # ones run emulated
+            raise ValueError(f"ForwardConfig: chunk_size={self.chunk_size} must be 16 to "
                              f"{max(SUPPORTED_CHUNK_SIZES)}")
         c.check_pow2(self, "cumsum_block_h", "state_block_p", "state_block_n", "scan_block_q",
                      "scan_block_p", "dstate_pad")
