@@ -42,9 +42,11 @@ def _rule_heads(problem):
     kw = {k: v.default for k, v in inspect.signature(plans.forward_problem_plan).parameters.items()
           if v.default is not inspect.Parameter.empty}
     kw.update(problem)
-    cfg = replace(forward_config(kw["batch"], kw["nheads"], kw["headdim"],
-                                 kw["dstate"], kw["chunk_size"], kw["dtype"],
-                                 has_seq="seq_idx" in kw["options"]), **(kw["overrides"] or {}))
+    b, h, p = kw["batch"], kw["nheads"], kw["headdim"]
+    seqlen = max(kw["seqlen"], -(-(2**31) // (b * h * p)) + 1) if kw["int64"] else kw["seqlen"]
+    cfg = replace(forward_config(b, h, p, kw["dstate"], kw["chunk_size"], kw["dtype"],
+                                 seqlen=seqlen, has_seq="seq_idx" in kw["options"],
+                                 ngroups=kw["ngroups"]), **(kw["overrides"] or {}))
     return group_scan_heads(cfg, kw["nheads"] // kw["ngroups"], False)
 
 

@@ -70,11 +70,6 @@ def backward_variants():
         for Q in SUPPORTED_CHUNK_SIZES:
             items.append((f"{str(dtype)[6:]}-Q{Q}-all", dict(dtype=dtype, chunk_size=Q)))
     bf = torch.bfloat16
-    # 16 bits at chunk 256: long sequences are computed at chunk 128 (chunk_scan_group), short
-    # ones keep chunk_scan at 256 (too few group programs for the SMs)
-    for dtype in (torch.bfloat16, torch.float16):
-        items.append((f"{str(dtype)[6:]}-Q256-short", dict(dtype=dtype, chunk_size=256,
-                                                           seqlen=1000)))
     items.append(("bf16-h8-g2-p80-n96", dict(dtype=bf, nheads=8, ngroups=2, headdim=80,
                                              dstate=96)))
     items.append(("bf16-h2-p256-n256", dict(dtype=bf, nheads=2, headdim=256, dstate=256)))
