@@ -292,7 +292,7 @@ def test_varlen_states_at_the_computed_chunk():
     _, _, ref = ssd_recurrence(**args, **kw, cu_seqlens=cu)
     assert got.shape == ref.shape == (4, 4, 20, 7)
     err = (got - ref).abs().max().item()
-    assert err <= 1.5e-4 * ref.abs().max().item(), f"varlen error {err:.3e}"
+    assert err <= 5e-6 * ref.abs().max().item(), f"varlen error {err:.3e}"   # 1.4e-6 measured
 
 
 @pytest.mark.parametrize("dtype, headdim, dstate, computed", [

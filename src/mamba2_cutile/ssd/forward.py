@@ -196,14 +196,21 @@ def uses_group_scan(batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size,
     return programs >= sms
 
 
-@functools.lru_cache(maxsize=1024)
 def forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype,
                          sms=DEFAULT_SMS, seqlen=None, ngroups=1) -> ForwardConfig:
     """The dispatcher's rule: a good config from the shape alone (no search, no sync).
-    `seqlen` None: a long sequence. Memoized: a pure function of its arguments, on every
-    call's hot path (the configs are frozen)."""
-    group = uses_group_scan(batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size, dtype,
-                            sms)
+    `seqlen` None: a long sequence."""
+    return _shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms,
+                         uses_group_scan(batch, seqlen, nheads, ngroups, headdim, dstate,
+                                         chunk_size, dtype, sms))
+
+
+@functools.lru_cache(maxsize=1024)
+def _shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms,
+                  group) -> ForwardConfig:
+    """`forward_shape_config` after the choice of the output launch. Memoized: a pure function
+    of its arguments (no sequence length among them), on every call's hot path (the configs
+    are frozen)."""
     if group:
         # a chunk-256 call computed at chunk 128 (`ForwardConfig.chunk_size`: the chunked
         # algorithm is exact for any chunk, outputs differ in rounding only), where
