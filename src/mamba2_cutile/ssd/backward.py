@@ -218,6 +218,7 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         cumsum_block_h=fwd.cumsum_block_h,
         state_block_p=fwd.state_block_p,
         state_block_n=fwd.state_block_n,
+        state_occupancy=fwd.state_occupancy,
         # narrow state-pass tiles at four programs per SM, and 32-channel dx programs at two
         # per SM (H200, bf16, B=2 T=4096 H=80 G=1 and B=8 T=2048 H=128 G=8, chunk 256:
         # bwd_state_pass 0.241 -> 0.123 and 0.480 -> 0.386 ms, bwd_chunk_dx 0.832 -> 0.669 and
