@@ -126,22 +126,27 @@ def test_emulated_scan_cb(opt, Q, block_q):
     check(args, kw, Q, cfg)
 
 
+@pytest.mark.parametrize("heads", [1, 2], ids=["chunk_scan", "group"])
 @pytest.mark.parametrize("segments", [2, 3, 5])
 @pytest.mark.parametrize("opt, block_q", [("none", 64), ("seq_idx", 32), ("all", 16)])
-def test_emulated_segment_fold(opt, block_q, segments):
+def test_emulated_segment_fold(opt, block_q, segments, heads):
     """segment_fold: chunk_state_carry writes only the states entering the segments (zeros for
-    the first) and chunk_scan adds f_c H_s to the local state it loads. 5 chunks in 2, 3 or 5
-    runs; seq_idx resets inside runs and on their boundaries; initial_states with "all"; one
-    and several query blocks per chunk. The chunk states stay local (not the entry states)."""
+    the first) and the output launch (chunk_scan, or chunk_scan_group over both heads of a
+    group) adds f_c H_s to the local state it loads. 5 chunks in 2, 3 or 5 runs; seq_idx
+    resets inside runs and on their boundaries; initial_states with "all"; one and several
+    query blocks per chunk. The chunk states stay local (not the entry states)."""
     Q = 64
     args, kw, _, _ = make_problem(OPTIONS[opt], l=300, Q=Q)
     cfg = small_forward_config(Q, 7, scan_block_q=block_q, state_segments=segments,
-                               segment_fold=1)
+                               segment_fold=1, scan_heads=heads)
     plan_args = _plan_args(args, kw, Q)
     calls = forward.forward_plan(*plan_args, cfg)
     names = [c.kernel._annotated_function.pyfunc.__name__ for c in calls]
+    out = "chunk_scan_group_fn" if heads > 1 else "chunk_scan_fn"
     assert names == ["decay_cumsum_fn", "chunk_state_pass_fn", "chunk_state_carry_fn",
-                     "chunk_scan_fn", "chunk_scan_fn"]
+                     out, "chunk_scan_fn"]
+    assert variants.kernel_arg(calls[4], "seg_entry") is calls[2].args[5]
+    assert variants.kernel_arg(calls[4], "SEGS") == segments
     entry = calls[2].args[5]
     assert entry.shape == (2, 4, segments, 20, 7)
     assert variants.kernel_arg(calls[3], "seg_entry") is entry
@@ -326,3 +331,24 @@ def test_group_scan_needs_a_full_grid(batch, seqlen, nheads, ngroups, chunk, gro
     assert cfg.chunk_size == (128 if group else chunk)
     if not group:
         assert cfg.scan_block_q == 128
+
+
+@pytest.mark.parametrize("batch, nheads, headdim, dstate, dtype, tiles", [
+    (4, 8, 64, 128, torch.bfloat16, (32, 0)),     # seed: 128 programs of 64 x 32
+    (2, 24, 64, 128, torch.bfloat16, (64, 0)),    # 96 programs; 32-wide would be 192
+    (2, 48, 64, 128, torch.bfloat16, (128, 0)),   # 96 programs of the whole state
+    (2, 64, 64, 128, torch.bfloat16, (128, 0)),   # 128
+    (2, 80, 64, 128, torch.bfloat16, (128, 2)),   # 160 > 132: two per SM
+    (2, 48, 128, 128, torch.bfloat16, (128, 2)),  # two p-tiles: 192
+    (2, 80, 64, 128, torch.float32, (128, 0)),    # no hint for fp32
+    (1, 1, 20, 7, torch.float64, (16, 0))])       # the smallest tile
+def test_state_pass_tiles_by_waves(batch, nheads, headdim, dstate, dtype, tiles):
+    """The state pass's n-tile and occupancy (`forward.state_tiles`): the narrowest tile whose
+    grid is one wave at a program per SM, two per SM where the whole state is more."""
+    cfg = forward.forward_shape_config(batch, nheads, headdim, dstate, 128, dtype, 132)
+    assert (cfg.state_block_n, cfg.state_occupancy) == tiles
+    slices = batch * nheads * -(-headdim // cfg.state_block_p)
+    programs = slices * -(-dstate // cfg.state_block_n)
+    assert programs <= 132 or cfg.state_block_n == cfg.dstate_pad
+    if cfg.state_block_n > 16:
+        assert slices * -(-dstate // (cfg.state_block_n // 2)) > 132

@@ -26,6 +26,10 @@ for the X MMA): in the float64 emulation the outputs equal chunk_scan's exactly.
 also gives the compiler a stream of loads (x, the entry state, the decay row) to overlap with
 the MMAs of the head before.
 
+With SEGS > 1 (`ForwardConfig.segment_fold`) the entry state of chunk c in segment s is
+formed where it is loaded, l_c + f_c H_s, as chunk_scan forms it (`chunk_scan._entry_state`),
+so a segmented state pass needs no launch rewriting every chunk state.
+
 The plain tile only: scan_causal 0, 4 and 5 (4 and 5 run chunk_scan's fix-up launch after it,
 over the chunks holding a non-finite input, whose masked keys this tile multiplies in).
 
@@ -54,7 +58,9 @@ def chunk_scan_group_fn(
     dt,          # (B, H, Lp) float32
     cum,         # (B, H, Lp) float32
     seq_start,   # (B, Lp) int32 (decay_cumsum; ignored unless HAS_SEQ)
-    states,      # (B, H, C, P, N) entry state of each chunk
+    states,      # (B, H, C, P, N) entry state of each chunk (SEGS > 1: the segment's local one)
+    seg_entry,   # (B, H, SEGS, P, N) float32: the state entering each segment (read if SEGS > 1)
+    chunk_factor,  # (B, H, C) float32: f_c of the segmented state pass (read if SEGS > 1)
     out,         # (B, L, H, P)
     Q: ct.Constant[int],
     BLOCK_Q: ct.Constant[int],    # query rows a program owns (divides Q)
@@ -68,6 +74,8 @@ def chunk_scan_group_fn(
     LOAD_LATENCY: ct.Constant[int],
     LOWP: ct.Constant[bool],      # the (C B^T) X MMA in the input dtype instead of tf32
     BLOCK_N: ct.Constant[int],    # dstate tile (divides NP)
+    SEGS: ct.Constant[int],       # > 1: segments of the state pass whose entering states are
+                                  # added here, l_c + f_c H_s (ForwardConfig.segment_fold)
 ):
     ZERO = ct.PaddingMode.ZERO
     LAT = None if LOAD_LATENCY == 0 else LOAD_LATENCY
@@ -127,15 +135,15 @@ def chunk_scan_group_fn(
                       latency=LAT).reshape((BLOCK_Q,))
         acc = ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32)
         if ONE_TILE:
-            h = _entry_state(states, states, dt, batch, head, chunk, p_tile, 0, BLOCK_P,
-                             BLOCK_N, 1, LAT)
+            h = _entry_state(states, seg_entry, chunk_factor, batch, head, chunk, p_tile, 0,
+                             BLOCK_P, BLOCK_N, SEGS, LAT)
             acc = ct.mma(c_op, mma_operand(h.transpose(), x.dtype), acc)
         else:
             for nt in range(n_tiles):
                 c_t = ct.load(c, index=(batch, qblk, group, nt), shape=(1, BLOCK_Q, 1, BLOCK_N),
                               padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_N))
-                h = _entry_state(states, states, dt, batch, head, chunk, p_tile, nt, BLOCK_P,
-                                 BLOCK_N, 1, LAT)
+                h = _entry_state(states, seg_entry, chunk_factor, batch, head, chunk, p_tile, nt,
+                                 BLOCK_P, BLOCK_N, SEGS, LAT)
                 acc = ct.mma(mma_operand(c_t, x.dtype), mma_operand(h.transpose(), x.dtype),
                              acc)
         acc = _carried(acc, ct.exp2(g_q), start_q, HAS_SEQ)
@@ -178,4 +186,5 @@ def chunk_scan_group_fn(
 
 chunk_scan_group = ct.kernel(chunk_scan_group_fn)
 chunk_scan_group_i64 = ct.kernel(int64_variant(
-    chunk_scan_group_fn, ["x", "b", "c", "z", "D", "dt", "cum", "seq_start", "states", "out"]))
+    chunk_scan_group_fn, ["x", "b", "c", "z", "D", "dt", "cum", "seq_start", "states",
+                          "seg_entry", "chunk_factor", "out"]))

@@ -322,11 +322,11 @@ def segment_buffers(segments, nchunks, state, vector):
     return segs, (new(b, h, segs, p, n), new(b, h, segs), new(b, h, nchunks))
 
 
-def group_scan_heads(cfg: ForwardConfig, heads_per_group: int, fold: bool) -> int:
+def group_scan_heads(cfg: ForwardConfig, heads_per_group: int) -> int:
     """The heads one output program walks (`ForwardConfig.scan_heads`), or 1 where
     chunk_scan_group does not apply: the flagging forms (scan_causal 1 to 3), C B^T from
-    chunk_cb, the segments folded in, or a persistent grid."""
-    if (cfg.scan_heads <= 1 or cfg.scan_cb or fold or cfg.scan_causal in (1, 2, 3)
+    chunk_cb, or a persistent grid."""
+    if (cfg.scan_heads <= 1 or cfg.scan_cb or cfg.scan_causal in (1, 2, 3)
             or cfg.scan_persistent):
         return 1
     return pow2_divisor(heads_per_group, cfg.scan_heads)
@@ -427,20 +427,20 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
             (seg_final, seg_factor, chunk_factor, states, final, seg_entry, cfg.state_block_p,
              cfg.state_block_n, segs, cfg.state_load_latency, False, True, fold)))
     scan = calls[-1]
-    heads = group_scan_heads(cfg, nheads // ngroups, fold)
+    heads = group_scan_heads(cfg, nheads // ngroups)
     if heads > 1:
         # the plain tile for `heads` heads of a group per program (kernels/chunk_scan_group.py);
         # a fix-up launch below still takes chunk_scan's arguments from `scan`
         calls[-1] = KernelCall(
-            with_hints(chunk_scan_group_i64 if int64 else chunk_scan_group, cfg.scan_occupancy,
+            with_hints(chunk_scan_group_i64 if wide else chunk_scan_group, cfg.scan_occupancy,
                        cfg.scan_warps),
             (n_q * batch * ngroups * (nheads // ngroups // heads), p_tiles, 1),
             (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
-             seq_start, states, out, Q, cfg.scan_block_q, cfg.scan_block_p, cfg.dstate_pad,
-             nheads // ngroups,
+             seq_start, states, seg_entry, chunk_factor, out, Q, cfg.scan_block_q,
+             cfg.scan_block_p, cfg.dstate_pad, nheads // ngroups,
              heads, 0 if D is None else D.dim(), z is not None, seq_idx is not None,
              cfg.scan_load_latency, bool(cfg.scan_lowp) and x.dtype != torch.float32,
-             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad)))
+             min(cfg.scan_block_n or cfg.dstate_pad, cfg.dstate_pad), segs if fold else 1))
     if cfg.scan_causal == 1:
         # the same grid again: tiles with non-finite outputs are recomputed causally
         calls.append(KernelCall(scan.kernel, scan.grid, scan.args[:-1] + (2,)))
