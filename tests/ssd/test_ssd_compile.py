@@ -186,13 +186,12 @@ def test_segmented_state_pass_compiles(over, options):
     segs = over["state_segments"]
     # the flagged-tile pass of scan_causal 4 (the default) last
     fold = over.get("segment_fold", 0)
-    # the output launch at chunk 128: chunk_scan_group, but chunk_scan with the segments folded
-    out = "chunk_scan" if fold and segs > 1 else "chunk_scan_group"
+    # the output launch at chunk 128: chunk_scan_group, which adds the segments' entering
+    # states where they are folded
     assert names == ["decay_cumsum", "chunk_state_pass"] + (
-        ["chunk_state_carry"] if segs > 1 else []) + [out, "chunk_scan"]
+        ["chunk_state_carry"] if segs > 1 else []) + ["chunk_scan_group", "chunk_scan"]
     assert calls[1].grid[2] == 4 * segs // (over.get("state_block_n", 32) // 32)
-    if out == "chunk_scan":
-        assert variants.kernel_arg(calls[-2], "SEGS") == segs
+    assert variants.kernel_arg(calls[-2], "SEGS") == (segs if fold else 1)
     for call in calls[1:-1] if fold else calls[1:-2]:
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
 
