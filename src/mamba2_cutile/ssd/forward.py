@@ -5,7 +5,7 @@ kernels; chunk_scan twice with scan_causal 1 to 4), and the launcher.
 | --- | --- | --- |
 | 1 | `decay_cumsum` | dt' = clamp(softplus(dt + bias)) and the per-chunk cumsum of A dt' in log2 space |
 | 2 | `chunk_state_pass` | the chunk entry states, one sequential pass over chunks (`state_segments` S > 1: S parallel passes from zero states) |
-| 2b | `chunk_state_carry` | (S > 1 only) the states entering each segment, added to its states (with `segment_fold`, only written for chunk_scan to add); the final state |
+| 2b | `chunk_state_carry` | (S > 1 only) the states entering each segment, added to its states (with `segment_fold`, only written for the output launch to add); the final state |
 | 2c | `chunk_cb` | (`scan_cb` only) C B^T of every chunk and group, once, for chunk_scan |
 | 3 | `chunk_scan` (`scan_heads` > 1: `chunk_scan_group`) | the output: carried-state term, masked decayed C B^T times X, D x, z gate (with `scan_causal=1`, and per tile the count of non-finite outputs; 2 / 3: the sum / the row sums of the accumulator); `chunk_scan_group`: the plain tile for several heads of a group a program, C B^T formed once |
 | 4 | `chunk_scan` | (`scan_causal` 1 to 4 only) the tiles counted non-zero (1; same grid), summed non-finite (2, 3; a program per `FIX_SPAN` tiles) or of the heads `chunk_state_pass` flagged, their chunks holding a non-finite input (4; a program per head), again in the causal form: a NaN/Inf input never changes an earlier output |
@@ -101,12 +101,13 @@ class ForwardConfig:
                                     # chunk_scan, instead of formed in each of its H / G heads'
                                     # tiles. Not timed yet
     segment_fold: int = 0           # 1 (with state_segments S > 1): chunk_state_carry writes
-                                    # only the S states entering the segments and chunk_scan
-                                    # adds f_c H_s to the local state it loads, instead of a
+                                    # only the S states entering the segments and the output
+                                    # launch (chunk_scan or chunk_scan_group) adds f_c H_s to
+                                    # the local state it loads, instead of a
                                     # launch rewriting every chunk state (2x the state bytes).
                                     # Not timed yet
     scan_heads: int = 1             # > 1 where the plain tile is launched (scan_causal 0, 4,
-                                    # 5; not with scan_cb, segment_fold, scan_persistent): the
+                                    # 5; not with scan_cb or scan_persistent): the
                                     # output launch is kernels/chunk_scan_group.py, a program
                                     # per query block, group and p-tile walking this many of
                                     # the group's heads (clamped to the largest power-of-two
