@@ -215,7 +215,7 @@ def test_scan_heads_falls_back_to_chunk_scan():
         scan = [c for c in calls if "scan" in c.kernel._annotated_function.pyfunc.__name__][0]
         assert scan.kernel._annotated_function.pyfunc.__name__ == kernel
         if heads:
-            assert scan.args[15] == heads
+            assert variants.kernel_arg(scan, "HEADS") == heads
 
 
 @pytest.mark.parametrize("causal", [0, 5])
@@ -244,7 +244,7 @@ def test_emulated_scan_heads_odd_heads_per_group(l):
     args, kw, _, _ = make_problem(OPTIONS["D_head_z_seq"], l=l, Q=Q, h=6, g=1)
     cfg = small_forward_config(Q, 7, scan_block_q=32, scan_heads=8)
     calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
-    assert calls[2].args[15] == 2 and calls[2].grid[0] == -(-l // 32) * 2 * 3
+    assert variants.kernel_arg(calls[2], "HEADS") == 2 and calls[2].grid[0] == -(-l // 32) * 2 * 3
     check(args, kw, Q, cfg)
     out, _ = emulated_forward(args, kw, Q, cfg)
     one, _ = emulated_forward(args, kw, Q, replace(cfg, scan_heads=1))
