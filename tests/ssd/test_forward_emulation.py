@@ -333,22 +333,18 @@ def test_group_scan_needs_a_full_grid(batch, seqlen, nheads, ngroups, chunk, gro
         assert cfg.scan_block_q == 128
 
 
-@pytest.mark.parametrize("batch, nheads, headdim, dstate, dtype, tiles", [
-    (4, 8, 64, 128, torch.bfloat16, (32, 0)),     # seed: 128 programs of 64 x 32
-    (2, 24, 64, 128, torch.bfloat16, (64, 0)),    # 96 programs; 32-wide would be 192
-    (2, 48, 64, 128, torch.bfloat16, (128, 0)),   # 96 programs of the whole state
-    (2, 64, 64, 128, torch.bfloat16, (128, 0)),   # 128
-    (2, 80, 64, 128, torch.bfloat16, (128, 2)),   # 160 > 132: two per SM
-    (2, 48, 128, 128, torch.bfloat16, (128, 2)),  # two p-tiles: 192
-    (2, 80, 64, 128, torch.float32, (128, 0)),    # no hint for fp32
-    (1, 1, 20, 7, torch.float64, (16, 0))])       # the smallest tile
-def test_state_pass_tiles_by_waves(batch, nheads, headdim, dstate, dtype, tiles):
-    """The state pass's n-tile and occupancy (`forward.state_tiles`): the narrowest tile whose
-    grid is one wave at a program per SM, two per SM where the whole state is more."""
-    cfg = forward.forward_shape_config(batch, nheads, headdim, dstate, 128, dtype, 132)
+@pytest.mark.parametrize("batch, nheads, headdim, dstate, chunk, dtype, tiles", [
+    (4, 8, 64, 128, 128, torch.bfloat16, (32, 0)),    # seed: 128 programs of 64 x 32
+    (2, 24, 64, 128, 128, torch.bfloat16, (32, 2)),   # 192 programs of 64 x 32
+    (2, 48, 64, 128, 128, torch.bfloat16, (32, 2)),   # 192 of 64 x 64 -> 384 of 64 x 32
+    (2, 64, 64, 128, 128, torch.bfloat16, (128, 0)),  # 128 of the whole state
+    (2, 80, 64, 128, 128, torch.float16, (128, 2)),   # 160 > 132: two per SM
+    (2, 48, 128, 128, 256, torch.bfloat16, (128, 0)),  # chunk 256: as before
+    (2, 80, 64, 128, 128, torch.float32, (128, 0)),   # no hint for fp32
+    (1, 1, 20, 7, 128, torch.float64, (16, 0))])      # the smallest tile
+def test_state_pass_tiles(batch, nheads, headdim, dstate, chunk, dtype, tiles):
+    """The state pass's n-tile and occupancy (`forward.state_tiles`): the widest tile whose
+    grid gives most SMs a program; past one program per SM, two per SM (16-bit inputs, chunk
+    128 or less) with 64-wide tiles halved."""
+    cfg = forward.forward_shape_config(batch, nheads, headdim, dstate, chunk, dtype, 132)
     assert (cfg.state_block_n, cfg.state_occupancy) == tiles
-    slices = batch * nheads * -(-headdim // cfg.state_block_p)
-    programs = slices * -(-dstate // cfg.state_block_n)
-    assert programs <= 132 or cfg.state_block_n == cfg.dstate_pad
-    if cfg.state_block_n > 16:
-        assert slices * -(-dstate // (cfg.state_block_n // 2)) > 132

@@ -197,26 +197,31 @@ def uses_group_scan(batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size,
     return programs >= sms
 
 
-def state_tiles(slices, dstate, dstate_pad, dtype, sms=DEFAULT_SMS):
+def state_tiles(slices, dstate, dstate_pad, chunk_size, dtype, sms=DEFAULT_SMS):
     """(state_block_n, state_occupancy) of chunk_state_pass for `slices` (batch, head, p-tile)
-    slices of the state. Its chunk loop is sequential, so its time is the number of waves of
-    programs times one program's walk: the narrowest n-tile whose grid is still one wave at a
-    program per SM (more programs than SMs run a second wave of the same length); where even
-    the whole state is more than one wave, two programs per SM (16-bit inputs).
+    slices of the state. Its chunk loop is sequential, so the grid must fill the GPU by
+    splitting the state: the widest n-tile that still gives most SMs a program (on the H200 at
+    the seed problem 128 programs of 64 x 32 beat 256 of 64 x 16 and 64 of 64 x 64). Where
+    that grid is more than one program per SM (a second wave as long as the first), 16-bit
+    inputs at chunk 128 or less take two programs per SM, and a 64-wide tile is halved.
 
-    On the H100 (bf16, B=2 T=8K chunk 256 computed at 128, 2026-12-06): 48 heads at 64-wide
-    tiles ran 192 programs, two waves, in 0.280 ms (0.233 at two per SM, 0.191 at 32-wide
-    tiles two per SM); 80 heads (160 programs of the whole state) 0.198 -> 0.162 ms at two per
-    SM; the seed problem's 128 programs of 64 x 32 0.114 ms, slower at two per SM (0.152) and
-    at 64-wide tiles (64 programs, 0.282) (benchmarks/results/2026-12-06-h100-forward-sweep-
-    state-waves.jsonl). The 1.3B shape's one wave of 128 programs of the whole state took
-    0.094 ms on the H200 against 0.174 for 80 heads' two waves (2026-12-05)."""
+    On the H100 (bf16, B=2 T=8K, chunk 256 computed at 128, 2026-12-06,
+    benchmarks/results/2026-12-06-h100-forward-sweep-state-waves.jsonl): 48 heads, 192
+    programs of 64 x 64, 0.280 ms; two per SM 0.233; 64 x 32 two per SM 0.191 (64 x 16 0.233);
+    80 heads, 160 programs of the whole state, 0.198 -> 0.162 ms at two per SM (64 x 64 two
+    per SM 0.461, 64 x 32 0.315); at the seed problem (128 programs) two per SM was slower,
+    0.114 -> 0.152 ms."""
     def programs(bn):
         return slices * -(-dstate // bn)
     bn = dstate_pad
-    while bn > 16 and programs(bn // 2) <= sms:
+    while bn > 16 and programs(bn) < (3 * sms) // 4:
         bn //= 2
-    occupancy = 2 if programs(bn) > sms and dtype in (torch.bfloat16, torch.float16) else 0
+    occupancy = 0
+    if (programs(bn) > sms and chunk_size <= 128
+            and dtype in (torch.bfloat16, torch.float16)):
+        occupancy = 2
+        if bn == 64:
+            bn = 32
     return bn, occupancy
 
 
@@ -246,7 +251,8 @@ def _shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms,
     np_ = max(16, next_pow2(dstate))
     bp = min(64, max(16, next_pow2(headdim)))
     p_tiles = -(-headdim // bp)
-    bn, state_occ = state_tiles(batch * nheads * p_tiles, dstate, np_, dtype, sms)
+    bn, state_occ = state_tiles(batch * nheads * p_tiles, dstate, np_, chunk_size, dtype,
+                                 sms)
     wide = np_ >= 256 or dtype == torch.float32      # larger tiles per query row
     bq = min(chunk_size, 64 if wide else 128)
     # the output launch as chunk_scan_group, up to 16 of a group's heads a program (the plan
