@@ -47,7 +47,7 @@ def _rule_heads(problem):
     cfg = replace(forward_config(b, h, p, kw["dstate"], kw["chunk_size"], kw["dtype"],
                                  seqlen=seqlen, has_seq="seq_idx" in kw["options"],
                                  ngroups=kw["ngroups"]), **(kw["overrides"] or {}))
-    return group_scan_heads(cfg, kw["nheads"] // kw["ngroups"], False)
+    return group_scan_heads(cfg, kw["nheads"] // kw["ngroups"])
 
 
 def test_plans_have_their_launches():
