@@ -89,3 +89,30 @@ def test_parse_overrides():
         {"state_block_n": 32, "scan_lowp": 1}
     with pytest.raises(ValueError, match="src: scan_lowp='a' is not an integer"):
         config.parse_overrides(ForwardConfig, "scan_lowp=a", "src")
+
+
+@pytest.mark.parametrize("batch, nheads, headdim, dstate, chunk, dtype, tiles", [
+    (4, 8, 64, 128, 128, BF, (32, 0)),          # seed: 128 programs of 64 x 32
+    (2, 24, 64, 128, 128, BF, (32, 2)),         # 192 programs of 64 x 32
+    (2, 48, 64, 128, 128, BF, (32, 2)),         # 192 of 64 x 64 -> 384 of 64 x 32
+    (1, 67, 64, 128, 128, BF, (32, 2)),         # 134 of 64 x 64, just past one per SM
+    (2, 64, 64, 128, 128, BF, (128, 0)),        # 128 of the whole state
+    (2, 80, 64, 128, 128, torch.float16, (128, 2)),  # 160 > 132: two per SM
+    (2, 80, 64, 64, 128, BF, (64, 2)),          # a 64-wide whole state is not halved
+    (2, 48, 64, 128, 64, BF, (64, 0)),          # chunk 64: as before
+    (2, 48, 128, 128, 256, BF, (128, 0)),       # chunk 256: as before
+    (2, 80, 64, 128, 128, torch.float32, (128, 0)),  # no hint for fp32
+    (1, 1, 20, 7, 128, torch.float64, (16, 0))])     # the smallest tile
+def test_state_pass_tiles(batch, nheads, headdim, dstate, chunk, dtype, tiles):
+    """The state pass's n-tile and occupancy (`forward.state_tiles`): the widest tile whose
+    grid gives most SMs a program; past one program per SM, two per SM (16-bit inputs at
+    chunk 128) with a 64-wide tile of a wider state halved. The backward's recompute of the
+    states takes the same."""
+    from mamba2_cutile.ssd.backward import _recompute_config, backward_shape_config
+    cfg = forward_shape_config(batch, nheads, headdim, dstate, chunk, dtype, 132)
+    assert (cfg.state_block_n, cfg.state_occupancy) == tiles
+    if chunk <= 128:
+        bcfg = backward_shape_config(batch, nheads, 1, headdim, dstate, chunk, dtype, 132)
+        rec = _recompute_config(bcfg, batch, nheads, headdim, dstate, dtype)
+        assert (bcfg.state_block_n, bcfg.state_occupancy) == tiles
+        assert (rec.state_block_n, rec.state_occupancy) == tiles

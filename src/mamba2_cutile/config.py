@@ -25,7 +25,8 @@ so; the dispatchers follow it):
 
 Each variable reaches its own family only. The backward recomputes the forward's first two
 kernels (dt' and the chunk states) with the backward config's `cumsum_block_h`,
-`state_block_p` and `state_block_n` on the forward's shape rule: neither `MAMBA2_CUTILE_CONFIG`
+`state_block_p`, `state_block_n`, `state_occupancy` and `state_segments` on the forward's
+shape rule: neither `MAMBA2_CUTILE_CONFIG`
 nor the tuning table changes that recompute.
 """
 

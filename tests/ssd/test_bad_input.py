@@ -300,8 +300,9 @@ EMULATED_CAUSAL = ([pytest.param(*e, c, id=f"{e[0]}={e[1]}-{e[2]}-{'seq' if e[3]
 
 @pytest.mark.parametrize("over", [dict(scan_cb=1), dict(state_segments=3, segment_fold=1),
                                   dict(scan_cb=1, state_segments=2, segment_fold=1),
-                                  dict(scan_heads=2)],
-                         ids=["cb", "fold", "cb-fold", "heads"])
+                                  dict(scan_heads=2),
+                                  dict(state_segments=3, segment_fold=1, scan_heads=2)],
+                         ids=["cb", "fold", "cb-fold", "heads", "heads-fold"])
 @pytest.mark.parametrize("name, value, where, seq, Q, block_q",
                          [e for e in EMULATED if e[4] == 64][:6])
 def test_emulated_kernels_causal_with_scan_cb_and_fold(name, value, where, seq, Q, block_q,

@@ -218,6 +218,8 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         cumsum_block_h=fwd.cumsum_block_h,
         state_block_p=fwd.state_block_p,
         state_block_n=fwd.state_block_n,
+        # the recompute of the states takes the forward rule's tiles and occupancy hint (the
+        # hint is timed in the forward only)
         state_occupancy=fwd.state_occupancy,
         # narrow state-pass tiles at four programs per SM, and 32-channel dx programs at two
         # per SM (H200, bf16, B=2 T=4096 H=80 G=1 and B=8 T=2048 H=128 G=8, chunk 256:

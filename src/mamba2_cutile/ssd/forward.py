@@ -203,24 +203,28 @@ def state_tiles(slices, dstate, dstate_pad, chunk_size, dtype, sms=DEFAULT_SMS):
     splitting the state: the widest n-tile that still gives most SMs a program (on the H200 at
     the seed problem 128 programs of 64 x 32 beat 256 of 64 x 16 and 64 of 64 x 64). Where
     that grid is more than one program per SM (a second wave as long as the first), 16-bit
-    inputs at chunk 128 or less take two programs per SM, and a 64-wide tile is halved.
+    inputs at chunk 128 (a chunk-256 call computed at 128 included) take two programs per SM,
+    and a 64-wide tile of a wider state is halved.
 
     On the H100 (bf16, B=2 T=8K, chunk 256 computed at 128, 2026-12-06,
     benchmarks/results/2026-12-06-h100-forward-sweep-state-waves.jsonl): 48 heads, 192
     programs of 64 x 64, 0.280 ms; two per SM 0.233; 64 x 32 two per SM 0.191 (64 x 16 0.233);
     80 heads, 160 programs of the whole state, 0.198 -> 0.162 ms at two per SM (64 x 64 two
     per SM 0.461, 64 x 32 0.315); at the seed problem (128 programs) two per SM was slower,
-    0.114 -> 0.152 ms."""
+    0.114 -> 0.152 ms. Measured in bf16 at dstate 128 with 160 and 192 programs only: fp16,
+    larger grids and the backward's recompute of the states take it unmeasured. An override
+    of `state_block_n` keeps the rule's occupancy (64 x 64 tiles at two per SM were the
+    slowest form at 80 heads)."""
     def programs(bn):
         return slices * -(-dstate // bn)
     bn = dstate_pad
     while bn > 16 and programs(bn) < (3 * sms) // 4:
         bn //= 2
     occupancy = 0
-    if (programs(bn) > sms and chunk_size <= 128
+    if (programs(bn) > sms and chunk_size == 128
             and dtype in (torch.bfloat16, torch.float16)):
         occupancy = 2
-        if bn == 64:
+        if bn == 64 < dstate_pad:
             bn = 32
     return bn, occupancy
 
@@ -358,15 +362,17 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     segs, (seg_final, seg_factor, chunk_factor) = segment_buffers(
         cfg.state_segments, nchunks, final, cum_buf)
     # scan_causal=4: chunk_state_pass's flags, one per (batch, head) and state program
-    state_tiles = -(-headdim // cfg.state_block_p) * -(-dstate // cfg.state_block_n) * segs
+    state_programs = (-(-headdim // cfg.state_block_p) * -(-dstate // cfg.state_block_n)
+                      * segs)
     head_flags = cfg.scan_causal in (4, 5)
-    chunk_flags = torch.empty((batch * nheads, state_tiles) if head_flags
+    chunk_flags = torch.empty((batch * nheads, state_programs) if head_flags
                               else (1, 1), dtype=torch.float32, device=x.device)
     # scan_cb: C B^T per chunk and group (blocks on or below the diagonal written, read), in
     # final's dtype (float32 on the GPU)
     cbuf = torch.empty((batch, nchunks, ngroups, Q, Q) if cfg.scan_cb else (1, 1, 1, 1, 1),
                        dtype=final.dtype, device=x.device)
-    # segment_fold: the states entering the segments, added by chunk_scan (a stand-in else)
+    # segment_fold: the states entering the segments, added by the output launch (chunk_scan
+    # or chunk_scan_group; a stand-in else)
     fold = segs > 1 and bool(cfg.segment_fold)
     seg_entry = torch.empty(seg_final.shape if fold else (1, 1, 1, 1, 1), dtype=final.dtype,
                             device=x.device)
@@ -460,7 +466,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         calls.append(KernelCall(chunk_scan_i64 if wide else chunk_scan,
                                 (batch * nheads,
                                  (Q // cfg.scan_block_q) * p_tiles if per_tile else 1, 1),
-                                scan.args[:-3] + (next_pow2(state_tiles), chunk_flags,
+                                scan.args[:-3] + (next_pow2(state_programs), chunk_flags,
                                                   9 if per_tile else 8)))
     elif cfg.scan_causal >= 2:
         # a program per FIX_SPAN tiles: those whose sums are not finite, causally. Without the
