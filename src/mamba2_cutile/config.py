@@ -26,8 +26,7 @@ so; the dispatchers follow it):
 Each variable reaches its own family only. The backward recomputes the forward's first two
 kernels (dt' and the chunk states) with the backward config's `cumsum_block_h`,
 `state_block_p`, `state_block_n`, `state_occupancy` and `state_segments` on the forward's
-shape rule: neither `MAMBA2_CUTILE_CONFIG`
-nor the tuning table changes that recompute.
+shape rule: neither `MAMBA2_CUTILE_CONFIG` nor the tuning table changes that recompute.
 """
 
 from __future__ import annotations

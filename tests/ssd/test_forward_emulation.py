@@ -249,7 +249,8 @@ def test_emulated_scan_heads_odd_heads_per_group(l):
     args, kw, _, _ = make_problem(OPTIONS["D_head_z_seq"], l=l, Q=Q, h=6, g=1)
     cfg = small_forward_config(Q, 7, scan_block_q=32, scan_heads=8)
     calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
-    assert variants.kernel_arg(calls[2], "HEADS") == 2 and calls[2].grid[0] == -(-l // 32) * 2 * 3
+    assert variants.kernel_arg(calls[2], "HEADS") == 2
+    assert calls[2].grid[0] == -(-l // 32) * 2 * 3
     check(args, kw, Q, cfg)
     out, _ = emulated_forward(args, kw, Q, cfg)
     one, _ = emulated_forward(args, kw, Q, replace(cfg, scan_heads=1))

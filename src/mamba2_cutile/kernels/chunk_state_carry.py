@@ -17,7 +17,8 @@ chunk of segment s < S-1 gets dS_c = l_c + f_c H_s, and dinitial_states = F_0 H_
 
 ENTRY_ONLY (ForwardConfig.segment_fold): the chunks' states are left local; each program
 writes H_s itself to `entry` (zeros for segment 0), and the output launch (chunk_scan or
-chunk_scan_group) adds f_c H_s to the state it loads (chunk_scan._entry_state), so the states make no second round trip through memory.
+chunk_scan_group) adds f_c H_s to the state it loads (chunk_scan._entry_state), so the states
+make no second round trip through memory.
 
 Every product f H is a select where f = 0 (a seq_idx reset: the state of another sequence,
 which may hold a NaN, is dropped, never multiplied by 0), as in chunk_state_pass.

@@ -103,9 +103,9 @@ class ForwardConfig:
     segment_fold: int = 0           # 1 (with state_segments S > 1): chunk_state_carry writes
                                     # only the S states entering the segments and the output
                                     # launch (chunk_scan or chunk_scan_group) adds f_c H_s to
-                                    # the local state it loads, instead of a
-                                    # launch rewriting every chunk state (2x the state bytes).
-                                    # Not timed yet
+                                    # the local state it loads, instead of a launch rewriting
+                                    # every chunk state (2x the state bytes). Timed with
+                                    # chunk_scan only (docs/measurements.md)
     scan_heads: int = 1             # > 1 where the plain tile is launched (scan_causal 0, 4,
                                     # 5; not with scan_cb or scan_persistent): the
                                     # output launch is kernels/chunk_scan_group.py, a program
