@@ -21,10 +21,13 @@ DEFAULT_SMS = 132
 
 @dataclass
 class KernelCall:
-    """One planned launch: a cuTile kernel, its grid and its argument tuple."""
+    """One planned launch: a cuTile kernel, its grid and its argument tuple; where it may run
+    beside its neighbours, a side stream (see `launch_calls`)."""
     kernel: object
     grid: tuple
     args: tuple
+    stream: int = 0          # 0: the caller's stream; k > 0: side stream k
+    join: bool = False       # wait for every side stream before this launch
 
 
 def narrow_unit_strides(t):
@@ -49,16 +52,48 @@ def narrow_unit_strides(t):
     return t.as_strided(shape, new, t.storage_offset())
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device, k: int):
+    """Side stream `k` of `device`, created once and kept (never on a hot path after that)."""
+    key = (torch.device(device).index or 0, k)
+    s = _SIDE_STREAMS.get(key)
+    if s is None:
+        s = _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return s
+
+
 def launch_calls(calls, device) -> None:
     """Launch `calls` in order on the current stream of `device` (the stream current at call
-    time: a CUDA-graph capture runs on its own stream and sees only launches there)."""
+    time: a CUDA-graph capture runs on its own stream and sees only launches there).
+
+    A call with `stream=k > 0` goes on side stream k after everything launched before it on
+    the current stream and on stream k; later calls on the current stream do not wait for it
+    until one with `join=True`, or the end of the plan: when this returns, the current stream
+    has waited for every side stream (so a caller, and a capture, sees one ordered plan, and
+    the caching allocator may reuse a buffer of the plan once the current stream is done).
+    Side streams let two launches that underfill the GPU share it (a sequential pass beside
+    another launch); a plan marks only launches that touch disjoint outputs."""
     if not calls:
         return
     import cuda.tile as ct
 
-    stream = torch.cuda.current_stream(device)
+    main = torch.cuda.current_stream(device)
+    pending = {}
     for call in calls:
+        stream = main
+        if call.join:
+            for side in pending.values():
+                main.wait_stream(side)
+            pending.clear()
+        if call.stream:
+            stream = _side_stream(device, call.stream)
+            stream.wait_stream(main)
+            pending[call.stream] = stream
         ct.launch(stream, call.grid, call.kernel, call.args)
+    for side in pending.values():
+        main.wait_stream(side)
 
 
 def next_pow2(n: int) -> int:

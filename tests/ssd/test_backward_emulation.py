@@ -215,6 +215,46 @@ def test_emulated_group_dcb(opt, bq, bn, bp, da_mode):
                  reference_grads(args, kw, Q, dout, dfinal))
 
 
+@pytest.mark.parametrize("over", [dict(bc_fused=2, da_mode=3), dict(bc_fused=2, da_mode=1),
+                                  dict(bc_fused=1, da_mode=1),
+                                  dict(bc_fused=2, da_mode=3, bstate_segments=2,
+                                       state_segments=2)],
+                         ids=["dcb-da3", "dcb-da1", "fused", "dcb-segments"])
+@pytest.mark.parametrize("opt", ["all", "init_no_dfinal", "none"])
+def test_emulated_side_streams(opt, over):
+    """side_streams=1: bwd_state_pass (with bstate_segments its carry too) and the dS launch on
+    side streams beside the recompute of the states. The gradients as on one stream, and no
+    two launches that may run at the same time touch a byte one of them writes (the
+    emulation checks every such pair: with initial states the recompute's final state and
+    bwd_state_pass's dh_0 would share hbuf)."""
+    Q = 32
+    args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=84, Q=Q, seed=12, h=6, g=2, p=24,
+                                          n=20)
+    cfg = small_config(Q, 24, 20, bc_block_q=16, side_streams=1, **over)
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+def test_emulated_side_streams_race_is_caught():
+    """The harness's own check: a launch on a side stream and a later one on the caller's
+    stream writing one buffer is refused; the other order (the side launch waits for the
+    caller's stream) and a join between them are not."""
+    from dataclasses import replace as rep
+    from support.emulator import emulate_launch
+    Q = 32
+    args, kw, dout, dfinal = make_problem(OPTIONS["none"], l=40, Q=Q, seed=1, h=2, g=1, p=8,
+                                          n=8)
+    cfg = small_config(Q, 8, 8, side_streams=1)
+    calls = []
+    backward.run_backward(**args, chunk_size=Q, dout=dout, dfinal_states=dfinal, **kw,
+                          config=cfg, launch_fn=calls.extend, buf_dtype=F64)
+    first = calls[0]                    # decay_cumsum: writes dt' and G2
+    with pytest.raises(AssertionError, match="at the same time"):
+        emulate_launch([rep(first, stream=1), rep(first)])
+    emulate_launch([rep(first), rep(first, stream=1)])
+    emulate_launch([rep(first, stream=1), rep(first, join=True)])
+
+
 @pytest.mark.parametrize("split,mode", [(2, 1), (4, 1), (3, 2), (64, 2)])
 @pytest.mark.parametrize("opt", ["D_head_z_seq", "all", "none"])
 def test_emulated_head_split(opt, split, mode):

@@ -332,8 +332,19 @@ def test_deterministic():
             assert torch.equal(a[k], b[k]), f"d{k} differs between two runs"
 
 
-def test_cuda_graph_capture():
+@pytest.mark.parametrize("side", ["", "side_streams=1"], ids=["one-stream", "side-streams"])
+def test_cuda_graph_capture(side, monkeypatch):
+    """A captured backward replays on new inputs as a fresh call computes them; with side
+    streams the capture holds their fork and join (launch_calls joins them to the capture's
+    stream), and the eager call equals the one-stream call bit for bit."""
     inp, kw, dout, dfinal = make_problem(2, 500, 4, 1, 64, 128, torch.bfloat16, OPTS["all"])
+    if side:
+        one = ours(inp, kw, 128, dout, dfinal)
+        monkeypatch.setenv("MAMBA2_CUTILE_BWD_CONFIG", side)
+        two = ours(inp, kw, 128, dout, dfinal)
+        for k in NAMES:
+            if one[k] is not None:
+                assert torch.equal(one[k], two[k]), f"d{k} differs with side streams"
     eager = ours(inp, kw, 128, dout, dfinal)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -369,6 +380,8 @@ CONFIGS = [
     {"cumsum_block_h": 2},
     {"bstate_load_latency": 4, "dx_load_latency": 4, "bc_load_latency": 4},
     {"bstate_segments": 2}, {"bstate_segments": 3, "state_segments": 3, "state_occupancy": 4},
+    {"side_streams": 1}, {"side_streams": 1, "bstate_segments": 2, "state_segments": 2},
+    {"side_streams": 1, "bc_fused": 1, "da_mode": 1},
     {"bc_head_split": 2, "bc_fused": 1, "da_mode": 1},
     {"bc_head_split": 2, "bc_fused": 1, "da_mode": 2},
     {"bc_fused": 1, "da_mode": 1, "bc_block_q": 64, "dcb_occupancy": 0, "bc_occupancy": 0,

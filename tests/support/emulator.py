@@ -72,6 +72,7 @@ class FakeCT(types.SimpleNamespace):
         self.grid = (1, 1, 1)
         self.owner = {}           # id(array) -> tensor of the program index that wrote each element
         self.program = 0
+        self.touched = None       # {"r": ..., "w": ...}: storage bytes a launch read and wrote
 
     # grid
     def bid(self, axis):
@@ -113,7 +114,21 @@ class FakeCT(types.SimpleNamespace):
             src.append(slice(a, b))
             dst.append(slice(a - lo, b - lo))
         out[tuple(dst)] = array[tuple(src)].to(dt)
+        self._touch("r", array, src)
         return _tile(out)
+
+    def _touch(self, kind, array, region):
+        """Record the storage bytes of array[region] as read ("r") or written ("w") by the
+        current launch (only while a plan with side streams runs: `emulate_launch`)."""
+        if self.touched is None:
+            return
+        st = array.untyped_storage()
+        es = array.element_size()
+        elems = torch.arange(st.nbytes() // es).as_strided(
+            array.shape, array.stride(), array.storage_offset())[tuple(region)]
+        mask = self.touched[kind].setdefault(st.data_ptr(), torch.zeros(st.nbytes(),
+                                                                        dtype=torch.bool))
+        mask[(elems.reshape(-1, 1) * es + torch.arange(es)).reshape(-1)] = True
 
     def store(self, array, index, tile, **kw):
         shape = tuple(tile.shape)
@@ -132,6 +147,7 @@ class FakeCT(types.SimpleNamespace):
         assert not clash.any(), f"two programs write one element of an array {tuple(array.shape)}"
         own[tuple(dst)] = self.program
         array[tuple(dst)] = torch.Tensor(tile)[tuple(src)].to(array.dtype)
+        self._touch("w", array, dst)
 
     # math (rounding modes and flush-to-zero are accepted and ignored: float64 stands for
     # both the IEEE and the approximate forms)
@@ -284,9 +300,38 @@ def run_call(call):
                 fn(*call.args)
 
 
-def emulate_launch(calls):
+def may_overlap(calls):
+    """Pairs (i, j), i < j, of launches that `runtime.launch_calls` may run at the same time:
+    between two joins, a side-stream launch and any later launch on another stream (a side
+    launch waits for the caller's stream, never the other way round before a join)."""
+    epoch, epochs = 0, []
     for call in calls:
+        epoch += bool(call.join)
+        epochs.append(epoch)
+    return [(i, j) for j in range(len(calls)) for i in range(j)
+            if epochs[i] == epochs[j] and calls[i].stream
+            and calls[i].stream != calls[j].stream]
+
+
+def _clash(a, b):
+    return any(k in b and (a[k] & b[k]).any() for k in a)
+
+
+def emulate_launch(calls):
+    """Run a plan's launches in their listed order. Where the plan puts launches on side
+    streams, also check that no two launches that may run at the same time touch one byte
+    that either of them writes (a race on the GPU whatever the listed order gives here)."""
+    pairs = may_overlap(calls)
+    seen = []
+    for call in calls:
+        CT.touched = {"r": {}, "w": {}} if pairs else None
         run_call(call)
+        seen.append(CT.touched)
+    CT.touched = None
+    for i, j in pairs:
+        a, b = seen[i], seen[j]
+        assert not (_clash(a["w"], b["w"]) or _clash(a["w"], b["r"]) or _clash(b["w"], a["r"])), (
+            f"launches {i} and {j} may run at the same time and touch one buffer, one writing it")
 
 
 def poison(bufs):

@@ -6,8 +6,12 @@ With dS_c = dLoss/dh_{c+1} (the gradient at chunk c's EXIT state), dY = dout * s
     dh_c      = carry_w dS_c  +  dY_c^T (P x Q) @ (state_w * C_c) (Q x N)
     dS_{c-1}  = dh_c;          dinitial_states = dh_0
 
-(chunked_backward.stage3_reverse_state_pass). One tensor-core MMA per chunk, the weights on the
-C operand, both operands in the input dtype (as the forward's chunk_state_pass).
+(chunked_backward.stage3_reverse_state_pass). One tensor-core MMA per chunk, both operands in
+the input dtype (as the forward's chunk_state_pass), the weights on the smaller of the two
+operand tiles (SCALE_DY: on dY when BLOCK_P < BLOCK_N, else on C; (w dY)^T C == dY^T (w C), one
+rounding either way). FRESH_ACC: the MMA into a fresh accumulator, then dh_c = carry_w dS_c +
+that, so the chunk's MMA does not wait for the carried gradient (only a multiply-add is
+sequential).
 Writes dS_c for every chunk (state dtype, default fp32) and dh_0 (fp32) when HAS_INIT.
 
 Tiles: dY (Q, BLOCK_P) from dout/z, C (Q, BLOCK_N), G2 (Q,), seq (Q,), dS (BLOCK_P, BLOCK_N).
@@ -54,6 +58,8 @@ def bwd_state_pass_fn(
     HAS_INIT: ct.Constant[bool],
     LAT: ct.Constant[int],        # load latency hint of the per-chunk loads (0: none)
     SEGMENTS: ct.Constant[int],
+    SCALE_DY: ct.Constant[bool],
+    FRESH_ACC: ct.Constant[bool],
     seg_final,   # (B, H, SEGMENTS, P, N) float32: each run's end gradient from its own start
     seg_factor,  # (B, H, SEGMENTS) float32
     chunk_factor,  # (B, H, C) float32: f_c
@@ -94,22 +100,29 @@ def bwd_state_pass_fn(
                 ct.store(chunk_factor, index=(batch, head, chunk),
                          tile=factor.reshape((1, 1, 1)))
         dy = load_dy(dout, z, batch, chunk, head, p_tile, Q, BLOCK_P, HAS_Z, LAT)
-        ct_ = load_rows(c, batch, chunk, group, n_tile, Q, BLOCK_N, LAT).astype(ct.float32)
+        ct_ = load_rows(c, batch, chunk, group, n_tile, Q, BLOCK_N, LAT)
         g = block_decay(cum, batch, head, chunk, Q, LAT)
         g_last = ct.extract(g, index=(Q - 1,), shape=(1,))
         s = block_seq(seq_idx, batch, chunk, Q, HAS_SEQ)
         before, last = seq_bounds(seq_idx, batch, chunk, seqlen, Q, HAS_SEQ)
         w = state_weight(g, s, before, HAS_SEQ)
         carry = carry_weight(g_last, before, last, HAS_SEQ)
-        wc = mma_operand(ct_ * w[:, None], c.dtype)
+        if SCALE_DY:
+            lhs = mma_operand(dy * w[:, None], c.dtype).transpose()
+            rhs = mma_operand(ct_, c.dtype)
+        else:
+            lhs = mma_operand(dy.transpose(), c.dtype)
+            rhs = mma_operand(ct_.astype(ct.float32) * w[:, None], c.dtype)
+        carried = dh * carry[:, None]
         if HAS_SEQ:
             # a select, not a product with the zero carry weight (0 * NaN is NaN): a later
             # sequence's NaN/Inf in the gradient carried back across a reset never reaches an
             # earlier sequence's state gradient
-            dh = ct.mma(mma_operand(dy.transpose(), c.dtype), wc,
-                        ct.where(last == before, dh * carry[:, None], 0.0))
+            carried = ct.where(last == before, carried, 0.0)
+        if FRESH_ACC:
+            dh = carried + ct.mma(lhs, rhs, ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32))
         else:
-            dh = ct.mma(mma_operand(dy.transpose(), c.dtype), wc, dh * carry[:, None])
+            dh = ct.mma(lhs, rhs, carried)
         if SEGMENTS > 1:
             factor = factor * carry
 

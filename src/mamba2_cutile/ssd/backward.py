@@ -106,6 +106,13 @@ class BackwardConfig:
                                  # of the heads per group at most this) with B_t C^T of its
                                  # chunk formed once
     dx_block_n: int = 0          # bwd_chunk_dx_group's dstate tile (0: all of dstate_pad)
+    bstate_fresh_acc: int = 1    # bwd_state_pass: each chunk's MMA into a fresh accumulator
+    bstate_scale_dy: int = -1    # bwd_state_pass's weights on dY (1) or C (0); -1: on the
+                                 # smaller operand tile (dY where bstate_block_p < _block_n)
+    side_streams: int = 0        # 1: the reverse state pass and (bc_fused 2) the dS launch
+                                 # each on a side stream beside the recompute of the states
+                                 # (three launches that read disjoint inputs, each short of
+                                 # filling the GPU alone); 0: one stream
 
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
     FIXED = ("dstate_pad",)
@@ -134,8 +141,9 @@ class BackwardConfig:
                              "bc_fused=1 (the other dB/dC launches do not split heads)")
         for name in ("dx_warps", "bc_warps", "dcb_warps"):
             c.check_choice(self, name, (0, 4, 8))
-        for name in ("lowp", "dx_lowp"):
+        for name in ("lowp", "dx_lowp", "side_streams", "bstate_fresh_acc"):
             c.check_choice(self, name, (0, 1))
+        c.check_choice(self, "bstate_scale_dy", (-1, 0, 1))
         c.check_choice(self, "bc_fused", (0, 1, 2))
         if (self.da_mode not in (0, 1, 2, 3) or (self.da_mode == 2 and self.bc_fused != 1)
                 or (self.da_mode == 3 and self.bc_fused != 2)):
@@ -423,12 +431,17 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
     dx_lowp = bool(cfg.dx_lowp) and x.dtype != torch.float32
 
     # 1, 2: the forward's kernels before chunk_scan recompute dt', G2 and the entry states
-    # (with state_segments, chunk_state_carry too)
+    # (with state_segments, chunk_state_carry too). Its final state is never used: it goes to
+    # hbuf, which holds dh_0 later, or (side streams, where bwd_state_pass writes dh_0 at the
+    # same time) to scratch of its own
+    side = bool(cfg.side_streams)
+    final = torch.empty_like(bufs.hbuf) if side and init is not None else bufs.hbuf
     calls = forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
-                         seq_idx, bufs.dt_buf, bufs.cum_buf, bufs.states, bufs.hbuf, x,
+                         seq_idx, bufs.dt_buf, bufs.cum_buf, bufs.states, final, x,
                          recompute_config(cfg, x, B))
     calls = [c for c in calls if c.kernel._annotated_function.pyfunc.__name__
              not in ("chunk_scan_fn", "chunk_scan_group_fn")]
+    recompute, calls = calls[1:], calls[:1]       # decay_cumsum first: every launch reads G2
 
     # 3: reverse pass over chunks (with bstate_segments, in parallel runs, then the carry)
     segs, (seg_final, seg_factor, chunk_factor) = segment_buffers(
@@ -437,20 +450,25 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
                         seg_final)
     bstate_grid = (batch * nheads, -(-headdim // cfg.bstate_block_p),
                    -(-dstate // cfg.bstate_block_n) * segs)
+    s1, s2 = (1, 2) if side else (0, 0)
     calls.append(KernelCall(
         with_hints(bwd_state_pass_i64 if int64 else bwd_state_pass, cfg.bstate_occupancy),
         bstate_grid,
         (dout, z if has_z else dout, C, bufs.cum_buf, seq_arg,
          dfinal if dfinal is not None else bufs.hbuf, bufs.dstates, bufs.hbuf,
          Q, cfg.bstate_block_p, cfg.bstate_block_n, hpg, has_z, has_seq, dfinal is not None,
-         init is not None, cfg.bstate_load_latency, segs, seg_final, seg_factor,
-         chunk_factor)))
+         init is not None, cfg.bstate_load_latency, segs,
+         bool(cfg.bstate_scale_dy) if cfg.bstate_scale_dy >= 0
+         else cfg.bstate_block_p < cfg.bstate_block_n, bool(cfg.bstate_fresh_acc),
+         seg_final, seg_factor, chunk_factor), stream=s1))
     if segs > 1:
         calls.append(KernelCall(
             chunk_state_carry_i64 if int64 else chunk_state_carry, bstate_grid,
             (seg_final, seg_factor, chunk_factor, bufs.dstates, bufs.hbuf, seg_final,
              cfg.bstate_block_p, cfg.bstate_block_n, segs, cfg.bstate_load_latency, True,
-             init is not None, False)))
+             init is not None, False), stream=s1))
+    if not side:
+        calls = calls[:1] + recompute + calls[1:]
 
     # 4: dB, dC (with a head split: per-split fp32 partials, then their sum in one launch),
     # before dx: bc_fused 2's dS shares its memory with the partials bwd_chunk_dx writes
@@ -469,7 +487,13 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
             (nchunks * batch * ngroups, nbpc * nbpc, 1),
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.dcb,
              bufs.da_part, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.dstate_pad, hpg, has_z,
-             has_seq, lowp, cfg.bc_load_latency, cfg.da_mode == 3)))
+             has_seq, lowp, cfg.bc_load_latency, cfg.da_mode == 3), stream=s2))
+    if side:
+        # the recompute on the caller's stream, the side launches above already under way;
+        # the next launch reads the states, dS_c and the dS blocks: it joins them
+        calls += recompute
+    join_at = len(calls)
+    if cfg.bc_fused == 2:
         calls.append(KernelCall(
             with_hints(bwd_chunk_dbc_group_i64 if int64 else bwd_chunk_dbc_group,
                        cfg.bc_occupancy, cfg.bc_warps),
@@ -540,6 +564,8 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
          bufs.dbias_part if dt_bias is not None else bufs.dA_part,
          Q, cfg.dx_block_q, cfg.cumsum_block_h, dt_bias is not None, bool(dt_softplus),
          cfg.da_mode)))
+    if side:
+        calls[join_at].join = True
     return calls
 
 
