@@ -43,7 +43,7 @@ from .bwd_common import (
     intra_decay,
     load_dy,
     load_rows,
-    load_state,
+    load_state_raw,
     seq_bounds,
     state_weight,
     wop,
@@ -184,7 +184,8 @@ def bwd_chunk_dbc_group_fn(
                                    HAS_SEQ)
             for pt in range(n_pt):
                 dy = load_dy(dout, z, batch, chunk, head, pt, Q, BLOCK_P, HAS_Z, LAT)
-                h = load_state(states, batch, head, chunk, pt, n_tile, BLOCK_P, BLOCK_N, LAT)
+                h = load_state_raw(states, batch, head, chunk, pt, n_tile, BLOCK_P, BLOCK_N,
+                                   LAT)
                 acc = ct.mma(mma_operand(dy * state_w[:, None], mm), mma_operand(h, mm), acc)
         for kb in range(k_end):
             m = ct.load(dcb, index=(batch, group, chunk, kb),
@@ -202,7 +203,8 @@ def bwd_chunk_dbc_group_fn(
             x_w = exit_weight(g, g_last, s, last, HAS_SEQ) * dtv
             for pt in range(n_pt):
                 xt = load_rows(x, batch, chunk, head, pt, Q, BLOCK_P, LAT).astype(ct.float32)
-                ds = load_state(dstates, batch, head, chunk, pt, n_tile, BLOCK_P, BLOCK_N, LAT)
+                ds = load_state_raw(dstates, batch, head, chunk, pt, n_tile, BLOCK_P, BLOCK_N,
+                                    LAT)
                 acc = ct.mma(mma_operand(xt * x_w[:, None], mm), mma_operand(ds, mm), acc)
         for kb in range(k_end):
             m = ct.load(dcb, index=(batch, group, chunk * NKB + kb, 0),

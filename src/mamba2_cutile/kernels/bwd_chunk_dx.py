@@ -60,7 +60,7 @@ from .bwd_common import (
     exit_weight,
     intra_decay,
     load_rows,
-    load_state,
+    load_state_raw,
     seq_bounds,
     state_weight,
     wop,
@@ -137,12 +137,14 @@ def bwd_chunk_dx_fn(
         dy = do * zt * sig
 
     # carried-state and exit-state terms (p-tile rows of h_c and dS_c, all of N)
-    h = load_state(states, batch, head, chunk, p_tile, 0, BLOCK_P, NP)
-    ds = load_state(dstates, batch, head, chunk, p_tile, 0, BLOCK_P, NP)
-    carry = carry_weight(g_last, before, last, HAS_SEQ) * ct.sum(ct.sum(ds * h, axis=1),
-                                                                 axis=0, keepdims=True)
-    if t != first:
-        carry = ct.full((1,), 0.0, dtype=ct.float32)    # added once per chunk
+    # in the state dtype: the MMAs take them as they are (bf16 states: no fp32 copies held)
+    h = load_state_raw(states, batch, head, chunk, p_tile, 0, BLOCK_P, NP)
+    ds = load_state_raw(dstates, batch, head, chunk, p_tile, 0, BLOCK_P, NP)
+    carry = ct.full((1,), 0.0, dtype=ct.float32)
+    if t == first:                                      # added once per chunk
+        carry = carry_weight(g_last, before, last, HAS_SEQ) * ct.sum(
+            ct.sum(ds.astype(ct.float32) * h.astype(ct.float32), axis=1), axis=0,
+            keepdims=True)
     ct_t = mma_operand(load_rows(c, batch, t, group, 0, BLOCK_Q, NP), mm)
     ch = ct.mma(ct_t, mma_operand(h.transpose(), mm),
                 ct.full((BLOCK_Q, BLOCK_P), 0.0, dtype=ct.float32))

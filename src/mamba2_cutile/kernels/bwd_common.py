@@ -111,12 +111,19 @@ def load_rows(t, batch, blk, col, c_tile, BLOCK: ct.Constant[int], WIDTH: ct.Con
                    padding_mode=ct.PaddingMode.ZERO, latency=_hint(LAT)).reshape((BLOCK, WIDTH))
 
 
+def load_state_raw(t, batch, head, chunk, p_tile, n_tile, BLOCK_P: ct.Constant[int],
+                   BLOCK_N: ct.Constant[int], LAT: ct.Constant[int] = 0):
+    """(BLOCK_P, BLOCK_N) tile of a (B, H, C, P, N) per-chunk state tensor, in its dtype."""
+    return ct.load(t, index=(batch, head, chunk, p_tile, n_tile),
+                   shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ct.PaddingMode.ZERO,
+                   latency=_hint(LAT)).reshape((BLOCK_P, BLOCK_N))
+
+
 def load_state(t, batch, head, chunk, p_tile, n_tile, BLOCK_P: ct.Constant[int],
                BLOCK_N: ct.Constant[int], LAT: ct.Constant[int] = 0):
     """(BLOCK_P, BLOCK_N) fp32 tile of a (B, H, C, P, N) per-chunk state tensor."""
-    return ct.load(t, index=(batch, head, chunk, p_tile, n_tile),
-                   shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ct.PaddingMode.ZERO,
-                   latency=_hint(LAT)).reshape((BLOCK_P, BLOCK_N)).astype(ct.float32)
+    return load_state_raw(t, batch, head, chunk, p_tile, n_tile, BLOCK_P, BLOCK_N,
+                          LAT).astype(ct.float32)
 
 
 def wop(tile, like, LOWP: ct.Constant[bool]):
