@@ -94,8 +94,12 @@ def test_parse_overrides():
 @pytest.mark.parametrize("batch, nheads, headdim, dstate, chunk, dtype, tiles", [
     (4, 8, 64, 128, 128, BF, (32, 0)),          # seed: 128 programs of 64 x 32
     (2, 24, 64, 128, 128, BF, (32, 2)),         # 192 programs of 64 x 32
-    (2, 48, 64, 128, 128, BF, (32, 2)),         # 192 of 64 x 64 -> 384 of 64 x 32
-    (1, 67, 64, 128, 128, BF, (32, 2)),         # 134 of 64 x 64, just past one per SM
+    (2, 48, 64, 128, 128, BF, (128, 2)),        # 96 of the whole state: kept, two per SM
+    (1, 66, 64, 128, 128, BF, (128, 2)),        # half the SMs: whole
+    (1, 65, 64, 128, 128, BF, (64, 0)),         # fewer: 130 of 64 x 64, one per SM
+    (2, 48, 64, 128, 128, torch.float32, (64, 0)),  # fp32: split as before
+    (1, 98, 64, 128, 128, BF, (128, 2)),        # three quarters of the SMs less one: whole
+    (1, 99, 64, 128, 128, BF, (128, 0)),        # 99 to 132 whole programs: one per SM
     (2, 64, 64, 128, 128, BF, (128, 0)),        # 128 of the whole state
     (2, 80, 64, 128, 128, torch.float16, (128, 2)),  # 160 > 132: two per SM
     (2, 80, 64, 64, 128, BF, (64, 2)),          # a 64-wide whole state is not halved
@@ -106,8 +110,9 @@ def test_parse_overrides():
 def test_state_pass_tiles(batch, nheads, headdim, dstate, chunk, dtype, tiles):
     """The state pass's n-tile and occupancy (`forward.state_tiles`): the widest tile whose
     grid gives most SMs a program; past one program per SM, two per SM (16-bit inputs at
-    chunk 128) with a 64-wide tile of a wider state halved. The backward's recompute of the
-    states takes the same."""
+    chunk 128) with a 64-wide tile of a wider state halved; a whole state on half to three
+    quarters of the SMs stays whole, two per SM. The backward's recompute of the states takes
+    the same."""
     from mamba2_cutile.ssd.backward import _recompute_config, backward_shape_config
     cfg = forward_shape_config(batch, nheads, headdim, dstate, chunk, dtype, 132)
     assert (cfg.state_block_n, cfg.state_occupancy) == tiles
@@ -116,3 +121,20 @@ def test_state_pass_tiles(batch, nheads, headdim, dstate, chunk, dtype, tiles):
         rec = _recompute_config(bcfg, batch, nheads, headdim, dstate, dtype)
         assert (bcfg.state_block_n, bcfg.state_occupancy) == tiles
         assert (rec.state_block_n, rec.state_occupancy) == tiles
+
+
+@pytest.mark.parametrize("batch, nheads, headdim, dstate, dtype, tiles", [
+    (2, 80, 64, 128, BF, (64, 128, 2)),          # 160 whole-state programs
+    (1, 66, 64, 128, BF, (64, 128, 2)),          # half the SMs
+    (2, 48, 128, 128, BF, (64, 128, 2)),         # two p-tiles a head: 192
+    (1, 65, 64, 128, BF, (32, 64, 4)),           # fewer: the narrow tiles, four per SM
+    (4, 8, 64, 128, BF, (32, 64, 4)),            # seed
+    (2, 80, 64, 256, BF, (64, 256, 0)),          # dstate 256: the forward's tiles
+    (2, 80, 64, 128, torch.float32, (64, 128, 0))])  # fp32: the forward's tiles
+def test_reverse_state_pass_tiles(batch, nheads, headdim, dstate, dtype, tiles):
+    """bwd_state_pass's (p-tile, n-tile, occupancy): the whole state (64 channels) at two per
+    SM where that grid gives at least half the SMs a program, else 32 x 64 at four per SM;
+    wide problems (dstate 256, fp32) the forward's state tiles."""
+    from mamba2_cutile.ssd.backward import backward_shape_config
+    cfg = backward_shape_config(batch, nheads, 1, headdim, dstate, 256, dtype, 132)
+    assert (cfg.bstate_block_p, cfg.bstate_block_n, cfg.bstate_occupancy) == tiles
