@@ -221,13 +221,6 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
     # bwd_chunk_dx holds (BQ, NP) B/C tiles and (BP, NP) fp32 h_c / dS_c tiles at once: keep
     # the p-tile narrow for a wide state or fp32 inputs
     wide = np_ >= 256 or dtype == torch.float32
-    # bwd_state_pass over the whole state (64 channels x all of dstate) at two programs per
-    # SM where that grid gives at least half the SMs a program: one whole-state program, its
-    # weights on dY, does a chunk in less time than the narrow tiles' four (H100, bf16, B=2
-    # T=8K chunk 256: 80 heads 0.278 -> 0.154 ms, 128 heads G=8 0.417 -> 0.215; whole
-    # backward 2.213 -> 1.961 and 3.700 -> 3.381 ms;
-    # benchmarks/results/2026-12-06-h100-backward-sweep-state-pass-whole.jsonl)
-    whole = not wide and batch * nheads * -(-headdim // 64) >= sms // 2
     cfg = BackwardConfig(
         chunk_size=chunk_size,
         cumsum_block_h=fwd.cumsum_block_h,
@@ -244,9 +237,20 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # benchmarks/results/2026-12-01-h200-backward-sweep-state-pass-tiles.jsonl and
         # ...-backward-sweep-tiles-occupancy.txt). fp16 takes them untimed; wide problems
         # (dstate 256, fp32) keep the forward's state tiles and the compiler's occupancy.
-        bstate_block_p=fwd.state_block_p if wide else min(pp, 64 if whole else 32),
-        bstate_block_n=fwd.state_block_n if wide else min(np_, 128 if whole else 64),
-        bstate_occupancy=0 if wide else 2 if whole else 4,
+        # bwd_state_pass over the whole state (64 channels x all of dstate) at two programs
+        # per SM, its weights on dY: one such program does a chunk in less time than the four
+        # of 32 x 64 tiles at four per SM, even where its grid leaves most SMs idle (H100,
+        # bf16, chunk 256 computed at 128 unless named; 32 x 64 / whole, ms):
+        #   seed (4, 16384, 8, chunk 128; 32 programs)  0.199 / 0.172
+        #   130M (2, 8192, 24)    0.121 / 0.090         370M (2, 8192, 32)     0.127 / 0.096
+        #   1.3B (2, 8192, 64)    0.260 / 0.132         2.7B (2, 8192, 80)     0.411 / 0.154
+        #   headdim 128 (48)      0.461 / 0.175         7B-class (128, G=8)    0.604 / 0.215
+        # (the narrow tiles before the weights moved to dY: 0.158 seed, 0.278 2.7B, 0.417
+        # 7B-class; benchmarks/results/2026-12-06-h100-backward-sweep-state-pass-*.jsonl).
+        # Wide problems (dstate 256, fp32) keep the forward's tiles.
+        bstate_block_p=fwd.state_block_p if wide else min(pp, 64),
+        bstate_block_n=fwd.state_block_n if wide else min(np_, 128),
+        bstate_occupancy=0 if wide else 2,
         dx_block_q=min(chunk_size, 64),
         # headdim 128: the whole-state dx program over 64 channels (C B^T formed half as
         # often): 1.135 -> 1.000 ms at B=2 T=8K H=48 P=128 chunk 256 (H200, 2026-12-05, timed
