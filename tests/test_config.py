@@ -95,8 +95,9 @@ def test_parse_overrides():
     (4, 8, 64, 128, 128, BF, (32, 0)),          # seed: 128 programs of 64 x 32
     (2, 24, 64, 128, 128, BF, (32, 2)),         # 192 programs of 64 x 32
     (2, 48, 64, 128, 128, BF, (128, 2)),        # 96 of the whole state: kept, two per SM
-    (1, 66, 64, 128, 128, BF, (128, 2)),        # half the SMs: whole
-    (1, 65, 64, 128, 128, BF, (64, 0)),         # fewer: 130 of 64 x 64, one per SM
+    (2, 32, 64, 128, 128, BF, (128, 2)),        # 64 whole-state programs: whole
+    (1, 49, 64, 128, 128, BF, (128, 2)),        # three eighths of the SMs: whole
+    (1, 48, 64, 128, 128, BF, (32, 2)),         # fewer: 96 of 64 x 64 -> 192 of 64 x 32
     (2, 48, 64, 128, 128, torch.float32, (64, 0)),  # fp32: split as before
     (1, 98, 64, 128, 128, BF, (128, 2)),        # three quarters of the SMs less one: whole
     (1, 99, 64, 128, 128, BF, (128, 0)),        # 99 to 132 whole programs: one per SM
