@@ -98,6 +98,7 @@ def test_parse_overrides():
     (2, 32, 64, 128, 128, BF, (128, 2)),        # 64 whole-state programs: whole
     (1, 49, 64, 128, 128, BF, (128, 2)),        # three eighths of the SMs: whole
     (1, 48, 64, 128, 128, BF, (32, 2)),         # fewer: 96 of 64 x 64 -> 192 of 64 x 32
+    (2, 32, 64, 256, 128, BF, (128, 0)),        # a 256-wide state: split as before
     (2, 48, 64, 128, 128, torch.float32, (64, 0)),  # fp32: split as before
     (1, 98, 64, 128, 128, BF, (128, 2)),        # three quarters of the SMs less one: whole
     (1, 99, 64, 128, 128, BF, (128, 0)),        # 99 to 132 whole programs: one per SM
@@ -111,8 +112,8 @@ def test_parse_overrides():
 def test_state_pass_tiles(batch, nheads, headdim, dstate, chunk, dtype, tiles):
     """The state pass's n-tile and occupancy (`forward.state_tiles`): the widest tile whose
     grid gives most SMs a program; past one program per SM, two per SM (16-bit inputs at
-    chunk 128) with a 64-wide tile of a wider state halved; a whole state on half to three
-    quarters of the SMs stays whole, two per SM. The backward's recompute of the states takes
+    chunk 128) with a 64-wide tile of a wider state halved; a whole 128-wide state on three
+    eighths to three quarters of the SMs stays whole, two per SM. The backward's recompute of the states takes
     the same."""
     from mamba2_cutile.ssd.backward import _recompute_config, backward_shape_config
     cfg = forward_shape_config(batch, nheads, headdim, dstate, chunk, dtype, 132)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +57,16 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(device, k: int):
-    """Side stream `k` of `device`, created once and kept (never on a hot path after that)."""
-    key = (torch.device(device).index or 0, k)
+    """Side stream `k` of `device` for the calling thread, created once and kept (never on a
+    hot path after that). Per thread: two threads' plans (one of them maybe under capture)
+    never share a side stream object."""
+    index = torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    key = (threading.get_ident(), index, k)
     s = _SIDE_STREAMS.get(key)
     if s is None:
-        s = _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+        s = _SIDE_STREAMS[key] = torch.cuda.Stream(device=index)
     return s
 
 
@@ -81,19 +87,23 @@ def launch_calls(calls, device) -> None:
 
     main = torch.cuda.current_stream(device)
     pending = {}
-    for call in calls:
-        stream = main
-        if call.join:
-            for side in pending.values():
-                main.wait_stream(side)
-            pending.clear()
-        if call.stream:
-            stream = _side_stream(device, call.stream)
-            stream.wait_stream(main)
-            pending[call.stream] = stream
-        ct.launch(stream, call.grid, call.kernel, call.args)
-    for side in pending.values():
-        main.wait_stream(side)
+    try:
+        for call in calls:
+            stream = main
+            if call.join:
+                for side in pending.values():
+                    main.wait_stream(side)
+                pending.clear()
+            if call.stream:
+                stream = _side_stream(device, call.stream)
+                stream.wait_stream(main)
+                pending[call.stream] = stream
+            ct.launch(stream, call.grid, call.kernel, call.args)
+    finally:
+        # also when a launch raises: the plan's buffers go back to the allocator on the
+        # caller's stream, which must not reuse them while a side launch still runs
+        for side in pending.values():
+            main.wait_stream(side)
 
 
 def next_pow2(n: int) -> int:

@@ -231,6 +231,26 @@ def test_emulated_side_streams(opt, over):
     args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=84, Q=Q, seed=12, h=6, g=2, p=24,
                                           n=20)
     cfg = small_config(Q, 24, 20, bc_block_q=16, side_streams=1, **over)
+    calls = []
+    backward.run_backward(**args, chunk_size=Q, dout=dout, dfinal_states=dfinal, **kw,
+                          config=cfg, launch_fn=calls.extend, buf_dtype=F64)
+    assert {c.stream for c in calls} == ({0, 1, 2} if over["bc_fused"] == 2 else {0, 1})
+    assert sum(c.join for c in calls) == 1
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("scale_dy, fresh", [(-1, 1), (1, 1), (0, 1), (1, 0), (0, 0)])
+@pytest.mark.parametrize("opt", ["all", "init_no_dfinal", "seq_idx"])
+def test_emulated_reverse_pass_forms(opt, scale_dy, fresh):
+    """bwd_state_pass with its decay weights on dY or on C (-1: on the smaller tile, dY at
+    these 8 x 32 tiles as at the dispatcher's 64 x 128) and its MMA into a fresh accumulator
+    or into the carried gradient: all four forms give the recurrence's gradients."""
+    Q = 32
+    args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=84, Q=Q, seed=13, h=4, g=2, p=24,
+                                          n=20)
+    cfg = small_config(Q, 24, 20, bstate_block_p=8, bstate_block_n=32,
+                       bstate_scale_dy=scale_dy, bstate_fresh_acc=fresh)
     assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
                  reference_grads(args, kw, Q, dout, dfinal))
 
@@ -272,8 +292,10 @@ def test_emulated_head_split(opt, split, mode):
 
 
 @pytest.mark.parametrize("bad", ["dout", "C", "z"])
-@pytest.mark.parametrize("bc_fused, da_mode", [(1, 1), (2, 3)])
-def test_emulated_later_sequence_nan_stays_out_of_earlier_chunks(bad, bc_fused, da_mode):
+@pytest.mark.parametrize("bc_fused, da_mode, weights", [(1, 1, "C"), (2, 3, "C"),
+                                                         (2, 3, "dY")])
+def test_emulated_later_sequence_nan_stays_out_of_earlier_chunks(bad, bc_fused, da_mode,
+                                                                 weights):
     """Three packed sequences (tokens 0-20, 21-69, 70-95; chunks of 16): a NaN in the last
     sequence's dout, C or z at token 90 (a chunk of that sequence alone) reaches no gradient
     of a token before the chunk where the sequence starts (64-79), nor dinitial_states:
@@ -288,7 +310,8 @@ def test_emulated_later_sequence_nan_stays_out_of_earlier_chunks(bad, bc_fused, 
     seq[:, 21:], seq[:, 70:] = 1, 2
     kw = {**kw, "seq_idx": seq, "dt_limit": (0.0, float("inf"))}
     cfg = replace(small_config(32, 8, 8), chunk_size=Q, dx_block_q=8, bc_block_q=8,
-                  bc_fused=bc_fused, da_mode=da_mode)
+                  bc_fused=bc_fused, da_mode=da_mode,
+                  bstate_scale_dy={"C": 0, "dY": 1}[weights])
     clean = emulated_grads(args, kw, Q, dout, dfinal, cfg)
     b_args, b_kw, b_dout = dict(args), dict(kw), dout.clone()
     if bad == "dout":

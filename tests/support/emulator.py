@@ -241,6 +241,7 @@ class FakeCT(types.SimpleNamespace):
         safe = tuple(torch.where(ok, i, 0) for i in idx)
         dt = F64 if array.is_floating_point() else torch.int64
         vals = array[safe].to(dt)
+        CT._touch("r", array, tuple(i[ok] for i in idx))
         return _tile(torch.where(ok, vals, torch.as_tensor(padding_value, dtype=dt)))
 
     @staticmethod

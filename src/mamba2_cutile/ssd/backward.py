@@ -111,8 +111,9 @@ class BackwardConfig:
                                  # smaller operand tile (dY where bstate_block_p < _block_n)
     side_streams: int = 0        # 1: the reverse state pass and (bc_fused 2) the dS launch
                                  # each on a side stream beside the recompute of the states
-                                 # (three launches that read disjoint inputs, each short of
-                                 # filling the GPU alone); 0: one stream
+                                 # (three launches with disjoint outputs; within 2% either
+                                 # way where timed, each launch filling the GPU's CTA slots
+                                 # alone); 0: one stream
 
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
     FIXED = ("dstate_pad",)
@@ -229,25 +230,22 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # the recompute of the states takes the forward rule's tiles and occupancy hint (the
         # hint is timed in the forward only)
         state_occupancy=fwd.state_occupancy,
-        # narrow state-pass tiles at four programs per SM, and 32-channel dx programs at two
-        # per SM (H200, bf16, B=2 T=4096 H=80 G=1 and B=8 T=2048 H=128 G=8, chunk 256:
-        # bwd_state_pass 0.241 -> 0.123 and 0.480 -> 0.386 ms, bwd_chunk_dx 0.832 -> 0.669 and
-        # 2.636 -> 2.119 ms; gradients equal but dA, which moves 1e-6 relative; each change
-        # timed on its own, the two together not yet:
-        # benchmarks/results/2026-12-01-h200-backward-sweep-state-pass-tiles.jsonl and
-        # ...-backward-sweep-tiles-occupancy.txt). fp16 takes them untimed; wide problems
-        # (dstate 256, fp32) keep the forward's state tiles and the compiler's occupancy.
         # bwd_state_pass over the whole state (64 channels x all of dstate) at two programs
         # per SM, its weights on dY: one such program does a chunk in less time than the four
-        # of 32 x 64 tiles at four per SM, even where its grid leaves most SMs idle (H100,
-        # bf16, chunk 256 computed at 128 unless named; 32 x 64 / whole, ms):
+        # of 32 x 64 tiles at four per SM of the same kernel, even where its grid leaves most
+        # SMs idle (H100, bf16, chunk 256 computed at 128 unless named; 32 x 64 / whole, ms):
         #   seed (4, 16384, 8, chunk 128; 32 programs)  0.199 / 0.172
         #   130M (2, 8192, 24)    0.121 / 0.090         370M (2, 8192, 32)     0.127 / 0.096
         #   1.3B (2, 8192, 64)    0.260 / 0.132         2.7B (2, 8192, 80)     0.411 / 0.154
         #   headdim 128 (48)      0.461 / 0.175         7B-class (128, G=8)    0.604 / 0.215
-        # (the narrow tiles before the weights moved to dY: 0.158 seed, 0.278 2.7B, 0.417
-        # 7B-class; benchmarks/results/2026-12-06-h100-backward-sweep-state-pass-*.jsonl).
-        # Wide problems (dstate 256, fp32) keep the forward's tiles.
+        # (the narrow tiles of the kernel before the weights moved to dY, on another H100:
+        # 0.158 seed, 0.097 130M, 0.278 2.7B, 0.417 7B-class: the whole state is slower at
+        # the seed problem than that; benchmarks/results/2026-12-06-h100-backward-sweep-*).
+        # The 32-channel dx programs at two per SM: H200, bf16, B=2 T=4096 H=80 G=1 and B=8
+        # T=2048 H=128 G=8, chunk 256: bwd_chunk_dx 0.832 -> 0.669 and 2.636 -> 2.119 ms
+        # (benchmarks/results/2026-12-01-h200-backward-sweep-tiles-occupancy.txt). Wide
+        # problems (dstate 256, fp32) keep the forward's state tiles and the compiler's
+        # occupancy.
         bstate_block_p=fwd.state_block_p if wide else min(pp, 64),
         bstate_block_n=fwd.state_block_n if wide else min(np_, 128),
         bstate_occupancy=0 if wide else 2,

@@ -216,15 +216,15 @@ def state_tiles(slices, dstate, dstate_pad, chunk_size, dtype, sms=DEFAULT_SMS):
     against 64 x 32 two per SM (whole forward 0.347 -> 0.270, mamba_ssm 0.453); 32 heads, 64
     programs, 0.148 -> 0.106 against 64 x 64 one per SM (whole forward 0.256 -> 0.210)
     (benchmarks/results/2026-12-06-h100-forward-sweep-state-whole*.jsonl). 24 heads (48
-    programs) were not timed and stay split. Measured in bf16 at dstate 128 with 160 and 192 programs only: fp16,
-    larger grids and the backward's recompute of the states take it unmeasured. An override
-    of `state_block_n` keeps the rule's occupancy (64 x 64 tiles at two per SM were the
-    slowest form at 80 heads)."""
+    programs) were not timed and stay split, as does a 256-wide state. Measured in bf16 at
+    dstate 128 with 64 to 192 programs: fp16, larger grids and the backward's recompute of
+    the states take it unmeasured. An override of `state_block_n` keeps the rule's occupancy
+    (64 x 64 tiles at two per SM were the slowest form at 80 heads)."""
     def programs(bn):
         return slices * -(-dstate // bn)
     lowp128 = chunk_size == 128 and dtype in (torch.bfloat16, torch.float16)
     bn = dstate_pad
-    if lowp128 and dstate_pad >= 128 and (3 * sms) // 8 <= programs(bn) < (3 * sms) // 4:
+    if lowp128 and dstate_pad == 128 and (3 * sms) // 8 <= programs(bn) < (3 * sms) // 4:
         # the whole state on three eighths to three quarters of the SMs, two programs per SM:
         # one whole-state program does a chunk in less time than two split ones
         return bn, 2
