@@ -99,3 +99,64 @@ def test_seq_ids_int32_keeps_ids_apart_past_int32():
     assert seq_ids_int32(i32) is i32 and seq_ids_int32(None) is None
     assert seq_ids_int32(torch.empty(2, 0, dtype=torch.int64)).shape == (2, 0)
     assert seq_ids_int32(torch.zeros(1, 4, dtype=torch.int64, device="meta")).dtype == torch.int32
+
+
+class _FakeStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits {other.name}")
+
+
+def _fake_cuda(monkeypatch, log, fail_at=None):
+    """launch_calls with recording stand-ins for the CUDA streams and ct.launch."""
+    import cuda.tile as ct
+
+    from mamba2_cutile import runtime
+    main = _FakeStream("main", log)
+    made = iter(range(100))
+    monkeypatch.setattr(runtime, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Stream",
+                        lambda device=None: _FakeStream(f"side{next(made)}", log))
+
+    def launch(stream, grid, kernel, args):
+        if kernel == fail_at:
+            raise RuntimeError("launch failed")
+        log.append(f"{kernel} on {stream.name}")
+    monkeypatch.setattr(ct, "launch", launch)
+    return runtime
+
+
+def test_launch_calls_side_streams(monkeypatch):
+    """A side-stream call waits for the caller's stream before it launches; the caller's
+    stream waits for the side streams at a join and at the plan's end, never before."""
+    from mamba2_cutile.runtime import KernelCall
+    log = []
+    runtime = _fake_cuda(monkeypatch, log)
+    calls = [KernelCall("a", (1,), ()), KernelCall("b", (1,), (), stream=1),
+             KernelCall("c", (1,), (), stream=2), KernelCall("d", (1,), ()),
+             KernelCall("e", (1,), (), join=True), KernelCall("f", (1,), (), stream=1)]
+    runtime.launch_calls(calls, torch.device("cuda"))
+    assert log == ["a on main",
+                   "side0 waits main", "b on side0",
+                   "side1 waits main", "c on side1",
+                   "d on main",
+                   "main waits side0", "main waits side1", "e on main",
+                   "side0 waits main", "f on side0",
+                   "main waits side0"]
+
+
+def test_launch_calls_joins_side_streams_when_a_launch_raises(monkeypatch):
+    """A launch that raises after a side launch still leaves the caller's stream waiting for
+    it (the plan's buffers are freed on the caller's stream while the error unwinds)."""
+    from mamba2_cutile.runtime import KernelCall
+    log = []
+    runtime = _fake_cuda(monkeypatch, log, fail_at="c")
+    calls = [KernelCall("a", (1,), ()), KernelCall("b", (1,), (), stream=1),
+             KernelCall("c", (1,), ())]
+    with pytest.raises(RuntimeError, match="launch failed"):
+        runtime.launch_calls(calls, torch.device("cuda"))
+    assert log == ["a on main", "side0 waits main", "b on side0", "main waits side0"]
