@@ -4,7 +4,6 @@ of a larger tensor), without copying."""
 import pytest
 import torch
 
-from mamba2_cutile.bench import plans
 from mamba2_cutile.runtime import INT32_LIMIT, as_kernel_input, narrow_unit_strides, needs_int64
 from mamba2_cutile.ssd import backward, forward
 
