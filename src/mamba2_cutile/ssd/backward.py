@@ -168,6 +168,14 @@ class BackwardConfig:
         return out
 
 
+def scale_dy(cfg: BackwardConfig) -> bool:
+    """Whether bwd_state_pass puts the decay weights on dY (else on C): an explicit 0/1, or
+    by default on the smaller of the two MMA operand tiles (as forward.scale_x)."""
+    if cfg.bstate_scale_dy >= 0:
+        return bool(cfg.bstate_scale_dy)
+    return cfg.bstate_block_p < cfg.bstate_block_n
+
+
 def dx_group_heads(cfg: BackwardConfig, heads_per_group: int, has_z: bool) -> int:
     """The heads one bwd_chunk_dx_group program walks (`BackwardConfig.dx_heads`), or 1 where
     it does not apply (da_mode other than 3, or z given)."""
@@ -466,10 +474,8 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
         (dout, z if has_z else dout, C, bufs.cum_buf, seq_arg,
          dfinal if dfinal is not None else bufs.hbuf, bufs.dstates, bufs.hbuf,
          Q, cfg.bstate_block_p, cfg.bstate_block_n, hpg, has_z, has_seq, dfinal is not None,
-         init is not None, cfg.bstate_load_latency, segs,
-         bool(cfg.bstate_scale_dy) if cfg.bstate_scale_dy >= 0
-         else cfg.bstate_block_p < cfg.bstate_block_n, bool(cfg.bstate_fresh_acc),
-         seg_final, seg_factor, chunk_factor), stream=s1))
+         init is not None, cfg.bstate_load_latency, segs, scale_dy(cfg),
+         bool(cfg.bstate_fresh_acc), seg_final, seg_factor, chunk_factor), stream=s1))
     if segs > 1:
         calls.append(KernelCall(
             chunk_state_carry_i64 if int64 else chunk_state_carry, bstate_grid,
