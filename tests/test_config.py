@@ -138,3 +138,24 @@ def test_reverse_state_pass_tiles(batch, nheads, headdim, dstate, dtype, tiles):
     from mamba2_cutile.ssd.backward import backward_shape_config
     cfg = backward_shape_config(batch, nheads, 1, headdim, dstate, 256, dtype, 132)
     assert (cfg.bstate_block_p, cfg.bstate_block_n, cfg.bstate_occupancy) == tiles
+
+
+@pytest.mark.parametrize("batch, seqlen, nheads, headdim, dstate, dtype, has_z, tiles", [
+    (2, 8192, 80, 64, 128, BF, False, (64, 8, 2)),          # 2.7B: 64 channels, 8 warps
+    (4, 16384, 8, 64, 128, torch.float16, False, (64, 8, 2)),  # seed problem in fp16
+    (2, 8192, 32, 64, 256, BF, False, (64, 8, 0)),          # dstate 256: no occupancy hint
+    (4, 16384, 24, 40, 24, BF, False, (64, 8, 2)),          # headdim 40 pads to 64
+    (2, 8192, 80, 64, 128, BF, True, (32, 4, 2)),           # z: the key-block loop stays
+    (1, 2048, 64, 64, 128, BF, False, (32, 4, 2)),          # short: head split, da_mode 1
+    (2, 8192, 48, 128, 128, BF, False, (64, 4, 2)),         # headdim 128 keeps 4 warps
+    (2, 8192, 80, 64, 128, torch.float32, False, (32, 4, 0)),  # fp32
+    (2, 8192, 80, 32, 128, BF, False, (32, 4, 2))])         # headdim 32: one 32-wide tile
+def test_dx_tiles(batch, seqlen, nheads, headdim, dstate, dtype, has_z, tiles):
+    """bwd_chunk_dx's (channels, warps, occupancy): all 64 channels of a 16-bit headdim-64
+    head with 8 warps where the launch has no key-block loop (da_mode 3, no z); 32 channels
+    with 4 warps otherwise, headdim 128 in 64-channel programs of 4 warps."""
+    from mamba2_cutile.ssd.backward import backward_shape_config
+    cfg = backward_shape_config(batch, nheads, 1, headdim, dstate, 256, dtype, 132, seqlen,
+                                has_z)
+    assert (cfg.dx_block_p, cfg.dx_warps, cfg.dx_occupancy) == tiles
+    assert cfg.da_mode == (1 if seqlen == 2048 else 3)

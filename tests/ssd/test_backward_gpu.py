@@ -31,6 +31,7 @@ import torch
 from mamba2_cutile import reference
 from mamba2_cutile.ssd import backward
 from mamba2_cutile.reference import ssd_chunked_backward
+from mamba2_cutile.runtime import num_sms
 from mamba2_cutile.bench.problems import random_problem
 from support.gpu import SHAPES as GPU_SHAPES
 from support.gpu import log_result, mamba_refused, rel_err, require_mamba_ssm_scan
@@ -444,6 +445,19 @@ def test_da_from_the_dcb_launch(opt, dtype):
     inp, kw, dout, dfinal = make_problem(b, l, h, g, p, n, dtype, OPTS[opt], seed=5, Q=Q)
     cfg = replace(backward.backward_config(b, h, g, p, n, Q, dtype), **DA3)
     check(inp, kw, Q, dout, dfinal, dtype, config=cfg)
+
+
+@pytest.mark.parametrize("opt", ["D_head", "seq_idx", "no_dfinal"])
+def test_dispatcher_64_channel_dx(opt):
+    """A sequence long enough for the dispatcher's long-sequence rule (da_mode 3, no z): one
+    bwd_chunk_dx program over all 64 channels with 8 warps, chunk 256 computed at 128, a
+    partial last chunk; against the float64 definitions."""
+    b, l, h, g, p, n, Q = 2, 8000, 8, 1, 64, 128, 256
+    cfg = backward.backward_config(b, h, g, p, n, Q, torch.bfloat16, num_sms(0), seqlen=l)
+    assert (cfg.da_mode, cfg.dx_block_p, cfg.dx_warps) == (3, 64, 8)
+    inp, kw, dout, dfinal = make_problem(b, l, h, g, p, n, torch.bfloat16, OPTS[opt], seed=9,
+                                         Q=Q)
+    check(inp, kw, Q, dout, dfinal, torch.bfloat16)
 
 
 def test_more_than_65535_batch_heads():

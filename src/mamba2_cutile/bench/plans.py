@@ -65,7 +65,7 @@ def backward_problem_plan(dtype=torch.bfloat16, chunk_size=128, batch=4, seqlen=
     seq = e(b, l, dt=torch.int32) if "seq_idx" in options else None
     dfin = e(b, h, p, n, dt=f32) if "dfinal" in options else None
     dout = e(b, l, h, p)
-    cfg = backward_config(b, h, g, p, n, Q, dtype, seqlen=l)
+    cfg = backward_config(b, h, g, p, n, Q, dtype, seqlen=l, has_z=z is not None)
     cfg = replace(cfg, **cfg.paired_overrides(overrides or {}))
     check_config(cfg, p, n)
     bufs = allocate_buffers(x, dt, Bm, Cm, z, D, bias, cfg, state_dtype)

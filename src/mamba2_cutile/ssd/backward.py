@@ -196,7 +196,7 @@ def head_splits(cfg: BackwardConfig, nheads: int, ngroups: int) -> int:
 
 
 def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
-                    sms=DEFAULT_SMS, seqlen=None) -> BackwardConfig:
+                    sms=DEFAULT_SMS, seqlen=None, has_z=False) -> BackwardConfig:
     """The dispatcher: a config from the shape alone (no search, no sync), then
     MAMBA2_CUTILE_BWD_CONFIG overrides ("dx_block_q=32,lowp=1"). The recompute's tiles come
     from the forward's shape rule, never from MAMBA2_CUTILE_CONFIG or the tuning table.
@@ -212,15 +212,16 @@ def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
     group per program, one program per SM: short sequences) splits each group's heads over
     up to sms / programs programs (`bc_head_split`); otherwise dB and dC go through the
     gradient of each group's C B^T (`bc_fused=2`), as without `seqlen`, and that launch
-    forms the decay gradient's W terms too (`da_mode=3`)."""
+    forms the decay gradient's W terms too (`da_mode=3`); there, without z (`has_z`), a
+    headdim of 64 in 16 bits takes `bwd_chunk_dx` programs over all 64 channels."""
     return _config.with_env(backward_shape_config(batch, nheads, ngroups, headdim, dstate,
-                                                  chunk_size, dtype, sms, seqlen),
+                                                  chunk_size, dtype, sms, seqlen, has_z),
                             _config.ENV_BACKWARD)
 
 
 @functools.lru_cache(maxsize=1024)
 def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
-                          sms=DEFAULT_SMS, seqlen=None) -> BackwardConfig:
+                          sms=DEFAULT_SMS, seqlen=None, has_z=False) -> BackwardConfig:
     """`backward_config`'s rule, before the environment's overrides. Memoized: a pure
     function of its arguments, on every backward call's hot path (the configs are frozen)."""
     chunk_size = min(chunk_size, 128)
@@ -314,6 +315,21 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # benchmarks/results/2026-12-05-h100-backward-sweep-da-mode-3.jsonl)
         cfg = replace(cfg, bc_fused=2, da_mode=3, bc_block_q=min(chunk_size, 32),
                       dcb_occupancy=4, bc_occupancy=2, bc_warps=4)
+        # bwd_chunk_dx without its key-block loop (da_mode 3, no z): at headdim 64 one program
+        # over all 64 channels with 8 warps forms B_t C_q^T half as often as two of 32. H100,
+        # bf16, chunk 256 computed at 128 unless named, bwd_chunk_dx / whole backward, ms:
+        #   seed (4, 16384, 8, chunk 128)   0.401 -> 0.338 / 1.129 -> 1.052
+        #   130M (2, 8192, 24)              0.293 -> 0.256 / 0.715 -> 0.676
+        #   1.3B (2, 8192, 64)              0.753 -> 0.651 / 1.562 -> 1.463
+        #   2.7B (2, 8192, 80)              0.935 -> 0.810 / 1.950 -> 1.814
+        #   7B-class (2, 8192, 128, G=8)    1.494 -> 1.288 / 3.387 -> 3.186
+        #   1.3B (1, 65536, 64)             3.406 -> 2.600 / 7.393 -> 6.569
+        #   dstate 256 (2, 8192, 32)        0.864 -> 0.546 / 1.528 -> 1.212
+        # (benchmarks/results/2026-12-06-h100-backward-sweep-dx-64-channels.jsonl). Headdim 128
+        # keeps 4 warps (8: 0.800 -> 0.971 ms); with z, and short sequences (da_mode 1, the
+        # key-block loop: 1.3B at 1 x 2048 0.145 -> 0.196 ms), 32 channels stay.
+        if pp == 64 and dtype != torch.float32 and not has_z:
+            cfg = replace(cfg, dx_block_p=64, dx_warps=8)
     return cfg
 
 
@@ -630,7 +646,8 @@ def run_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D=None, z
     dout = torch.zeros_like(xk) if dout is None else as_kernel_input(dout, mm)
     seq = seq_ids_int32(seq_idx)
 
-    cfg = config or backward_config(b, h, g, p, n, chunk_size, mm, sms, seqlen=l)
+    cfg = config or backward_config(b, h, g, p, n, chunk_size, mm, sms, seqlen=l,
+                                    has_z=z is not None)
     check_config(cfg, p, n)
     state_dtype = state_dtype or default_state_dtype(mm, f32)
     lo, hi = dt_clamp_bounds(dt_limit)
