@@ -274,16 +274,22 @@ def test_scan_cb_scratch_past_int32_widens_only_its_launches():
         False, False, True, True, True]
 
 
+#: the 32-channel, 4-warp dx tiles bwd_chunk_dx_group was timed with (the dispatcher gives the
+#: per-head kernel 64 channels and 8 warps at headdim 64 since 2026-12-06)
+NARROW = dict(dx_block_p=32, dx_warps=4)
+
+
 @pytest.mark.parametrize("problem, over, spill_free", [
-    ({}, dict(dx_heads=8), True),
-    (dict(batch=2, seqlen=8192, nheads=80, chunk_size=256), dict(dx_heads=16), True),
-    (dict(batch=2, seqlen=8192, nheads=128, ngroups=8, chunk_size=256), dict(dx_heads=16), True),
+    ({}, dict(dx_heads=8, **NARROW), True),
+    (dict(batch=2, seqlen=8192, nheads=80, chunk_size=256), dict(dx_heads=16, **NARROW), True),
+    (dict(batch=2, seqlen=8192, nheads=128, ngroups=8, chunk_size=256),
+     dict(dx_heads=16, **NARROW), True),
     (dict(batch=2, seqlen=8192, nheads=48, headdim=128, chunk_size=256),
      dict(dx_heads=8, dx_block_p=32), True),
     (dict(batch=2, seqlen=8192, nheads=32, dstate=256, chunk_size=256),
-     dict(dx_heads=8, dx_warps=4), False),
+     dict(dx_heads=8, **NARROW), False),
     (dict(batch=2, seqlen=8192, nheads=32, dstate=256, chunk_size=256),
-     dict(dx_heads=8, dx_block_n=128, dx_occupancy=2, dx_warps=4), True),
+     dict(dx_heads=8, dx_block_n=128, dx_occupancy=2, **NARROW), True),
 ], ids=["seed-8", "2.7b-16", "7b-16", "p128-8", "n256-8", "n256-8-n128-occ2"])
 @pytest.mark.parametrize("options", [("D_head", "dfinal"), ("D_chan", "seq_idx", "init")],
                          ids=["D", "Dp-seq-init"])
