@@ -26,7 +26,7 @@ def grads(shape, inp, dout, dfinal, cfg, state_dtype):
     def launch_fn(calls):
         launch_calls(calls, inp["x"].device)
     return backward.run_backward(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
-                                 shape.chunk, dout, dfinal, D=inp["D"],
+                                 shape.chunk, dout, dfinal, D=inp["D"], z=inp.get("z"),
                                  initial_states=inp["initial_states"], state_dtype=state_dtype,
                                  config=cfg, launch_fn=launch_fn, sms=num_sms(0))
 
@@ -38,9 +38,10 @@ def rel(a, b):
 def mamba_ssm_grads(shape, inp, dout, dfinal):
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as f
     leaves = {k: inp[k].detach().clone().requires_grad_(True)
-              for k in ("x", "dt", "A", "B", "C", "D", "initial_states")}
+              for k in ("x", "dt", "A", "B", "C", "D", "initial_states", "z") if k in inp}
     out, fin = f(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], shape.chunk,
-                 D=leaves["D"], initial_states=leaves["initial_states"], return_final_states=True)
+                 D=leaves["D"], z=leaves.get("z"), initial_states=leaves["initial_states"],
+                 return_final_states=True)
     torch.autograd.backward([out, fin], [dout, dfinal])
     return {k: v.grad for k, v in leaves.items()}
 
@@ -64,7 +65,7 @@ def sweep_shape(shape, specs):
         os.environ["MAMBA2_CUTILE_BWD_CONFIG"] = ",".join(parts)
         try:
             cfg = backward.backward_config(b, h, g, p, n, chunk, shape.dtype, num_sms(0),
-                                           seqlen=seqlen)
+                                           seqlen=seqlen, has_z=inp.get("z") is not None)
             got = grads(shape, inp, dout, dfinal, cfg, sdt)
             row = {"shape": shape.name, "config": spec}
             if first is None:

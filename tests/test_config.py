@@ -159,3 +159,21 @@ def test_dx_tiles(batch, seqlen, nheads, headdim, dstate, dtype, has_z, tiles):
                                 has_z)
     assert (cfg.dx_block_p, cfg.dx_warps, cfg.dx_occupancy) == tiles
     assert cfg.da_mode == (1 if seqlen == 2048 else 3)
+
+
+@pytest.mark.parametrize("dstate, over, tiles", [
+    (128, {"bc_fused": 1}, (32, 4)),                 # da_mode reset to 1 with the launch
+    (128, {"da_mode": 1}, (32, 4)),
+    (128, {"bc_fused": 1, "dx_block_p": 64}, (64, 8)),  # named: kept
+    (128, {"dx_warps": 4}, (64, 4)),                  # da_mode 3 stays
+    (256, {"bc_fused": 1}, (32, 8))])                 # dstate 256 keeps its 8 warps
+def test_leaving_da_mode_3_takes_the_narrow_dx_tiles(dstate, over, tiles):
+    """An override that leaves da_mode 3 without naming bwd_chunk_dx's tiles takes them back
+    from the 64-channel, 8-warp programs (measured only without the key-block loop)."""
+    from dataclasses import replace
+
+    from mamba2_cutile.ssd.backward import backward_shape_config
+    cfg = backward_shape_config(2, 80, 1, 64, dstate, 256, BF, 132, 8192)
+    assert (cfg.da_mode, cfg.dx_block_p, cfg.dx_warps) == (3, 64, 8)
+    got = replace(cfg, **cfg.paired_overrides(over))
+    assert (got.dx_block_p, got.dx_warps) == tiles

@@ -309,6 +309,24 @@ def test_dx_heads_compiles(problem, over, spill_free, options):
         assert res["stack"] == 0, res
 
 
+@pytest.mark.parametrize("problem, options, ctas, max_stack", [
+    (dict(batch=2, seqlen=8192, nheads=80, chunk_size=256), ("D_head", "dfinal"), 2, 64),
+    (dict(batch=2, seqlen=8192, nheads=80, chunk_size=256),
+     ("D_chan", "seq_idx", "init", "dfinal", "dt_bias", "softplus"), 2, 128),
+    (dict(batch=2, seqlen=8192, nheads=32, dstate=256, chunk_size=256), ("D_head",), 1, 0),
+], ids=["2.7b-D", "2.7b-all-but-z", "n256-D"])
+def test_dx_64_channel_compiles(problem, options, ctas, max_stack):
+    """The dispatcher's bwd_chunk_dx at headdim 64 without z (64 channels, 8 warps) compiles
+    for sm_90 at two CTAs per SM with dstate 128 (spilling 32-88 bytes per thread in
+    tileiras 13.4, timed so: benchmarks/results/2026-12-06-h100-backward-sweep-dx-64-
+    channels.jsonl) and without spills at dstate 256 (one CTA per SM, no occupancy hint)."""
+    calls = plans.backward_problem_plan(options=options, **problem)
+    call = calls[[variants.kernel_name(c) for c in calls].index("bwd_chunk_dx")]
+    assert variants.kernel_arg(call, "BLOCK_P") == 64
+    res = resources.compile_resources(call)
+    assert res["ctas_per_sm"] == ctas and res["stack"] <= max_stack, res
+
+
 def test_heads_kernels_int64_variants_compile():
     """Past 2^31 elements the plans launch the 64-bit variants of chunk_scan_group and
     bwd_chunk_dx_group; both compile for sm_90."""
@@ -317,7 +335,7 @@ def test_heads_kernels_int64_variants_compile():
     fwd = plans.forward_problem_plan(options=("D_head",), int64=True, overrides=dict(
         scan_heads=8, scan_block_q=64, scan_occupancy=2))
     bwd = plans.backward_problem_plan(options=("D_head", "dfinal"), int64=True,
-                                      overrides=dict(dx_heads=8))
+                                      overrides=dict(dx_heads=8, **NARROW))
     for calls, name in ((fwd, "chunk_scan_group"), (bwd, "bwd_chunk_dx_group")):
         call = next(c for c in calls if variants.kernel_name(c) == name)
         fn = call.kernel._annotated_function.pyfunc
