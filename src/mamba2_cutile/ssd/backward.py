@@ -221,7 +221,7 @@ def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
     up to sms / programs programs (`bc_head_split`); otherwise dB and dC go through the
     gradient of each group's C B^T (`bc_fused=2`), as without `seqlen`, and that launch
     forms the decay gradient's W terms too (`da_mode=3`); there, without z (`has_z`), a
-    headdim of 64 in 16 bits takes `bwd_chunk_dx` programs over all 64 channels."""
+    headdim of 33 to 64 in 16 bits takes `bwd_chunk_dx` programs over all 64 (padded) channels."""
     return _config.with_env(backward_shape_config(batch, nheads, ngroups, headdim, dstate,
                                                   chunk_size, dtype, sms, seqlen, has_z),
                             _config.ENV_BACKWARD)
@@ -323,8 +323,8 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # benchmarks/results/2026-12-05-h100-backward-sweep-da-mode-3.jsonl)
         cfg = replace(cfg, bc_fused=2, da_mode=3, bc_block_q=min(chunk_size, 32),
                       dcb_occupancy=4, bc_occupancy=2, bc_warps=4)
-        # bwd_chunk_dx without its key-block loop (da_mode 3, no z): at headdim 64 one program
-        # over all 64 channels with 8 warps forms B_t C_q^T half as often as two of 32. H100,
+        # bwd_chunk_dx without its key-block loop (da_mode 3, no z): at headdim 33-64 (timed at
+        # 64) one program over all 64 channels with 8 warps forms B_t C_q^T half as often as two of 32. H100,
         # bf16, chunk 256 computed at 128 unless named, bwd_chunk_dx / whole backward, ms:
         #   seed (4, 16384, 8, chunk 128)   0.401 -> 0.338 / 1.129 -> 1.052
         #   130M (2, 8192, 24)              0.293 -> 0.256 / 0.715 -> 0.676
