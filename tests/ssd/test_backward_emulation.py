@@ -400,3 +400,23 @@ def test_emulated_dx_heads_odd_heads_per_group(l):
     assert backward.dx_group_heads(cfg, 6, False) == 2
     assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
                  reference_grads(args, kw, Q, dout, dfinal))
+
+
+@pytest.mark.parametrize("opt", ["seq_idx", "init_no_dfinal", "all_but_z"])
+def test_emulated_dx_whole_headdim(opt):
+    """The dispatcher's long-sequence dx tiles at headdim 64: one bwd_chunk_dx program per token
+    block over all 64 channels (one p-tile, no padding) beside da_mode 3's dS launch, a last
+    chunk of 20 tokens, 2 token blocks per chunk."""
+    Q = 32
+    options = dict(OPTIONS["all"], z=False) if opt == "all_but_z" else OPTIONS[opt]
+    args, kw, dout, dfinal = make_problem(options, l=84, Q=Q, seed=17, h=4, g=2, p=64, n=20)
+    cfg = small_config(Q, 64, 20, bc_fused=2, da_mode=3, bc_block_q=16, dx_block_q=16,
+                       dx_block_p=64, bc_block_p=32)
+    calls = []
+    backward.run_backward(**args, chunk_size=Q, dout=dout, dfinal_states=dfinal, **kw,
+                          config=cfg, launch_fn=calls.extend, buf_dtype=F64)
+    dx = next(c for c in calls
+              if c.kernel._annotated_function.pyfunc.__name__ == "bwd_chunk_dx_fn")
+    assert dx.grid[1] == 1
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
