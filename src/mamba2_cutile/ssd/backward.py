@@ -171,9 +171,27 @@ class BackwardConfig:
         if (self.da_mode == 3 and out.get("da_mode", 3) != 3
                 and (self.dx_block_p, self.dx_warps) == (64, 8)
                 and "dx_block_p" not in out and "dx_warps" not in out):
-            out["dx_block_p"] = 32
-            out["dx_warps"] = 8 if self.dstate_pad >= 256 else 4
+            # (64, 8) is given to 16-bit headdims of 33-64 only
+            out["dx_block_p"], out["dx_warps"] = key_loop_dx_tiles(64, self.dstate_pad,
+                                                                   torch.bfloat16)
         return out
+
+
+def key_loop_dx_tiles(headdim_pad: int, dstate_pad: int, dtype) -> tuple:
+    """bwd_chunk_dx's (channels, warps) where it runs its key-block loop (da_mode 0-2, or z):
+    32 channels (64 at headdim 128), 4 warps (8 at dstate 256 in 16 bits). The 32-channel
+    programs at two per SM: H200, bf16, B=2 T=4096 H=80 G=1 and B=8 T=2048 H=128 G=8, chunk
+    256: bwd_chunk_dx 0.832 -> 0.669 and 2.636 -> 2.119 ms
+    (benchmarks/results/2026-12-01-h200-backward-sweep-tiles-occupancy.txt); headdim 128 in
+    64-channel programs (C B^T formed half as often): 1.135 -> 1.000 ms at B=2 T=8K H=48
+    P=128 chunk 256 (H200, 2026-12-05, timed while GPU tests shared the GPU; gradients
+    equal; benchmarks/results/2026-12-05-h200-backward-sweep-dstate256-headdim128.jsonl);
+    8 warps at dstate 256: 0.962 -> 0.901 ms at B=2 T=8K H=32 N=256 chunk 256 (H200, the
+    same run). fp32 inputs keep 32 channels (their tiles are held in fp32)."""
+    wide = dstate_pad >= 256 or dtype == torch.float32
+    block_p = 64 if headdim_pad == 128 and not wide else min(headdim_pad, 32)
+    warps = 8 if dstate_pad >= 256 and dtype != torch.float32 else 4
+    return block_p, warps
 
 
 def scale_dy(cfg: BackwardConfig) -> bool:
@@ -236,9 +254,11 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
     fwd = forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms)
     np_ = max(16, next_pow2(dstate))
     pp = max(16, next_pow2(headdim))
-    # bwd_chunk_dx holds (BQ, NP) B/C tiles and (BP, NP) fp32 h_c / dS_c tiles at once: keep
-    # the p-tile narrow for a wide state or fp32 inputs
+    # bwd_chunk_dx holds (BQ, NP) B/C tiles and (BP, NP) h_c / dS_c tiles at once: a wide
+    # state or fp32 inputs keep the compiler's occupancy (and narrower state-pass tiles)
     wide = np_ >= 256 or dtype == torch.float32
+    # (the long-sequence rule below gives da_mode 3 without z other dx tiles)
+    dx_block_p, dx_warps = key_loop_dx_tiles(pp, np_, dtype)
     cfg = BackwardConfig(
         chunk_size=chunk_size,
         cumsum_block_h=fwd.cumsum_block_h,
@@ -258,20 +278,13 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # (the narrow tiles of the kernel before the weights moved to dY, on another H100:
         # 0.158 seed, 0.097 130M, 0.278 2.7B, 0.417 7B-class: the whole state is slower at
         # the seed problem than that; benchmarks/results/2026-12-06-h100-backward-sweep-*).
-        # The 32-channel dx programs at two per SM: H200, bf16, B=2 T=4096 H=80 G=1 and B=8
-        # T=2048 H=128 G=8, chunk 256: bwd_chunk_dx 0.832 -> 0.669 and 2.636 -> 2.119 ms
-        # (benchmarks/results/2026-12-01-h200-backward-sweep-tiles-occupancy.txt). Wide
-        # problems (dstate 256, fp32) keep the forward's state tiles and the compiler's
+        # Wide problems (dstate 256, fp32) keep the forward's state tiles and the compiler's
         # occupancy.
         bstate_block_p=fwd.state_block_p if wide else min(pp, 64),
         bstate_block_n=fwd.state_block_n if wide else min(np_, 128),
         bstate_occupancy=0 if wide else 2,
         dx_block_q=min(chunk_size, 64),
-        # headdim 128: the whole-state dx program over 64 channels (C B^T formed half as
-        # often): 1.135 -> 1.000 ms at B=2 T=8K H=48 P=128 chunk 256 (H200, 2026-12-05, timed
-        # while GPU tests shared the GPU, not yet alone; gradients equal;
-        # benchmarks/results/2026-12-05-h200-backward-sweep-dstate256-headdim128.jsonl)
-        dx_block_p=64 if pp == 128 and not wide else min(pp, 32),
+        dx_block_p=dx_block_p,
         dx_occupancy=0 if wide else 2,
         dstate_pad=np_,
         bc_block_q=min(chunk_size, 64),
@@ -299,9 +312,7 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # rounds the gated dY to the input dtype for it, and da_mode 2 forms dA terms under
         # lowp).
         lowp=1,
-        # dstate 256 in 16 bits: 8 warps (0.962 -> 0.901 ms at B=2 T=8K H=32 N=256 chunk 256,
-        # H200, the same run)
-        dx_warps=8 if np_ >= 256 and dtype != torch.float32 else 4,
+        dx_warps=dx_warps,
         bc_load_latency=4,
         bstate_load_latency=8,
     )
@@ -323,9 +334,10 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # benchmarks/results/2026-12-05-h100-backward-sweep-da-mode-3.jsonl)
         cfg = replace(cfg, bc_fused=2, da_mode=3, bc_block_q=min(chunk_size, 32),
                       dcb_occupancy=4, bc_occupancy=2, bc_warps=4)
-        # bwd_chunk_dx without its key-block loop (da_mode 3, no z): at headdim 33-64 (timed at
-        # 64) one program over all 64 channels with 8 warps forms B_t C_q^T half as often as two of 32. H100,
-        # bf16, chunk 256 computed at 128 unless named, bwd_chunk_dx / whole backward, ms:
+        # bwd_chunk_dx without its key-block loop (da_mode 3, no z): at headdim 33-64 (timed
+        # at 64) one program over all 64 channels with 8 warps forms B_t C_q^T half as often
+        # as two of 32. H100, bf16, chunk 256 computed at 128 unless named, bwd_chunk_dx /
+        # whole backward, ms:
         #   seed (4, 16384, 8, chunk 128)   0.401 -> 0.338 / 1.129 -> 1.052
         #   130M (2, 8192, 24)              0.293 -> 0.256 / 0.715 -> 0.676
         #   1.3B (2, 8192, 64)              0.753 -> 0.651 / 1.562 -> 1.463
