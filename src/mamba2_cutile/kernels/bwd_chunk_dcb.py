@@ -25,10 +25,13 @@ with S = C B^T (bwd_chunk_dx's docstring): of block (i, j), j <= i, the row sums
 tokens of block i in slot j and minus its column sums to the tokens of block j in slot i (both
 in slot i on the diagonal), so each token's slots add up to r - c of its row and column of W,
 every (slot, block) written by one program; bwd_chunk_dx then adds its own terms.
-Grid: (nc * B * G, (Q / BLOCK_Q)^2).
+Grid: ((Q / BLOCK_Q)^2 * nc * B * G,), a chunk's block pairs adjacent: the programs of one
+chunk run together and share its dout and x blocks in L2 (with the chunk the fastest index
+they ran a wave apart, and at 2.7B the launch read 1.8x the bytes of x and dout from DRAM).
 
-3b: one program = one whole chunk x one n-tile (BLOCK_N) of one group; grid axis 2 picks the
-output (0: dC, 1: dB). Grid: (nc * B * G, cdiv(N, BLOCK_N), 2).
+3b: one program = one whole chunk x one n-tile (BLOCK_N) of one group and one output (dC or
+dB). Grid: (cdiv(N, BLOCK_N) * 2 * nc * B * G,), n-tiles fastest, then the output: the
+programs reading a chunk's dout (dC) or x (dB) run side by side.
 """
 
 import cuda.tile as ct
@@ -77,12 +80,14 @@ def bwd_chunk_dcb_fn(
     ngroups = dcb.shape[1]
     nc = ct.cdiv(seqlen, Q)
     n_pt = ct.cdiv(x.shape[3], BLOCK_P)
-    chunk = ct.bid(0) % nc
-    bg = ct.bid(0) // nc
+    pair = ct.bid(0) % (NBPC * NBPC)
+    rest = ct.bid(0) // (NBPC * NBPC)
+    chunk = rest % nc
+    bg = rest // nc
     batch = bg // ngroups
     group = bg % ngroups
-    i = ct.bid(1) // NBPC
-    j = ct.bid(1) % NBPC
+    i = pair // NBPC
+    j = pair % NBPC
     row_blk = chunk * NBPC + i
     col_blk = chunk * NBPC + j
     mm = x.dtype
@@ -165,9 +170,12 @@ def bwd_chunk_dbc_group_fn(
     ngroups = b.shape[2]
     nc = ct.cdiv(seqlen, Q)
     n_pt = ct.cdiv(x.shape[3], BLOCK_P)
-    chunk = ct.bid(0) % nc
-    bg = ct.bid(0) // nc
-    n_tile = ct.bid(1)
+    n_nt = ct.cdiv(b.shape[3], BLOCK_N)
+    n_tile = ct.bid(0) % n_nt
+    kind = (ct.bid(0) // n_nt) % 2               # 0: dC, 1: dB
+    rest = ct.bid(0) // (2 * n_nt)
+    chunk = rest % nc
+    bg = rest // nc
     batch = bg // ngroups
     group = bg % ngroups
     mm = x.dtype
@@ -177,7 +185,7 @@ def bwd_chunk_dbc_group_fn(
     # inner blocks holding tokens (a block wholly past the sequence is not loaded)
     k_end = ct.minimum(NKB, ct.cdiv(seqlen - chunk * Q, BLOCK_K))
     acc = ct.full((Q, BLOCK_N), 0.0, dtype=ct.float32)
-    if ct.bid(2) == 0:
+    if kind == 0:
         for hh in range(HEADS_PER_GROUP):
             head = group * HEADS_PER_GROUP + hh
             state_w = state_weight(block_decay(cum, batch, head, chunk, Q, LAT), s, before,

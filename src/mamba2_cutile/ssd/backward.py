@@ -535,7 +535,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
         calls.append(KernelCall(
             with_hints(bwd_chunk_dcb_i64 if int64 else bwd_chunk_dcb, cfg.dcb_occupancy,
                        cfg.dcb_warps),
-            (nchunks * batch * ngroups, nbpc * nbpc, 1),
+            (nbpc * nbpc * nchunks * batch * ngroups, 1, 1),
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.dcb,
              bufs.da_part, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.dstate_pad, hpg, has_z,
              has_seq, lowp, cfg.bc_load_latency, cfg.da_mode == 3), stream=s2))
@@ -548,7 +548,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
         calls.append(KernelCall(
             with_hints(bwd_chunk_dbc_group_i64 if int64 else bwd_chunk_dbc_group,
                        cfg.bc_occupancy, cfg.bc_warps),
-            (nchunks * batch * ngroups, -(-dstate // cfg.bc_block_n), 2),
+            (-(-dstate // cfg.bc_block_n) * 2 * nchunks * batch * ngroups, 1, 1),
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
              bufs.dstates, bufs.dcb, bufs.dB, bufs.dC, Q, min(cfg.bc_block_q, 64),
              cfg.bc_block_p, cfg.bc_block_n, hpg, has_z, has_seq, lowp, cfg.bc_load_latency)))
