@@ -106,7 +106,8 @@ def test_parse_overrides():
     (2, 80, 64, 128, 128, torch.float16, (128, 2)),  # 160 > 132: two per SM
     (2, 80, 64, 64, 128, BF, (64, 2)),          # a 64-wide whole state is not halved
     (2, 48, 64, 128, 64, BF, (64, 0)),          # chunk 64: as before
-    (2, 48, 128, 128, 256, BF, (128, 0)),       # chunk 256: as before
+    (2, 48, 256, 128, 256, BF, (128, 0)),       # computed at chunk 256: as before
+    (2, 48, 128, 128, 256, BF, (128, 2)),       # chunk 256 computed at 128 (headdim 128)
     (2, 80, 64, 128, 128, torch.float32, (128, 0)),  # no hint for fp32
     (1, 1, 20, 7, 128, torch.float64, (16, 0))])     # the smallest tile
 def test_state_pass_tiles(batch, nheads, headdim, dstate, chunk, dtype, tiles):

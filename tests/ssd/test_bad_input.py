@@ -616,7 +616,7 @@ def test_gpu_kernels_causal(name, value, seq, dtype, Q, where, causal):
                f"tol {forward_tol(dtype):.0e}")
 
 
-#: the shape rule's config where chunk_scan_group runs (long sequences at headdim <= 64):
+#: the shape rule's config where chunk_scan_group runs (long sequences at headdim <= 128):
 #: computed at chunk 128, also for a chunk-256 call
 GROUP_RULE = "chunk_size=128,scan_heads=16,scan_block_q=64,scan_occupancy=2"
 

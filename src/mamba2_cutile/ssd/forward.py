@@ -178,13 +178,18 @@ def group_heads(nheads, ngroups) -> int:
 def uses_group_scan(batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size, dtype,
                     sms=DEFAULT_SMS) -> bool:
     """Whether the shape rule's output launch is chunk_scan_group, computed at GROUP_CHUNK:
-    where it was timed (16-bit inputs, headdim <= 64, dstate <= 128, chunk 128 or 256), and
+    where it was timed (16-bit inputs, headdim <= 128, dstate <= 128, chunk 128 or 256), and
     its grid gives every SM a program (`seqlen` None: assumed long). Its grid is a program per
     64-token block, group, p-tile and `group_heads` heads, a fraction of chunk_scan's: at B=1
     T=512 H=24 chunk 256 it had 24 programs, 0.033 -> 0.041 ms; at B=1 T=2048 H=64, 128
     programs, 0.0895 -> 0.0915 ms; at B=4 T=4096 H=8 chunk 128, 256 programs, 0.093 -> 0.068 ms
-    (H100, 2026-12-05; the others H200, 2026-12-05)."""
-    if (chunk_size not in (128, 256) or dtype == torch.float32 or headdim > 64
+    (H100, 2026-12-05; the others H200, 2026-12-05). Headdim 128 (two 64-channel p-tiles) at
+    B=2 T=8K H=48 chunk 256: forward 0.639 -> 0.477 ms (mamba_ssm 0.712; chunk_scan 0.444 ->
+    chunk_scan_group 0.290), outputs 5.1e-3 of the largest element from mamba_ssm's as at
+    chunk 256 (H100, 2026-12-06, benchmarks/results/2026-12-06-h100-forward-sweep-group-
+    headdim128-dstate256.jsonl). dstate 256 ran faster too (0.312 -> 0.270 ms at B=2 T=8K
+    H=32) but its output was not checked on a GPU: it keeps chunk_scan."""
+    if (chunk_size not in (128, 256) or dtype == torch.float32 or headdim > 128
             or dstate > 128):
         return False
     if chunk_size == 256 and dtype not in (torch.bfloat16, torch.float16):
