@@ -110,14 +110,16 @@ def test_against_mamba_ssm_forward_chunk256():
     compare_with_mamba(inp, kw, 256, torch.bfloat16)
 
 
+@pytest.mark.parametrize("p", [64, 128], ids=["P64", "P128"])
 @pytest.mark.parametrize("opt", ["none", "all"])
-def test_chunk256_computed_at_128(opt):
-    """A long chunk-256 call at headdim 64 (B=1 T=8229 H=24): the shape rule computes it at
-    chunk 128 with chunk_scan_group. Against the float64 recurrence (forward_tol); varlen
-    states of four packed sequences (one of a single token) against the recurrence's; last,
-    within 1.5x of mamba_ssm's error at chunk 256 (a skip without mamba_ssm)."""
+def test_chunk256_computed_at_128(opt, p):
+    """A long chunk-256 call at headdim 64 or 128 (B=1 T=8229 H=24; 128: two p-tiles): the
+    shape rule computes it at chunk 128 with chunk_scan_group. Against the float64 recurrence
+    (forward_tol); varlen states of four packed sequences (one of a single token) against the
+    recurrence's; last, within 1.5x of mamba_ssm's error at chunk 256 (a skip without
+    mamba_ssm)."""
     from mamba2_cutile.ssd import forward
-    b, l, h, g, p, n = 1, 8229, 24, 1, 64, 128
+    b, l, h, g, n = 1, 8229, 24, 1, 128
     cfg = forward.forward_config(b, h, p, n, 256, torch.bfloat16, 132, seqlen=l,
                                  device_index=0, ngroups=g, has_seq=opt == "all")
     assert (cfg.chunk_size, cfg.scan_heads) == (128, 16), cfg
@@ -376,8 +378,9 @@ def test_scan_heads(Q, block_q, heads, g, opt, dtype):
 
     b, l, h, p, n = 2, 700, 8, 80, 96
     inp, kw = make_problem(b, l, h, g, p, n, dtype, OPTS[opt], seed=5)
-    cfg = replace(forward.forward_config(b, h, p, n, Q, dtype), scan_block_q=block_q,
-                  scan_heads=heads)
+    # the caller's chunk: the shape rule would compute a chunk-256 call at 128
+    cfg = replace(forward.forward_config(b, h, p, n, Q, dtype), chunk_size=Q,
+                  scan_block_q=block_q, scan_heads=heads)
     y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
     dt_limit = kw.pop("dt_limit", (0.0, float("inf")))
     y, hf, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit, config=cfg, **kw)

@@ -412,11 +412,11 @@ def test_seq_idx_clamps_the_scan_block_after_the_table(cache, launch, monkeypatc
     over a table entry that says otherwise; MAMBA2_CUTILE_CONFIG still has the last word."""
     monkeypatch.setattr(tuning, "device_info", lambda idx=0: ("NVIDIA H200", 132))
     kw = dict(seqlen=16384, device_index=0)
-    for chunk, headdim in ((128, 64), (256, 64), (256, 128)):
+    for chunk, headdim in ((128, 64), (256, 64), (256, 128), (256, 256)):
         cfg = seed_cfg(launch, chunk_size=chunk, headdim=headdim)
-        # headdim 64: 64-token blocks under the shape rule already (chunk_scan_group, at
-        # chunk 128 also for a chunk-256 call)
-        assert cfg.scan_block_q == (64 if headdim == 64 else 128)
+        # headdim <= 128: 64-token blocks under the shape rule already (chunk_scan_group, at
+        # chunk 128 also for a chunk-256 call); chunk_scan over 128-token blocks at 256
+        assert cfg.scan_block_q == (64 if headdim <= 128 else 128)
         seq = launch.forward_config(4, 8, headdim, 128, chunk, torch.bfloat16, has_seq=True)
         assert (seq.scan_block_q, seq.scan_occupancy) == (64, 2)
         assert replace(seq, scan_block_q=cfg.scan_block_q,
@@ -435,9 +435,9 @@ def test_seq_idx_clamps_the_scan_block_after_the_table(cache, launch, monkeypatc
     # the plan a compile test builds follows the same rule: twice the query blocks
     from mamba2_cutile.bench import plans
     plain = search.launch_of(plans.forward_problem_plan(options=("z",), chunk_size=256,
-                                                        headdim=128), "chunk_scan")
+                                                        headdim=256), "chunk_scan")
     seq = search.launch_of(plans.forward_problem_plan(options=("z", "seq_idx"),
-                                                      chunk_size=256, headdim=128), "chunk_scan")
+                                                      chunk_size=256, headdim=256), "chunk_scan")
     assert seq.grid[0] == 2 * plain.grid[0] and seq.grid[1:] == plain.grid[1:]
 
 
@@ -487,12 +487,13 @@ def test_split_space_per_kernel():
 def test_launch_of_finds_kernels_by_name():
     """The tuner's launch lookup by kernel name: with state_segments, chunk_state_carry sits
     between the state pass and chunk_scan; chunk_scan is the output launch (chunk_scan_group
-    at headdim 64), not the flagged-tile pass after it (scan_causal 4, the default)."""
+    at headdims up to 128), not the flagged-tile pass after it (scan_causal 4, the default)."""
     pytest.importorskip("cuda.tile")
     from mamba2_cutile.bench import plans
-    for p, over, out in ((128, None, "chunk_scan"), (128, {"state_segments": 4}, "chunk_scan"),
+    for p, over, out in ((256, None, "chunk_scan"), (256, {"state_segments": 4}, "chunk_scan"),
                          (64, None, "chunk_scan_group"), (64, {"state_segments": 4},
-                                                          "chunk_scan_group")):
+                                                          "chunk_scan_group"),
+                         (128, None, "chunk_scan_group")):
         calls = plans.forward_problem_plan(overrides=over, chunk_size=256, headdim=p)
         for name in ("decay_cumsum", "chunk_state_pass", "chunk_scan"):
             call = search.launch_of(calls, name)

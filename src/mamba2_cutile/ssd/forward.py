@@ -187,8 +187,12 @@ def uses_group_scan(batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size,
     B=2 T=8K H=48 chunk 256: forward 0.639 -> 0.477 ms (mamba_ssm 0.712; chunk_scan 0.444 ->
     chunk_scan_group 0.290), outputs 5.1e-3 of the largest element from mamba_ssm's as at
     chunk 256 (H100, 2026-12-06, benchmarks/results/2026-12-06-h100-forward-sweep-group-
-    headdim128-dstate256.jsonl). dstate 256 ran faster too (0.312 -> 0.270 ms at B=2 T=8K
-    H=32) but its output was not checked on a GPU: it keeps chunk_scan."""
+    headdim128-dstate256.jsonl); that one bf16 shape is the timing behind headdims 65-128
+    (fp16 and partial second p-tiles, headdim 80 or 96, follow it untimed). The program
+    count below leaves p-tiles out, as the short-sequence limits were timed at headdim 64
+    (one p-tile): at headdims 65-128 a short sequence keeps chunk_scan until its group grid
+    is twice the SMs. dstate 256 ran faster too (0.312 -> 0.270 ms at B=2 T=8K H=32) but its
+    output was not checked on a GPU: it keeps chunk_scan."""
     if (chunk_size not in (128, 256) or dtype == torch.float32 or headdim > 128
             or dstate > 128):
         return False
