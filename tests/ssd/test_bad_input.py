@@ -647,6 +647,29 @@ def test_gpu_group_launch_causal(name, value, Q, where, seq):
                f"tol {forward_tol(torch.bfloat16):.0e}")
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [80, 128])
+@pytest.mark.parametrize("name, value", [("x", NAN), ("B", INF), ("C", NAN)],
+                         ids=["x=nan", "B=inf", "C=nan"])
+def test_gpu_group_launch_causal_two_p_tiles(name, value, p):
+    """The group output launch over two 64-channel p-tiles (headdim 128, and 80 with a
+    partial second tile), which the shape rule takes for long sequences since headdim 128
+    joined it: a chunk-256 call computed at 128, one bad token mid-chunk, the same contract."""
+    from support.gpu import log_result
+    from support.tolerances import forward_tol
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    Q = 256
+    t = where_in_chunk(Q, "mid")
+    args, kw = make_problem(Q, t, False, True, dtype=torch.bfloat16, b=2, h=8, g=1, p=p,
+                            n=128, device="cuda")
+    e_y, e_h = check_contract(gpu_run(Q, None, GROUP_RULE), args, kw, name, value, t, Q,
+                              forward_tol(torch.bfloat16), strict_nonfinite=False)
+    log_result(f"headdim {p}: out err {e_y:.2e}, final-state err {e_h:.2e} (finite "
+               f"entries), tol {forward_tol(torch.bfloat16):.0e}")
+
 MODES = pytest.mark.parametrize("causal", [0, 1, 2, 3, 4],
                                 ids=["plain", "causal1", "causal2", "causal3", "causal4"])
 
