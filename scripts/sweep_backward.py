@@ -10,6 +10,8 @@ with "state_dtype=bf16" (the dtype of the recomputed entry states and exit gradi
 "chunk=N": the backward's internal chunk length (the chunked algorithm is exact for any chunk,
 so a chunk-256 call may run its backward at 128; gradients then differ only in rounding).
 One JSON line per (shape, config): kernels (ms each, CUDA graph), total_ms, max rel. diffs.
+SWEEP_COMPILE_ONLY=1: run each config's backward once and time nothing (fills the kernel cache,
+so that several shapes can compile in parallel processes before one process times them).
 """
 import json
 import os
@@ -68,6 +70,10 @@ def sweep_shape(shape, specs):
                                            seqlen=seqlen, has_z=inp.get("z") is not None)
             got = grads(shape, inp, dout, dfinal, cfg, sdt)
             row = {"shape": shape.name, "config": spec}
+            if os.environ.get("SWEEP_COMPILE_ONLY"):
+                torch.cuda.synchronize()
+                print(json.dumps({**row, "compiled": True}), flush=True)
+                continue
             if first is None:
                 first = got
             if first is got and os.environ.get("SWEEP_VS_MAMBA"):

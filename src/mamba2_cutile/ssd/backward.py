@@ -93,6 +93,7 @@ class BackwardConfig:
                                  # bc_block_q blocks), then dB and dC from it per whole chunk
     dcb_occupancy: int = 0       # bwd_chunk_dcb's hints (bc_fused=2; bc_occupancy, bc_warps
     dcb_warps: int = 0           # and bc_load_latency are bwd_chunk_dbc_group's)
+    dcb_load_latency: int = 0    # bwd_chunk_dcb's head loop (0: none)
     state_segments: int = 1      # the recompute's state pass in parallel segments and its
     state_occupancy: int = 0     # occupancy hint (ForwardConfig's fields of the same names)
     bstate_segments: int = 1     # bwd_state_pass's reverse loop in parallel segments, then
@@ -127,7 +128,8 @@ class BackwardConfig:
         if self.chunk_size % self.dx_block_q or self.chunk_size % self.bc_block_q:
             raise ValueError(f"BackwardConfig: dx_block_q={self.dx_block_q} and bc_block_q="
                              f"{self.bc_block_q} must divide chunk_size={self.chunk_size}")
-        for name in ("bstate_load_latency", "dx_load_latency", "bc_load_latency"):
+        for name in ("bstate_load_latency", "dx_load_latency", "bc_load_latency",
+                     "dcb_load_latency"):
             c.check_range(self, name, 0, 10)
         for name in ("bstate_occupancy", "dx_occupancy", "bc_occupancy", "state_occupancy",
                      "dcb_occupancy"):
@@ -333,7 +335,7 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # bf16 rounding, 1-3e-3 of their largest element;
         # benchmarks/results/2026-12-05-h100-backward-sweep-da-mode-3.jsonl)
         cfg = replace(cfg, bc_fused=2, da_mode=3, bc_block_q=min(chunk_size, 32),
-                      dcb_occupancy=4, bc_occupancy=2, bc_warps=4)
+                      dcb_occupancy=4, dcb_load_latency=4, bc_occupancy=2, bc_warps=4)
         # bwd_chunk_dx without its key-block loop (da_mode 3, no z): at headdim 33-64 (timed
         # at 64) one program over all 64 channels with 8 warps forms B_t C_q^T half as often
         # as two of 32. H100, bf16, chunk 256 computed at 128 unless named, bwd_chunk_dx /
@@ -538,7 +540,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
             (nbpc * nbpc * nchunks * batch * ngroups, 1, 1),
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.dcb,
              bufs.da_part, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.dstate_pad, hpg, has_z,
-             has_seq, lowp, cfg.bc_load_latency, cfg.da_mode == 3), stream=s2))
+             has_seq, lowp, cfg.dcb_load_latency, cfg.da_mode == 3), stream=s2))
     if side:
         # the recompute on the caller's stream, the side launches above already under way;
         # the next launch reads the states, dS_c and the dS blocks: it joins them
