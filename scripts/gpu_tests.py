@@ -5,7 +5,8 @@
 The GPU tests are compile-bound (each kernel variant compiles on first use), so a whole suite
 does not fit a short time limit: each group runs as `pytest -v -m gpu -n WORKERS` with the time
 limit `--budget` seconds, stopped by SIGINT at its limit (pytest then still reports what ran).
-Every group writes DIR/<group>.txt; the summary lists per group the tests passed, failed,
+Every group writes DIR/<group>.txt (and DIR/<group>-failures.txt: each failure's traceback
+as it happens, so a run killed before pytest's final report still says why); the summary lists per group the tests passed, failed,
 errored and skipped, the failures by name, and how many of the group's tests did not run, so a
 run cut by its limit reads as incomplete, never as a pass. Exit status 1 if any test failed.
 The groups share the GPU, so run no timing beside them.
@@ -68,7 +69,9 @@ def main(argv=None):
         cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider",
                "-n", str(args.workers), "--dist", "loadgroup", *GROUPS[name]] + (["-k", args.k] if args.k else [])
         log = open(os.path.join(args.out, f"{name}.txt"), "w")
-        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        # every failure's traceback as it happens (tests/conftest.py): kept if the run is cut
+        env = {**os.environ, "MAMBA2_TEST_FAILLOG": os.path.join(args.out, f"{name}-failures.txt")}
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True), log, time.time())
     while procs:
         for name, (proc, log, start) in list(procs.items()):

@@ -56,3 +56,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """With $MAMBA2_TEST_FAILLOG set, each failure's traceback is appended to that file as it
+    happens: a GPU run cut by its time limit keeps why its failed tests failed (pytest prints
+    tracebacks only in its final report, which a killed run never writes)."""
+    path = os.environ.get("MAMBA2_TEST_FAILLOG")
+    if not path or not report.failed:
+        return
+    with open(path, "a") as f:
+        f.write(f"=== {report.when} FAILED {report.nodeid}\n{report.longreprtext[-4000:]}\n")
