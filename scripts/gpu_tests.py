@@ -9,7 +9,9 @@ Every group writes DIR/<group>.txt (and DIR/<group>-failures.txt: each failure's
 as it happens, so a run killed before pytest's final report still says why); the summary lists per group the tests passed, failed,
 errored and skipped, the failures by name, and how many of the group's tests did not run, so a
 run cut by its limit reads as incomplete, never as a pass. Exit status 1 if any test failed.
-The groups share the GPU, so run no timing beside them.
+The groups share the GPU, so run no timing beside them, and keep the workers of all groups
+run at once to about 8: 15 at once on one H100 (2026-12-06) failed 32 tests that passed
+when run again alone (benchmarks/results/2026-12-06-h100-gpu-tests-suites-contention-reruns.txt).
 """
 import argparse
 import os

@@ -142,10 +142,10 @@ def test_reverse_state_pass_tiles(batch, nheads, headdim, dstate, dtype, tiles):
 
 
 @pytest.mark.parametrize("batch, seqlen, nheads, headdim, dstate, dtype, has_z, tiles", [
-    (2, 8192, 80, 64, 128, BF, False, (64, 8, 2)),          # 2.7B: 64 channels, 8 warps
-    (4, 16384, 8, 64, 128, torch.float16, False, (64, 8, 2)),  # seed problem in fp16
-    (2, 8192, 32, 64, 256, BF, False, (64, 8, 0)),          # dstate 256: no occupancy hint
-    (4, 16384, 24, 40, 24, BF, False, (64, 8, 2)),          # headdim 40 pads to 64
+    (2, 8192, 80, 64, 128, BF, False, (64, 4, 2)),          # 2.7B: 64 channels, 4 warps
+    (4, 16384, 8, 64, 128, torch.float16, False, (64, 4, 2)),  # seed problem in fp16
+    (2, 8192, 32, 64, 256, BF, False, (64, 8, 0)),          # dstate 256: 8 warps, no hint
+    (4, 16384, 24, 40, 24, BF, False, (64, 4, 2)),          # headdim 40 pads to 64
     (2, 8192, 80, 64, 128, BF, True, (32, 4, 2)),           # z: the key-block loop stays
     (1, 2048, 64, 64, 128, BF, False, (32, 4, 2)),          # short: head split, da_mode 1
     (2, 8192, 48, 128, 128, BF, False, (64, 4, 2)),         # headdim 128 keeps 4 warps
@@ -153,8 +153,8 @@ def test_reverse_state_pass_tiles(batch, nheads, headdim, dstate, dtype, tiles):
     (2, 8192, 80, 32, 128, BF, False, (32, 4, 2))])         # headdim 32: one 32-wide tile
 def test_dx_tiles(batch, seqlen, nheads, headdim, dstate, dtype, has_z, tiles):
     """bwd_chunk_dx's (channels, warps, occupancy): all 64 channels of a 16-bit headdim-64
-    head with 8 warps where the launch has no key-block loop (da_mode 3, no z); 32 channels
-    with 4 warps otherwise, headdim 128 in 64-channel programs of 4 warps."""
+    head with 4 warps (8 at dstate 256) where the launch has no key-block loop (da_mode 3, no
+    z); 32 channels with 4 warps otherwise, headdim 128 in 64-channel programs of 4 warps."""
     from mamba2_cutile.ssd.backward import backward_shape_config
     cfg = backward_shape_config(batch, nheads, 1, headdim, dstate, 256, dtype, 132, seqlen,
                                 has_z)
@@ -165,16 +165,29 @@ def test_dx_tiles(batch, seqlen, nheads, headdim, dstate, dtype, has_z, tiles):
 @pytest.mark.parametrize("dstate, over, tiles", [
     (128, {"bc_fused": 1}, (32, 4)),                 # da_mode reset to 1 with the launch
     (128, {"da_mode": 1}, (32, 4)),
-    (128, {"bc_fused": 1, "dx_block_p": 64}, (64, 8)),  # named: kept
-    (128, {"dx_warps": 4}, (64, 4)),                  # da_mode 3 stays
+    (128, {"bc_fused": 1, "dx_block_p": 64}, (64, 4)),  # named: kept
+    (128, {"dx_warps": 8}, (64, 8)),                  # da_mode 3 stays
     (256, {"bc_fused": 1}, (32, 8))])                 # dstate 256 keeps its 8 warps
 def test_leaving_da_mode_3_takes_the_narrow_dx_tiles(dstate, over, tiles):
     """An override that leaves da_mode 3 without naming bwd_chunk_dx's tiles takes them back
-    from the 64-channel, 8-warp programs (measured only without the key-block loop)."""
+    from the 64-channel programs (measured only without the key-block loop)."""
     from dataclasses import replace
 
     from mamba2_cutile.ssd.backward import backward_shape_config
     cfg = backward_shape_config(2, 80, 1, 64, dstate, 256, BF, 132, 8192)
-    assert (cfg.da_mode, cfg.dx_block_p, cfg.dx_warps) == (3, 64, 8)
+    assert (cfg.da_mode, cfg.dx_block_p) == (3, 64)
     got = replace(cfg, **cfg.paired_overrides(over))
     assert (got.dx_block_p, got.dx_warps) == tiles
+
+
+@pytest.mark.parametrize("over", [{"bc_fused": 1}, {"da_mode": 1}])
+def test_leaving_da_mode_3_keeps_headdim_128_tiles(over):
+    """Headdim 128's 64-channel, 4-warp programs are its key-block-loop tiles too: leaving
+    da_mode 3 keeps them (the config records the headdim it was made for)."""
+    from dataclasses import replace
+
+    from mamba2_cutile.ssd.backward import backward_shape_config
+    cfg = backward_shape_config(2, 48, 1, 128, 128, 256, BF, 132, 8192)
+    assert (cfg.da_mode, cfg.dx_block_p, cfg.dx_warps, cfg.headdim_pad) == (3, 64, 4, 128)
+    got = replace(cfg, **cfg.paired_overrides(over))
+    assert (got.da_mode, got.dx_block_p, got.dx_warps) == (1, 64, 4)

@@ -450,12 +450,12 @@ def test_da_from_the_dcb_launch(opt, dtype):
 @pytest.mark.parametrize("opt", ["D_head", "seq_idx", "no_dfinal"])
 def test_dispatcher_64_channel_dx(opt):
     """A sequence long enough for the dispatcher's long-sequence rule (da_mode 3, no z): one
-    bwd_chunk_dx program over all 64 channels with 8 warps, chunk 256 computed at 128, a
+    bwd_chunk_dx program over all 64 channels with 4 warps, chunk 256 computed at 128, a
     partial last chunk; against the float64 definitions (that the public path picks this
     config: test_backward_plan.py::test_dispatcher_dx_tiles_follow_z)."""
     b, l, h, g, p, n, Q = 2, 8000, 8, 1, 64, 128, 256
     cfg = backward.backward_config(b, h, g, p, n, Q, torch.bfloat16, num_sms(0), seqlen=l)
-    assert (cfg.da_mode, cfg.dx_block_p, cfg.dx_warps) == (3, 64, 8)
+    assert (cfg.da_mode, cfg.dx_block_p, cfg.dx_warps) == (3, 64, 4)
     inp, kw, dout, dfinal = make_problem(b, l, h, g, p, n, torch.bfloat16, OPTS[opt], seed=9,
                                          Q=Q)
     check(inp, kw, Q, dout, dfinal, torch.bfloat16, config=cfg)

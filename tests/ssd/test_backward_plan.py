@@ -271,7 +271,7 @@ def test_recompute_at_the_backwards_chunk(chunk):
 def test_dispatcher_dx_tiles_follow_z(has_z):
     """The public path (`run_backward` with no config) hands the dispatcher the sequence length
     and whether z is given: at 2 x 8000 tokens of 8 heads of 64 (da_mode 3) bwd_chunk_dx runs
-    one 64-channel, 8-warp program per token block without z, two 32-channel ones with z."""
+    one 64-channel, 4-warp program per token block without z, two 32-channel ones with z."""
     b, l, h, g, p, n = 2, 8000, 8, 1, 64, 128
     e = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
     x, B = e(b, l, h, p), e(b, l, g, n)

@@ -154,6 +154,14 @@ def bwd_chunk_dx_fn(
     dgs = state_w * ct.sum(dy * ch, axis=1)                 # (BQ,) state term of dG
     v = exit_w * dt_t * ct.sum(xt * bds, axis=1)            # (BQ,) exit term V
     acc = bds * exit_w[:, None]                             # dXs, exit part
+    # dXs's query block q = t, from the C_t and dY_t tiles already held (no second load of
+    # either; first in the sum over q >= t as before)
+    st = ct.mma(bt, ct_t.transpose(), ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
+    lt = intra_decay(g_t, g_t, tok_t, tok_t, s_t, s_t, HAS_SEQ).transpose()
+    dyt = do
+    if HAS_Z:
+        dyt = do * (zt / (1.0 + ct.exp(-zt)))          # as the loop below forms dY_q
+    acc = ct.mma(wop(st * lt, mm, LOWP), wop(dyt, mm, LOWP), acc)
     y = ch * state_w[:, None]                               # y, carried-state part
 
     # key blocks k <= t: y's intra-chunk part and the da contributions of rows t
@@ -237,8 +245,8 @@ def bwd_chunk_dx_fn(
         ct.store(dz, index=(batch, t, head, p_tile),
                  tile=dzt.reshape((1, BLOCK_Q, 1, BLOCK_P)).astype(dz.dtype))
 
-    # query blocks q >= t: dXs += (L o S)_{qt}^T dY_q
-    for q in range(t, end):
+    # query blocks q > t: dXs += (L o S)_{qt}^T dY_q (q = t above)
+    for q in range(t + 1, end):
         tok_q = q * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
         g_q = block_decay(cum, batch, head, q, BLOCK_Q, LAT)
         s_q = block_seq(seq_idx, batch, q, BLOCK_Q, HAS_SEQ)

@@ -116,15 +116,20 @@ class BackwardConfig:
                                  # way where timed, each launch filling the GPU's CTA slots
                                  # alone); 0: one stream
 
+    headdim_pad: int = 0         # the padded headdim the dispatcher saw (0: not recorded); read
+                                 # only by paired_overrides
+
     # set by the problem, never overridden (chunk_size may be: any chunk length is exact)
-    FIXED = ("dstate_pad",)
+    FIXED = ("dstate_pad", "headdim_pad")
 
     def __post_init__(self):
         c = _config
         c.check_pow2(self, "chunk_size")      # the API takes SUPPORTED_CHUNK_SIZES
         c.check_pow2(self, *(f.name for f in fields(self)
                              if f.name.endswith(("_block_q", "_block_p", "_block_n", "_block_h",
-                                                 "_pad")) and f.name != "dx_block_n"))
+                                                 "_pad")) and f.name not in ("dx_block_n",
+                                                                             "headdim_pad")))
+        c.check_pow2(self, "headdim_pad", allow_zero=True)
         if self.chunk_size % self.dx_block_q or self.chunk_size % self.bc_block_q:
             raise ValueError(f"BackwardConfig: dx_block_q={self.dx_block_q} and bc_block_q="
                              f"{self.bc_block_q} must divide chunk_size={self.chunk_size}")
@@ -160,9 +165,10 @@ class BackwardConfig:
         head split need 1) to da_mode 1 (the per-token terms in bwd_chunk_dx, which go with
         any bc_fused) and no split, so that MAMBA2_CUTILE_BWD_CONFIG=bc_fused=N works at every
         sequence length. Leaving da_mode 3 (by either route) without naming `dx_block_p` or
-        `dx_warps` also takes bwd_chunk_dx from the 64-channel, 8-warp programs the
-        dispatcher gives da_mode 3 back to the 32-channel ones of the other modes (with the
-        key-block loop the 64-channel ones were slower: 0.145 -> 0.196 ms at 1.3B, 1 x 2048)."""
+        `dx_warps` also takes bwd_chunk_dx from the 64-channel programs the dispatcher gives
+        da_mode 3 at headdim 33-64 back to the 32-channel ones of the other modes (with the
+        key-block loop the 64-channel, 8-warp ones were slower: 0.145 -> 0.196 ms at 1.3B,
+        1 x 2048)."""
         out = dict(overrides)
         if "bc_fused" in overrides:
             fused = overrides["bc_fused"]
@@ -170,10 +176,10 @@ class BackwardConfig:
                 out["da_mode"] = 1
             if "bc_head_split" not in out and self.bc_head_split > 1 and fused != 1:
                 out["bc_head_split"] = 1
-        if (self.da_mode == 3 and out.get("da_mode", 3) != 3
-                and (self.dx_block_p, self.dx_warps) == (64, 8)
-                and "dx_block_p" not in out and "dx_warps" not in out):
-            # (64, 8) is given to 16-bit headdims of 33-64 only
+        if (self.da_mode == 3 and out.get("da_mode", 3) != 3 and self.headdim_pad == 64
+                and self.dx_block_p == 64 and "dx_block_p" not in out
+                and "dx_warps" not in out):
+            # 64 channels at headdim 33-64 come from the da_mode-3 rule only (16-bit inputs)
             out["dx_block_p"], out["dx_warps"] = key_loop_dx_tiles(64, self.dstate_pad,
                                                                    torch.bfloat16)
         return out
@@ -289,6 +295,7 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         dx_block_p=dx_block_p,
         dx_occupancy=0 if wide else 2,
         dstate_pad=np_,
+        headdim_pad=pp,
         bc_block_q=min(chunk_size, 64),
         bc_block_p=min(pp, 64),
         bc_block_n=min(np_, 64),
@@ -350,8 +357,15 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # (benchmarks/results/2026-12-06-h100-backward-sweep-dx-64-channels.jsonl). Headdim 128
         # keeps 4 warps (8: 0.800 -> 0.971 ms); with z, and short sequences (da_mode 1, the
         # key-block loop: 1.3B at 1 x 2048 0.145 -> 0.196 ms), 32 channels stay.
+        # Then with the diagonal query block from the tiles a program already holds, 4 warps
+        # at dstate 128 (sm_90 compile at 2.7B: 128 threads, 246 registers, no stack; 8 warps
+        # at two per SM: 384 threads, 80 registers, 64 B of stack). H100, bwd_chunk_dx 8 -> 4
+        # warps / whole backward:
+        #   2.7B  0.717 -> 0.626 / 1.712 -> 1.623     130M  0.224 -> 0.199 / 0.642 -> 0.618
+        #   dstate 256  0.478 -> 0.470 / 1.110 -> 1.101 (within a run's noise: 8 warps stay)
+        # (benchmarks/results/2026-12-06-h100-backward-sweep-dx-diagonal-warps.jsonl)
         if pp == 64 and dtype != torch.float32 and not has_z:
-            cfg = replace(cfg, dx_block_p=64, dx_warps=8)
+            cfg = replace(cfg, dx_block_p=64, dx_warps=8 if np_ >= 256 else 4)
     return cfg
 
 
