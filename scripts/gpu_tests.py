@@ -13,8 +13,9 @@ as a pass. Groups past their limit are interrupted together and get GRACE_S seco
 pytest's report, so a caller's own limit should leave budget + GRACE_S + about 20 s (the
 summary collects each group's tests). Exit status 1 if any test failed.
 The groups share the GPU, so run no timing beside them, and keep the workers of all groups
-run at once to about 8: 15 at once on one H100 (2026-12-06) failed 32 tests, and the 13 of
-them run again alone all passed (benchmarks/results/2026-12-06-h100-gpu-tests-suites-contention-reruns.txt).
+run at once far below 15: 15 at once on one H100 (2026-12-06) failed 32 tests, and the 13 of
+them run again in three processes all passed
+(benchmarks/results/2026-12-06-h100-gpu-tests-suites-contention-reruns.txt).
 """
 import argparse
 import os

@@ -63,7 +63,7 @@ def pytest_runtest_logreport(report):
     happens: a GPU run cut by its time limit keeps why its failed tests failed (pytest prints
     tracebacks only in its final report, which a killed run never writes)."""
     path = os.environ.get("MAMBA2_TEST_FAILLOG")
-    if not path or not report.failed:
-        return
+    if not path or not report.failed or getattr(report, "node", None) is not None:
+        return                  # (under xdist the controller's copy of a worker's report has .node)
     with open(path, "a") as f:
         f.write(f"=== {report.when} FAILED {report.nodeid}\n{report.longreprtext[-4000:]}\n")

@@ -180,6 +180,17 @@ def test_leaving_da_mode_3_takes_the_narrow_dx_tiles(dstate, over, tiles):
     assert (got.dx_block_p, got.dx_warps) == tiles
 
 
+def test_leaving_da_mode_3_hand_built_config_keeps_its_tiles():
+    """A config built without the dispatcher records no headdim (headdim_pad 0): leaving
+    da_mode 3 resets da_mode only, never the dx tiles it names."""
+    from dataclasses import replace
+
+    from mamba2_cutile.ssd.backward import backward_shape_config
+    cfg = replace(backward_shape_config(2, 80, 1, 64, 128, 256, BF, 132, 8192), headdim_pad=0)
+    got = replace(cfg, **cfg.paired_overrides({"bc_fused": 1}))
+    assert (got.da_mode, got.dx_block_p, got.dx_warps) == (1, 64, 4)
+
+
 @pytest.mark.parametrize("over", [{"bc_fused": 1}, {"da_mode": 1}])
 def test_leaving_da_mode_3_keeps_headdim_128_tiles(over):
     """Headdim 128's 64-channel, 4-warp programs are its key-block-loop tiles too: leaving

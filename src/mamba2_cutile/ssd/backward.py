@@ -168,7 +168,7 @@ class BackwardConfig:
         `dx_warps` also takes bwd_chunk_dx from the 64-channel programs the dispatcher gives
         da_mode 3 at headdim 33-64 back to the 32-channel ones of the other modes (with the
         key-block loop the 64-channel, 8-warp ones were slower: 0.145 -> 0.196 ms at 1.3B,
-        1 x 2048)."""
+        1 x 2048). A config not made by the dispatcher (`headdim_pad` 0) keeps its tiles."""
         out = dict(overrides)
         if "bc_fused" in overrides:
             fused = overrides["bc_fused"]
@@ -323,6 +323,7 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         lowp=1,
         dx_warps=dx_warps,
         bc_load_latency=4,
+        dcb_load_latency=4,          # bwd_chunk_dcb's own since 2026-12-06 (2 and 8 no better)
         bstate_load_latency=8,
     )
     programs = 0
@@ -342,10 +343,10 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # bf16 rounding, 1-3e-3 of their largest element;
         # benchmarks/results/2026-12-05-h100-backward-sweep-da-mode-3.jsonl)
         cfg = replace(cfg, bc_fused=2, da_mode=3, bc_block_q=min(chunk_size, 32),
-                      dcb_occupancy=4, dcb_load_latency=4, bc_occupancy=2, bc_warps=4)
+                      dcb_occupancy=4, bc_occupancy=2, bc_warps=4)
         # bwd_chunk_dx without its key-block loop (da_mode 3, no z): at headdim 33-64 (timed
-        # at 64) one program over all 64 channels with 8 warps forms B_t C_q^T half as often
-        # as two of 32. H100, bf16, chunk 256 computed at 128 unless named, bwd_chunk_dx /
+        # at 64) one program over all 64 channels (then with 8 warps) formed B_t C_q^T half as
+        # often as two of 32. H100, bf16, chunk 256 computed at 128 unless named, bwd_chunk_dx /
         # whole backward, ms:
         #   seed (4, 16384, 8, chunk 128)   0.401 -> 0.338 / 1.129 -> 1.052
         #   130M (2, 8192, 24)              0.293 -> 0.256 / 0.715 -> 0.676
@@ -363,7 +364,9 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # warps / whole backward:
         #   2.7B  0.717 -> 0.626 / 1.712 -> 1.623     130M  0.224 -> 0.199 / 0.642 -> 0.618
         #   dstate 256  0.478 -> 0.470 / 1.110 -> 1.101 (within a run's noise: 8 warps stay)
-        # (benchmarks/results/2026-12-06-h100-backward-sweep-dx-diagonal-warps.jsonl)
+        # (benchmarks/results/2026-12-06-h100-backward-sweep-dx-diagonal-warps.jsonl); 4 warps
+        # was timed at those two headdim-64 shapes only (not at 7B-class, 65536 tokens, the
+        # seed problem or in fp16)
         if pp == 64 and dtype != torch.float32 and not has_z:
             cfg = replace(cfg, dx_block_p=64, dx_warps=8 if np_ >= 256 else 4)
     return cfg
