@@ -59,6 +59,7 @@ from .bwd_common import (
     dy_op,
     exit_weight,
     intra_decay,
+    load_dy,
     load_rows,
     load_state_raw,
     seq_bounds,
@@ -133,8 +134,9 @@ def bwd_chunk_dx_fn(
     dy = do
     if HAS_Z:
         zt = load_rows(z, batch, t, head, p_tile, BLOCK_Q, BLOCK_P).astype(ct.float32)
-        sig = 1.0 / (1.0 + ct.exp(-zt))
-        dy = do * zt * sig
+        ez = 1.0 + ct.exp(-zt)
+        sig = 1.0 / ez
+        dy = do * (zt / ez)                             # load_dy's dY, as for the blocks q > t
 
     # carried-state and exit-state terms (p-tile rows of h_c and dS_c, all of N)
     # in the state dtype: the MMAs take them as they are (bf16 states: no fp32 copies held)
@@ -158,10 +160,7 @@ def bwd_chunk_dx_fn(
     # either; first in the sum over q >= t as before)
     st = ct.mma(bt, ct_t.transpose(), ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
     lt = intra_decay(g_t, g_t, tok_t, tok_t, s_t, s_t, HAS_SEQ).transpose()
-    dyt = do
-    if HAS_Z:
-        dyt = do * (zt / (1.0 + ct.exp(-zt)))          # as the loop below forms dY_q
-    acc = ct.mma(wop(st * lt, mm, LOWP), wop(dyt, mm, LOWP), acc)
+    acc = ct.mma(wop(st * lt, mm, LOWP), wop(dy, mm, LOWP), acc)
     y = ch * state_w[:, None]                               # y, carried-state part
 
     # key blocks k <= t: y's intra-chunk part and the da contributions of rows t
@@ -254,10 +253,7 @@ def bwd_chunk_dx_fn(
         st = ct.mma(bt, mma_operand(cq.transpose(), mm),
                     ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
         lt = intra_decay(g_q, g_t, tok_q, tok_t, s_q, s_t, HAS_SEQ).transpose()
-        dyq = load_rows(dout, batch, q, head, p_tile, BLOCK_Q, BLOCK_P, LAT).astype(ct.float32)
-        if HAS_Z:
-            zq = load_rows(z, batch, q, head, p_tile, BLOCK_Q, BLOCK_P, LAT).astype(ct.float32)
-            dyq = dyq * (zq / (1.0 + ct.exp(-zq)))
+        dyq = load_dy(dout, z, batch, q, head, p_tile, BLOCK_Q, BLOCK_P, HAS_Z, LAT)
         acc = ct.mma(wop(st * lt, mm, LOWP), wop(dyq, mm, LOWP), acc)
 
     dxt = acc * dt_t[:, None]

@@ -129,7 +129,6 @@ class BackwardConfig:
                              if f.name.endswith(("_block_q", "_block_p", "_block_n", "_block_h",
                                                  "_pad")) and f.name not in ("dx_block_n",
                                                                              "headdim_pad")))
-        c.check_pow2(self, "headdim_pad", allow_zero=True)
         if self.chunk_size % self.dx_block_q or self.chunk_size % self.bc_block_q:
             raise ValueError(f"BackwardConfig: dx_block_q={self.dx_block_q} and bc_block_q="
                              f"{self.bc_block_q} must divide chunk_size={self.chunk_size}")
@@ -143,7 +142,7 @@ class BackwardConfig:
         c.check_range(self, "bstate_segments", 1, 64)
         c.check_range(self, "bc_head_split", 1, 64)
         c.check_pow2(self, "dx_heads")
-        c.check_pow2(self, "dx_block_n", allow_zero=True)
+        c.check_pow2(self, "dx_block_n", "headdim_pad", allow_zero=True)
         if self.bc_head_split > 1 and self.bc_fused != 1:
             raise ValueError(f"BackwardConfig: bc_head_split={self.bc_head_split} needs "
                              "bc_fused=1 (the other dB/dC launches do not split heads)")
