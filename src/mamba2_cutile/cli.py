@@ -129,14 +129,14 @@ def bench_decode_cmd(args):
 #: their own problems and take none of them (decode takes --json)
 _SCAN_BENCH_ONLY = dict(shapes="default", custom=None, seqlen=None, dstate=None, match=None,
                         dtype=None, chunk=None, impls="mamba2-cutile,mamba_ssm,tilegym,reference",
-                        json=None, jsonl=False, breakdown=False, list=False)
+                        json=None, jsonl=False, breakdown=False, list=False, compile_jobs=0)
 
 
 def _refuse_scan_flags(args, allowed=()):
     given = [k for k, v in _SCAN_BENCH_ONLY.items()
              if k not in allowed and getattr(args, k, v) != v]
     if given:
-        flags = ", ".join("--" + k for k in given)
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
         more = ("" if args.mode == "decode" else
                 f"; its own options: python -m mamba2_cutile.bench.{args.mode} -h")
         raise ValueError(f"--mode {args.mode} runs its own problems and takes only --reps and "
@@ -173,6 +173,10 @@ def bench(args):
     # "train": backward alone and forward+backward in one process, so that the baselines'
     # first-call tuning (mamba_ssm's autotune) is paid once for both tables
     modes = ("bwd", "fwdbwd") if args.mode == "train" else (args.mode,)
+    if args.compile_jobs:
+        for shape_name, name, status in runner.compile_in_processes(shapes, names, modes,
+                                                                     args.compile_jobs):
+            print(f"compiled {shape_name} {name}: {status}", file=sys.stderr, flush=True)
     timer = runner.CudaTimer(reps=args.reps)
     rows = {m: [] for m in modes}
     with report.Progress(len(shapes) * len(names) * len(modes), f"bench {args.mode}", console,
@@ -345,6 +349,11 @@ def build_parser():
     pb.add_argument("--impls", default="mamba2-cutile,mamba_ssm,tilegym,reference",
                     help="comma-separated: mamba2-cutile, mamba_ssm, tilegym, reference")
     pb.add_argument("--reps", type=int, default=50, help="CUDA-graph replays per timing")
+    pb.add_argument("--compile-jobs", type=int, default=0, metavar="N",
+                    help="first call every shape and implementation once in N parallel "
+                         "processes, filling Triton's and cuTile's disk caches (mamba_ssm "
+                         "compiles its autotune candidates for about a minute a shape); the "
+                         "timing process then only re-runs the autotuners' benchmarks")
     pb.add_argument("--out", metavar="DIR", help="write bench-<mode>.json/.csv/.png here")
     pb.add_argument("--json", metavar="FILE", help="also write the JSON to this file")
     pb.add_argument("--jsonl", action="store_true", help="print each row as a JSON line")

@@ -249,6 +249,23 @@ def test_runner_cpu_modes(mode):
     assert ours["dims"] == [2, 200, 4, 2, 16, 32, 64] and ours["dtype"] == "fp32"
 
 
+def test_compile_in_processes_cpu(monkeypatch):
+    """--compile-jobs: every (shape, implementation) but the reference called in spawned
+    workers, each reporting its status; the autotune-cache switch the workers inherit is the
+    caller's again afterwards."""
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "1")
+    out = runner.compile_in_processes([TINY, EVEN], [impls.OURS, "reference", "mamba_ssm"],
+                                      ("fwd", "bwd"), jobs=2, device="cpu")
+    by = {(s, n): st for s, n, st in out}
+    assert set(by) == {(s.name, n) for s in (TINY, EVEN) for n in (impls.OURS, "mamba_ssm")}
+    for s in (TINY, EVEN):
+        assert by[(s.name, impls.OURS)].startswith("ok "), by
+        if not impls.available("mamba_ssm"):
+            assert by[(s.name, "mamba_ssm")] == "missing", by
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
+    assert runner.compile_in_processes([TINY], ["reference"], ("fwd",), jobs=2) == []
+
+
 @pytest.fixture
 def extra(monkeypatch):
     monkeypatch.setattr(impls, "EXTRA", {})

@@ -398,6 +398,36 @@ def test_scan_heads(Q, block_q, heads, g, opt, dtype):
     assert e_y <= tol and e_h <= tol and e_1 <= same, msg
 
 
+@pytest.mark.parametrize("opt", ["D_head", "all"])
+@pytest.mark.parametrize("Q", [128, 256])
+def test_scan_heads_dstate256(Q, opt):
+    """chunk_scan_group at a dstate padded to 256 (200) with 16 heads a program, the tiles a
+    dstate-256 shape would take through it (B C^T over all 256 state columns, the entering
+    state's p-tile rows over all of them): against the float64 recurrence and chunk_scan."""
+    from dataclasses import replace
+
+    from mamba2_cutile.ssd import forward
+    from mamba2_cutile.ssd.forward import ssd_forward_cuda
+
+    dtype = torch.bfloat16
+    b, l, h, g, p, n = 2, 700, 16, 1, 64, 200
+    inp, kw = make_problem(b, l, h, g, p, n, dtype, OPTS[opt], seed=7)
+    cfg = replace(forward.forward_config(b, h, p, n, Q, dtype), chunk_size=128,
+                  scan_block_q=64, scan_heads=16)
+    y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
+    dt_limit = kw.pop("dt_limit", (0.0, float("inf")))
+    y, hf, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit, config=cfg, **kw)
+    y1, _, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit,
+                                config=replace(cfg, scan_heads=1), **kw)
+    assert torch.isfinite(y).all() and torch.isfinite(hf).all()
+    e_y, e_h, e_1 = rel_err(y, y_ref), rel_err(hf, h_ref), rel_err(y, y1)
+    tol = forward_tol(dtype)
+    msg = (f"dstate {n} scan_heads=16 caller Q={Q}: out err {e_y:.2e}, final-state err "
+           f"{e_h:.2e}, tol {tol:.0e}; against chunk_scan {e_1:.2e}")
+    log_result(msg)
+    assert e_y <= tol and e_h <= tol and e_1 <= 4e-3, msg
+
+
 def test_more_than_65535_batch_heads():
     """batch * heads above CUDA's 65535 limit of grid axes y and z."""
     inp, kw = make_problem(600, 3, 128, 1, 4, 16, torch.bfloat16, {"D": "h", "init": True})

@@ -220,6 +220,63 @@ def run_case(shape, names, mode="fwd", timer=None, device="cuda", on_impl=None):
     return rows
 
 
+def _compile_case(shape, name, modes, device):
+    """One (shape, implementation) in a worker process: each mode's closure called once."""
+    try:
+        inp = problems.make_inputs(shape, device=device)
+        grads = (problems.make_grad_outputs(shape, device=device)
+                 if any(m != "fwd" for m in modes) else None)
+        t0, ran, skipped = time.perf_counter(), 0, "n/a"
+        for mode in modes:
+            try:
+                fn = impls.build(name, inp, shape, mode, grads)
+            except (impls.Skip, NotImplementedError) as e:
+                skipped = str(e) or skipped
+                continue
+            fn()
+            ran += 1
+            if device != "cpu":
+                torch.cuda.synchronize()
+        if not ran:
+            return shape.name, name, skipped
+        return shape.name, name, f"ok {time.perf_counter() - t0:.1f} s"
+    except Exception as e:  # noqa: BLE001 - the timing process reports failures itself
+        return shape.name, name, _error_status(e)
+
+
+def compile_in_processes(shapes, names, modes, jobs, device="cuda"):
+    """Call every (shape, implementation) once in `jobs` fresh processes, so that the kernels
+    land in the disk caches (Triton's, cuTile's CUDA_TILE_CACHE_DIR) in parallel; the timing
+    process then compiles nothing. Autotuners still run again in the timing process, alone on
+    the GPU (their benchmarks of already-compiled candidates take seconds): the workers run
+    with TRITON_CACHE_AUTOTUNING=0, so no choice they made under contention is kept. Returns
+    (shape, implementation, status) triples."""
+    import concurrent.futures
+    import multiprocessing
+
+    cases = [(s, n) for s in shapes for n in names if n != "reference"]
+    if not cases or jobs < 1:
+        return []
+    saved = os.environ.get("TRITON_CACHE_AUTOTUNING")
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "0"       # inherited by the spawned workers
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(cases)), mp_context=ctx) as pool:
+            futures = [pool.submit(_compile_case, s, n, tuple(modes), device) for s, n in cases]
+            out = []
+            for f in futures:
+                try:
+                    out.append(f.result())
+                except Exception as e:  # noqa: BLE001 - a worker that died (e.g. out of memory)
+                    out.append(("?", "?", _error_status(e)))
+            return out
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_CACHE_AUTOTUNING", None)
+        else:
+            os.environ["TRITON_CACHE_AUTOTUNING"] = saved
+
+
 def kernel_ms(row):
     g = row.get("graph")
     return g["median_ms"] if g else None
