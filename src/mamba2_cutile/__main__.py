@@ -2,4 +2,5 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":      # not in worker processes (bench --compile-jobs spawns them)
+    sys.exit(main())
