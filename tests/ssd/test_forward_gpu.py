@@ -362,70 +362,57 @@ def test_config_variants(overrides, dtype):
     assert e_y <= tol and e_h <= tol, msg
 
 
+def check_group_launch(dims, dtype, opt, seed, Q, label, **overrides):
+    """chunk_scan_group (the config's `overrides`, scan_heads among them) on a caller's chunk
+    Q against the float64 recurrence, and against chunk_scan at the same tiles (the same
+    products in the same order, equal in the float64 emulation: at most one rounding of the
+    output dtype at the largest output apart, 2^-8 in bf16)."""
+    from dataclasses import replace
+
+    from mamba2_cutile.ssd import forward
+    from mamba2_cutile.ssd.forward import ssd_forward_cuda
+
+    b, l, h, g, p, n = dims
+    inp, kw = make_problem(b, l, h, g, p, n, dtype, OPTS[opt], seed=seed)
+    cfg = replace(forward.forward_config(b, h, p, n, Q, dtype), **overrides)
+    y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
+    dt_limit = kw.pop("dt_limit", (0.0, float("inf")))
+    y, hf, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit, config=cfg, **kw)
+    y1, _, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit,
+                                config=replace(cfg, scan_heads=1), **kw)
+    assert torch.isfinite(y).all() and torch.isfinite(hf).all()
+    e_y, e_h, e_1 = rel_err(y, y_ref), rel_err(hf, h_ref), rel_err(y, y1)
+    tol = forward_tol(dtype)
+    msg = (f"{label}: out err {e_y:.2e}, final-state err {e_h:.2e}, tol {tol:.0e}; against "
+           f"chunk_scan {e_1:.2e}")
+    log_result(msg)
+    same = 4e-3 if dtype != torch.float32 else 1e-5
+    assert e_y <= tol and e_h <= tol and e_1 <= same, msg
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("opt", ["none", "D_head", "all"])
 @pytest.mark.parametrize("Q, block_q, heads, g", [(128, 128, 8, 1), (64, 64, 2, 2),
                                                   (128, 64, 4, 2), (256, 64, 8, 1)])
 def test_scan_heads(Q, block_q, heads, g, opt, dtype):
     """chunk_scan_group (scan_heads: C B^T once per query block and group, the program walking
-    `heads` heads) against the float64 recurrence and against chunk_scan at the same tiles
-    (the same products in the same order: equal but for the compiler's MMA shapes): headdim 80
-    and dstate 96 (not multiples of the tiles), a partial last chunk, every option."""
-    from dataclasses import replace
-
-    from mamba2_cutile.ssd import forward
-    from mamba2_cutile.ssd.forward import ssd_forward_cuda
-
-    b, l, h, p, n = 2, 700, 8, 80, 96
-    inp, kw = make_problem(b, l, h, g, p, n, dtype, OPTS[opt], seed=5)
-    # the caller's chunk: the shape rule would compute a chunk-256 call at 128
-    cfg = replace(forward.forward_config(b, h, p, n, Q, dtype), chunk_size=Q,
-                  scan_block_q=block_q, scan_heads=heads)
-    y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
-    dt_limit = kw.pop("dt_limit", (0.0, float("inf")))
-    y, hf, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit, config=cfg, **kw)
-    y1, _, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit,
-                                config=replace(cfg, scan_heads=1), **kw)
-    assert torch.isfinite(y).all() and torch.isfinite(hf).all()
-    e_y, e_h, e_1 = rel_err(y, y_ref), rel_err(hf, h_ref), rel_err(y, y1)
-    tol = forward_tol(dtype)
-    msg = (f"scan_heads={heads} Q={Q} block_q={block_q} G={g}: out err {e_y:.2e}, final-state "
-           f"err {e_h:.2e}, tol {tol:.0e}; against chunk_scan {e_1:.2e}")
-    log_result(msg)
-    # the same products in the same order (equal in the float64 emulation): at most one
-    # rounding of the output dtype at the largest output apart, 2^-8 in bf16
-    same = 4e-3 if dtype != torch.float32 else 1e-5
-    assert e_y <= tol and e_h <= tol and e_1 <= same, msg
+    `heads` heads) at the caller's chunk (the shape rule would compute a chunk-256 call at
+    128): headdim 80 and dstate 96 (not multiples of the tiles), a partial last chunk, every
+    option."""
+    check_group_launch((2, 700, 8, g, 80, 96), dtype, opt, 5, Q,
+                       f"scan_heads={heads} Q={Q} block_q={block_q} G={g}",
+                       chunk_size=Q, scan_block_q=block_q, scan_heads=heads)
 
 
 @pytest.mark.parametrize("opt", ["D_head", "all"])
 @pytest.mark.parametrize("Q", [128, 256])
 def test_scan_heads_dstate256(Q, opt):
-    """chunk_scan_group at a dstate padded to 256 (200) with 16 heads a program, the tiles a
-    dstate-256 shape would take through it (B C^T over all 256 state columns, the entering
-    state's p-tile rows over all of them): against the float64 recurrence and chunk_scan."""
-    from dataclasses import replace
-
-    from mamba2_cutile.ssd import forward
-    from mamba2_cutile.ssd.forward import ssd_forward_cuda
-
-    dtype = torch.bfloat16
-    b, l, h, g, p, n = 2, 700, 16, 1, 64, 200
-    inp, kw = make_problem(b, l, h, g, p, n, dtype, OPTS[opt], seed=7)
-    cfg = replace(forward.forward_config(b, h, p, n, Q, dtype), chunk_size=128,
-                  scan_block_q=64, scan_heads=16)
-    y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
-    dt_limit = kw.pop("dt_limit", (0.0, float("inf")))
-    y, hf, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit, config=cfg, **kw)
-    y1, _, _ = ssd_forward_cuda(**inp, chunk_size=Q, dt_limit=dt_limit,
-                                config=replace(cfg, scan_heads=1), **kw)
-    assert torch.isfinite(y).all() and torch.isfinite(hf).all()
-    e_y, e_h, e_1 = rel_err(y, y_ref), rel_err(hf, h_ref), rel_err(y, y1)
-    tol = forward_tol(dtype)
-    msg = (f"dstate {n} scan_heads=16 caller Q={Q}: out err {e_y:.2e}, final-state err "
-           f"{e_h:.2e}, tol {tol:.0e}; against chunk_scan {e_1:.2e}")
-    log_result(msg)
-    assert e_y <= tol and e_h <= tol and e_1 <= 4e-3, msg
+    """chunk_scan_group at a dstate padded to 256 (200) with 16 heads a program, computed at
+    chunk 128, the tiles a dstate-256 shape would take through it (B C^T over all 256 state
+    columns, the entering state's p-tile rows over all of them)."""
+    check_group_launch((2, 700, 16, 1, 64, 200), torch.bfloat16, opt, 7, Q,
+                       f"dstate 200 scan_heads=16 caller Q={Q}",
+                       chunk_size=128, scan_block_q=64, scan_heads=16)
 
 
 def test_more_than_65535_batch_heads():
