@@ -304,6 +304,27 @@ def test_many_heads(shape, chunk_size):
     check(inp, kw, chunk_size, dout, dfinal, torch.bfloat16)
 
 
+#: the dispatcher's wide-program tiles (dstate 129-256: 32 x 256 bwd_state_pass tiles; headdim
+#: 65-128 or dstate 129-256: the dS launch in 64-token blocks at two per SM) on sequences long
+#: enough for the dS launch (more than a sixth of the SMs' fused dB/dC programs), neither
+#: dstate nor headdim a multiple of the tiles
+WIDE = [(1, 1500, 24, 1, 64, 200), (1, 3000, 6, 2, 100, 64)]
+
+
+@pytest.mark.parametrize("chunk_size", [128, 256])
+@pytest.mark.parametrize("shape", WIDE, ids=lambda s: "x".join(map(str, s)))
+def test_wide_program_tiles(shape, chunk_size):
+    from mamba2_cutile.ssd import backward
+
+    b, l, h, g, p, n = shape
+    cfg = backward.backward_config(b, h, g, p, n, chunk_size, torch.bfloat16, 132, seqlen=l)
+    assert (cfg.bc_fused, cfg.bc_block_q, cfg.dcb_occupancy) == (2, 64, 2)
+    assert (cfg.bstate_block_p, cfg.bstate_block_n) == ((32, 256) if n > 128 else (64, 64))
+    inp, kw, dout, dfinal = make_problem(*shape, torch.bfloat16, OPTS["all"], seed=4,
+                                         Q=chunk_size)
+    check(inp, kw, chunk_size, dout, dfinal, torch.bfloat16)
+
+
 @pytest.mark.parametrize("chunk_size", [64, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_dtypes_and_chunks_all_options(dtype, chunk_size):

@@ -76,10 +76,13 @@ def _name(call):
 
 
 @pytest.mark.parametrize("b,l,h,g,splits", [(1, 512, 24, 1, 12), (1, 1000, 24, 1, 8),
-                                            (1, 512, 7, 1, 7), (1, 512, 128, 8, 2),
+                                            (1, 512, 7, 1, 7), (1, 1024, 80, 1, 8),
+                                            (1, 1408, 64, 1, 4), (1, 1409, 64, 1, 1),
+                                            (1, 2048, 64, 1, 1), (1, 512, 128, 8, 1),
                                             (2, 8192, 80, 1, 1), (4, 16384, 8, 1, 1)])
 def test_dispatcher_head_split(b, l, h, g, splits):
-    """Under one wave of fused dB/dC programs (chunks x n-tiles x batch x groups < SMs) the
+    """Where the fused dB/dC launch would have at most a sixth of the SMs' programs
+    (chunks x n-tiles x batch x groups <= 132 // 6 = 22; chunk 128, two n-tiles) the
     dispatcher splits each group's heads over up to SMs / programs programs (the largest
     divisor of the heads per group); the launch's third grid axis is the split, it writes
     (splits, B, L, G, N) fp32 partials, and one sum_partials launch adds them into dB and dC

@@ -241,9 +241,10 @@ def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
     better at the larger shapes (H200, 2026-12-01,
     benchmarks/results/2026-12-01-h200-backward-sweep-internal-chunk.jsonl).
 
-    With `seqlen`, a fused dB/dC grid of fewer programs than `sms` (one chunk x n-tile x
-    group per program, one program per SM: short sequences) splits each group's heads over
-    up to sms / programs programs (`bc_head_split`); otherwise dB and dC go through the
+    With `seqlen`, a fused dB/dC grid of at most a sixth of `sms` programs (one chunk x
+    n-tile x group per program: short sequences, up to about 1400 tokens at batch 1 and one
+    group) splits each group's heads over up to sms / programs programs (`bc_head_split`);
+    otherwise dB and dC go through the
     gradient of each group's C B^T (`bc_fused=2`), as without `seqlen`, and that launch
     forms the decay gradient's W terms too (`da_mode=3`); there, without z (`has_z`), a
     headdim of 33 to 64 in 16 bits takes `bwd_chunk_dx` programs over all 64 (padded) channels."""
@@ -287,8 +288,13 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # the seed problem than that; benchmarks/results/2026-12-06-h100-backward-sweep-*).
         # Wide problems (dstate 256, fp32) keep the forward's state tiles and the compiler's
         # occupancy.
-        bstate_block_p=fwd.state_block_p if wide else min(pp, 64),
-        bstate_block_n=fwd.state_block_n if wide else min(np_, 128),
+        # A 256-wide state in 16 bits takes 32 x 256 tiles: bwd_state_pass 0.154 -> 0.137 ms
+        # against the forward's 64 x 128 (H100, bf16, B=2 T=8192 H=32, chunk 256 computed at
+        # 128; benchmarks/results/2026-12-06-h100-backward-sweep-wide-tiles.jsonl).
+        bstate_block_p=(min(pp, 32) if np_ == 256 and dtype != torch.float32
+                        else fwd.state_block_p if wide else min(pp, 64)),
+        bstate_block_n=(256 if np_ == 256 and dtype != torch.float32
+                        else fwd.state_block_n if wide else min(np_, 128)),
         bstate_occupancy=0 if wide else 2,
         dx_block_q=min(chunk_size, 64),
         dx_block_p=dx_block_p,
@@ -328,7 +334,17 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
     programs = 0
     if seqlen is not None:
         programs = -(-seqlen // chunk_size) * batch * ngroups * -(-dstate // cfg.bc_block_n)
-    if 0 < programs < sms:
+    # The head-split fused dB/dC launch only where its grid is a sixth of the SMs or less:
+    # from 32 programs up the dS launch below, with bwd_chunk_dx free of its key-block loop,
+    # was faster. H100, bf16, batch 1, 1 group, dstate 128, chunk 256 computed at 128,
+    # backward kernels ms, head split -> dS launch (programs):
+    #   64 heads  512 tokens (8)  0.131 -> 0.233    1024 (16) 0.209 -> 0.259
+    #             2048 (32)       0.352 -> 0.318    4096 (64) 0.637 -> 0.457
+    #   24 heads  512 (8)         0.092 -> 0.123    1024 (16) 0.123 -> 0.141
+    #             2048 (32)       0.194 -> 0.174    4096 (64) 0.332 -> 0.254
+    #   80 heads  1024 (16)       0.240 -> 0.305    48 heads 2048 (32) 0.290 -> 0.262
+    # (benchmarks/results/2026-12-06-h100-backward-sweep-short-sequences.jsonl)
+    if 0 < programs and 6 * programs <= sms:
         cfg = replace(cfg, bc_head_split=max(1, min(64, sms // programs)))
     else:
         # dB/dC through the groups' C B^T gradient: dS summed over the heads in 32-token
@@ -343,6 +359,14 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # benchmarks/results/2026-12-05-h100-backward-sweep-da-mode-3.jsonl)
         cfg = replace(cfg, bc_fused=2, da_mode=3, bc_block_q=min(chunk_size, 32),
                       dcb_occupancy=4, bc_occupancy=2, bc_warps=4)
+        if pp >= 128 or np_ >= 256:
+            # a wide program (headdim 128 or dstate 256): the dS launch in 64-token blocks at
+            # two programs per SM. H100, bf16, B=2 T=8192, chunk 256 computed at 128,
+            # bwd_chunk_dcb / whole backward, ms: headdim 128 (48 heads) 0.311 -> 0.291 /
+            # 1.787 -> 1.770, dstate 256 (32 heads) 0.165 -> 0.141 / 1.134 -> 1.105; either
+            # change alone was slower (two per SM in 32-token blocks: 0.362 and 0.206 ms)
+            # (benchmarks/results/2026-12-06-h100-backward-sweep-wide-tiles.jsonl)
+            cfg = replace(cfg, bc_block_q=min(chunk_size, 64), dcb_occupancy=2)
         # bwd_chunk_dx without its key-block loop (da_mode 3, no z): at headdim 33-64 (timed
         # at 64) one program over all 64 channels (then with 8 warps) formed B_t C_q^T half as
         # often as two of 32. H100, bf16, chunk 256 computed at 128 unless named, bwd_chunk_dx /
