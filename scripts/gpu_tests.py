@@ -15,7 +15,9 @@ summary collects each group's tests). Exit status 1 if any test failed.
 The groups share the GPU, so run no timing beside them, and keep the workers of all groups
 run at once far below 15: 15 at once on one H100 (2026-12-06) failed 32 tests, and the 13 of
 them run again in three processes all passed
-(benchmarks/results/2026-12-06-h100-gpu-tests-suites-contention-reruns.txt).
+(benchmarks/results/2026-12-06-h100-gpu-tests-suites-contention-reruns.txt); beside 28
+compile-only sweep processes (each holding its problem on the GPU) 26 of 77 tests that ran
+failed with out-of-memory errors (2026-12-06): nothing of that size beside them either.
 """
 import argparse
 import os
