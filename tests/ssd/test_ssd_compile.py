@@ -327,6 +327,30 @@ def test_dx_64_channel_compiles(problem, options, ctas, max_stack):
     assert res["ctas_per_sm"] == ctas and res["stack"] <= max_stack, res
 
 
+def test_wide_state_dispatch_compiles():
+    """The dispatcher at dstate 256 (B=2 T=8K H=32, chunk 256): the forward computes at chunk
+    128 through chunk_scan_group (with D per head, as timed, 16 bytes of spills per thread in
+    tileiras 13.4; benchmarks/results/2026-12-06-h100-forward-sweep-group-dstate256.jsonl);
+    the backward's reverse state pass takes 32 x 256
+    tiles (spilling 72 bytes per thread in tileiras 13.4, timed so:
+    benchmarks/results/2026-12-06-h100-backward-sweep-wide-tiles.jsonl) and the dS launch
+    64-token blocks at two CTAs per SM."""
+    problem = dict(batch=2, seqlen=8192, nheads=32, dstate=256, chunk_size=256)
+    fwd = plans.forward_problem_plan(options=("D_head",), **problem)
+    names = [variants.kernel_name(c) for c in fwd]
+    assert names == ["decay_cumsum", "chunk_state_pass", "chunk_scan_group", "chunk_scan"]
+    assert resources.compile_resources(fwd[2])["stack"] <= 16
+    bwd = plans.backward_problem_plan(options=("D_head", "dfinal"), **problem)
+    names = [variants.kernel_name(c) for c in bwd]
+    state = bwd[names.index("bwd_state_pass")]
+    assert (variants.kernel_arg(state, "BLOCK_P"), variants.kernel_arg(state, "BLOCK_N")) == (
+        32, 256)
+    assert resources.compile_resources(state)["stack"] <= 128
+    dcb = bwd[names.index("bwd_chunk_dcb")]
+    assert variants.kernel_arg(dcb, "BLOCK_Q") == 64
+    assert resources.compile_resources(dcb)["ctas_per_sm"] == 2
+
+
 def test_heads_kernels_int64_variants_compile():
     """Past 2^31 elements the plans launch the 64-bit variants of chunk_scan_group and
     bwd_chunk_dx_group; both compile for sm_90."""
