@@ -131,11 +131,15 @@ def test_state_pass_tiles(batch, nheads, headdim, dstate, chunk, dtype, tiles):
     (2, 48, 128, 128, BF, (64, 128, 2)),         # two p-tiles a head: 192
     (4, 8, 64, 128, BF, (64, 128, 2)),           # seed: 32 programs, still whole
     (1, 2, 32, 64, torch.float16, (32, 64, 2)),  # small: the padded whole
-    (2, 80, 64, 256, BF, (64, 256, 0)),          # dstate 256: the forward's tiles
-    (2, 80, 64, 128, torch.float32, (64, 128, 0))])  # fp32: the forward's tiles
+    (2, 80, 64, 256, BF, (32, 256, 0)),          # dstate 256 in 16 bits: 32 x 256
+    (2, 80, 64, 200, torch.float16, (32, 256, 0)),
+    (2, 80, 16, 256, BF, (16, 256, 0)),          # headdim 16: one 16-wide tile
+    (2, 80, 64, 256, torch.float32, (64, 256, 0)),   # fp32: the forward's tiles
+    (2, 80, 64, 128, torch.float32, (64, 128, 0))])
 def test_reverse_state_pass_tiles(batch, nheads, headdim, dstate, dtype, tiles):
     """bwd_state_pass's (p-tile, n-tile, occupancy): the whole state (64 channels) at two per
-    SM whatever the grid; wide problems (dstate 256, fp32) the forward's state tiles."""
+    SM whatever the grid; a 256-wide state in 16 bits 32 x 256 tiles, fp32 inputs the
+    forward's state tiles."""
     from mamba2_cutile.ssd.backward import backward_shape_config
     cfg = backward_shape_config(batch, nheads, 1, headdim, dstate, 256, dtype, 132)
     assert (cfg.bstate_block_p, cfg.bstate_block_n, cfg.bstate_occupancy) == tiles
@@ -147,7 +151,8 @@ def test_reverse_state_pass_tiles(batch, nheads, headdim, dstate, dtype, tiles):
     (2, 8192, 32, 64, 256, BF, False, (64, 8, 0)),          # dstate 256: 8 warps, no hint
     (4, 16384, 24, 40, 24, BF, False, (64, 4, 2)),          # headdim 40 pads to 64
     (2, 8192, 80, 64, 128, BF, True, (32, 4, 2)),           # z: the key-block loop stays
-    (1, 2048, 64, 64, 128, BF, False, (32, 4, 2)),          # short: head split, da_mode 1
+    (1, 1024, 64, 64, 128, BF, False, (32, 4, 2)),          # short: head split, da_mode 1
+    (1, 2048, 64, 64, 128, BF, False, (64, 4, 2)),          # 32 fused programs: the dS launch
     (2, 8192, 48, 128, 128, BF, False, (64, 4, 2)),         # headdim 128 keeps 4 warps
     (2, 8192, 80, 64, 128, torch.float32, False, (32, 4, 0)),  # fp32
     (2, 8192, 80, 32, 128, BF, False, (32, 4, 2))])         # headdim 32: one 32-wide tile
@@ -159,7 +164,7 @@ def test_dx_tiles(batch, seqlen, nheads, headdim, dstate, dtype, has_z, tiles):
     cfg = backward_shape_config(batch, nheads, 1, headdim, dstate, 256, dtype, 132, seqlen,
                                 has_z)
     assert (cfg.dx_block_p, cfg.dx_warps, cfg.dx_occupancy) == tiles
-    assert cfg.da_mode == (1 if seqlen == 2048 else 3)
+    assert cfg.da_mode == (1 if seqlen == 1024 else 3)
 
 
 @pytest.mark.parametrize("dstate, over, tiles", [
