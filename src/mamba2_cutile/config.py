@@ -11,7 +11,7 @@ so; the dispatchers follow it):
 1. the dispatcher's rule, from the shape alone (`forward_shape_config`, `backward_config`,
    `decode_config`; no search, no synchronization). The backward's rule computes a chunk-256
    call at chunk 128 (`BackwardConfig.chunk_size`: any chunk length is exact), and so does
-   the forward's for long sequences at headdim <= 128 and dstate <= 256 in 16 bits
+   the forward's for long sequences at headdim <= 128 and dstate <= 128 in 16 bits
    (`ForwardConfig.chunk_size`, `ssd.forward.uses_group_scan`); an override of `chunk_size`
    picks the chunk a call is computed with (the tuning table never does);
 2. forward only: the tuning table's overrides for the shape's bucket on this GPU (the user

@@ -328,15 +328,20 @@ def test_dx_64_channel_compiles(problem, options, ctas, max_stack):
 
 
 def test_wide_state_dispatch_compiles():
-    """The dispatcher at dstate 256 (B=2 T=8K H=32, chunk 256): the forward computes at chunk
-    128 through chunk_scan_group (with D per head, as timed, 16 bytes of spills per thread in
-    tileiras 13.4; benchmarks/results/2026-12-06-h100-forward-sweep-group-dstate256.jsonl);
-    the backward's reverse state pass takes 32 x 256
-    tiles (spilling 72 bytes per thread in tileiras 13.4, timed so:
-    benchmarks/results/2026-12-06-h100-backward-sweep-wide-tiles.jsonl) and the dS launch
+    """At dstate 256 (B=2 T=8K H=32, chunk 256): the group launch computed at chunk 128, as
+    timed by `MAMBA2_CUTILE_CONFIG=chunk_size=128,scan_heads=16` (with D per head 16 bytes
+    of spills per thread in tileiras 13.4;
+    benchmarks/results/2026-12-06-h100-forward-sweep-group-dstate256.jsonl; not the rule
+    until its GPU output check runs); the dispatcher's backward: the reverse state pass in
+    32 x 256 tiles (spilling 72 bytes per thread, timed so:
+    benchmarks/results/2026-12-06-h100-backward-sweep-wide-tiles.jsonl) and the dS launch in
     64-token blocks at two CTAs per SM."""
     problem = dict(batch=2, seqlen=8192, nheads=32, dstate=256, chunk_size=256)
     fwd = plans.forward_problem_plan(options=("D_head",), **problem)
+    assert [variants.kernel_name(c) for c in fwd] == ["decay_cumsum", "chunk_state_pass",
+                                                      "chunk_scan", "chunk_scan"]
+    fwd = plans.forward_problem_plan(options=("D_head",), overrides=dict(
+        chunk_size=128, scan_heads=16, scan_block_q=64), **problem)
     names = [variants.kernel_name(c) for c in fwd]
     assert names == ["decay_cumsum", "chunk_state_pass", "chunk_scan_group", "chunk_scan"]
     assert resources.compile_resources(fwd[2])["stack"] <= 16
