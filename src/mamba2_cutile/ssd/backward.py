@@ -343,7 +343,8 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
     #   24 heads  512 (8)         0.092 -> 0.123    1024 (16) 0.123 -> 0.141
     #             2048 (32)       0.194 -> 0.174    4096 (64) 0.332 -> 0.254
     #   80 heads  1024 (16)       0.240 -> 0.305    48 heads 2048 (32) 0.290 -> 0.262
-    # (benchmarks/results/2026-12-06-h100-backward-sweep-short-sequences.jsonl)
+    # (benchmarks/results/2026-12-06-h100-backward-sweep-short-sequences.jsonl; without z:
+    # with z bwd_chunk_dx keeps its key-block loop on either side, untimed there)
     if 0 < programs and 6 * programs <= sms:
         cfg = replace(cfg, bc_head_split=max(1, min(64, sms // programs)))
     else:
@@ -363,9 +364,9 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
             # a wide program (headdim 128 or dstate 256): the dS launch in 64-token blocks at
             # two programs per SM. H100, bf16, B=2 T=8192, chunk 256 computed at 128,
             # bwd_chunk_dcb / whole backward, ms: headdim 128 (48 heads) 0.311 -> 0.291 /
-            # 1.787 -> 1.770, dstate 256 (32 heads) 0.165 -> 0.141 / 1.134 -> 1.105; either
-            # change alone was slower (two per SM in 32-token blocks: 0.362 and 0.206 ms)
-            # (benchmarks/results/2026-12-06-h100-backward-sweep-wide-tiles.jsonl)
+            # 1.787 -> 1.770, dstate 256 (32 heads) 0.165 -> 0.141 / 1.134 -> 1.105; two per
+            # SM in 32-token blocks was slower (0.362 and 0.206 ms), 64-token blocks at four
+            # per SM untimed (benchmarks/results/2026-12-06-h100-backward-sweep-wide-tiles.jsonl)
             cfg = replace(cfg, bc_block_q=min(chunk_size, 64), dcb_occupancy=2)
         # bwd_chunk_dx without its key-block loop (da_mode 3, no z): at headdim 33-64 (timed
         # at 64) one program over all 64 channels (then with 8 warps) formed B_t C_q^T half as
