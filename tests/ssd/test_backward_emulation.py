@@ -291,6 +291,25 @@ def test_emulated_head_split(opt, split, mode):
                  reference_grads(args, kw, Q, dout, dfinal))
 
 
+@pytest.mark.parametrize("split,mode,g", [(2, 3, 1), (4, 3, 1), (3, 3, 1), (2, 1, 2)])
+@pytest.mark.parametrize("opt", ["D_head_z_seq", "all", "none"])
+def test_emulated_dcb_head_split(opt, split, mode, g):
+    """bc_fused 2 with each group's heads split over programs (4 heads per group: 2, 4, and
+    3 -> 2): bwd_chunk_dcb writes one dS per split and, in da_mode 3, its heads' W terms;
+    bwd_chunk_dbc_group one fp32 dB / dC partial per split from its heads' state terms and
+    its split's dS; sum_partials adds them. 90 tokens, chunks of 32 (a partial last chunk)."""
+    Q = 32
+    h = 4 * g
+    args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=90, Q=Q, seed=10, h=h, g=g, p=24,
+                                          n=20)
+    cfg = small_config(Q, 24, 20, bc_block_q=16, bc_fused=2, bc_block_n=16, da_mode=mode,
+                       dcb_head_split=split)
+    splits = {2: 2, 4: 4, 3: 2}[split]
+    assert backward.head_splits(cfg, h, g) == splits
+    assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
+                 reference_grads(args, kw, Q, dout, dfinal))
+
+
 @pytest.mark.parametrize("bad", ["dout", "C", "z"])
 @pytest.mark.parametrize("bc_fused, da_mode, weights", [(1, 1, "C"), (2, 3, "C"),
                                                          (2, 3, "dY")])

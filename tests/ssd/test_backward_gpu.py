@@ -413,6 +413,8 @@ CONFIGS = [
     {"bc_fused": 2, "da_mode": 1, "bc_block_q": 128, "bc_block_n": 32, "bc_occupancy": 2,
      "bc_warps": 4, "lowp": 0},
     {"bc_fused": 2, "da_mode": 3}, {"bc_fused": 2, "da_mode": 3, "bc_block_q": 128},
+    {"bc_fused": 2, "da_mode": 3, "dcb_head_split": 2},
+    {"bc_fused": 2, "da_mode": 1, "dcb_head_split": 2, "bc_block_q": 32},
 ]
 
 

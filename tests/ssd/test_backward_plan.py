@@ -113,6 +113,33 @@ def test_head_split_needs_the_fused_launch():
     cfg = backward.backward_config(1, 24, 1, 64, 128, 256, torch.bfloat16)
     with pytest.raises(ValueError, match="bc_head_split=2 needs bc_fused=1"):
         replace(cfg, bc_fused=0, da_mode=0, bc_head_split=2)
+    with pytest.raises(ValueError, match="dcb_head_split=2 needs bc_fused=2"):
+        replace(cfg, bc_fused=1, da_mode=1, bc_head_split=1, dcb_head_split=2)
+
+
+@pytest.mark.parametrize("split, splits", [(4, 4), (6, 4), (64, 64), (1, 1)])
+def test_dcb_head_split_plan(split, splits):
+    """dcb_head_split (bc_fused 2): the dS launch's grid and dS memory grow by the split
+    (one dS per split), bwd_chunk_dbc_group writes (splits * B, L, G, N) fp32 partials, and
+    sum_partials adds them into dB and dC right after it; without a split dB and dC are
+    written directly, no sum launch."""
+    b, l, h, g = 1, 2048, 64, 1
+    base = plans.backward_problem_plan(batch=b, seqlen=l, nheads=h, ngroups=g, chunk_size=256)
+    calls = plans.backward_problem_plan(batch=b, seqlen=l, nheads=h, ngroups=g, chunk_size=256,
+                                        overrides=dict(dcb_head_split=split))
+    names = [_name(c) for c in calls]
+    i = names.index("bwd_chunk_dcb_fn")
+    j = [_name(c) for c in base].index("bwd_chunk_dcb_fn")
+    assert calls[i].grid[0] == base[j].grid[0] * splits
+    assert calls[i].args[8].shape[0] == splits * b                      # dS per split
+    assert names[i + 1] == "bwd_chunk_dbc_group_fn"
+    dbc = calls[i + 1]
+    assert dbc.grid[0] == base[j + 1].grid[0] * splits
+    if splits == 1:
+        assert "sum_partials_fn" not in names and dbc.args[11].dtype == torch.bfloat16
+        return
+    assert dbc.args[11].shape == (splits * b, l, g, 128) and dbc.args[11].dtype == torch.float32
+    assert names[i + 2] == "sum_partials_fn"
 
 
 @pytest.mark.parametrize("b,l,h,g,p,n", [(2, 8192, 80, 1, 64, 128), (2, 8192, 128, 8, 64, 128),
@@ -244,7 +271,7 @@ def test_da_mode3_buffers(b, l, h, g, p, n):
                           launch_fn=calls.extend, config=cfg)
     names = [_name(c) for c in calls]
     dcb, dx = calls[names.index("bwd_chunk_dcb_fn")], calls[names.index("bwd_chunk_dx_fn")]
-    assert dcb.args[-1] is True and dcb.args[9].shape == bufs.da_part.shape
+    assert dcb.args[-2] is True and dcb.args[9].shape == bufs.da_part.shape
     assert dx.args[-2] == Q // 32
 
 

@@ -114,6 +114,8 @@ def test_plans_have_their_launches():
         assert variants.kernel_arg(bwd[1], "FLAG") is False, name    # no flags to feed
         if "unfused" in name:
             dbc = ["bwd_chunk_dbc"]
+        elif "dcb-head-split" in name:                      # bc_fused 2 split, its sum
+            dbc = ["bwd_chunk_dcb", "bwd_chunk_dbc_group", "sum_partials"]
         elif "head-split" in name:                          # the head split's sum
             dbc = ["bwd_chunk_dbc_fused", "sum_partials"]
         elif "fused-dbc" in name or "split-da" in name:

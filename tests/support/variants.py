@@ -104,6 +104,13 @@ def backward_variants():
         bc_fused=2, da_mode=3, bc_block_q=32, dcb_occupancy=4, bc_occupancy=2, bc_warps=4))))
     items.append(("bf16-int64-group-dcb-da3", dict(dtype=bf, int64=True, overrides=dict(
         bc_fused=2, da_mode=3))))
+    # the dS and dB/dC launches with each group's heads split (dcb_head_split), at a short
+    # sequence (its fp32 dB/dC partials) and past 2^31 elements
+    items.append(("bf16-T2K-h64-dcb-head-split", dict(dtype=bf, batch=1, seqlen=2048,
+                                                      nheads=64, chunk_size=256,
+                                                      overrides=dict(dcb_head_split=4))))
+    items.append(("bf16-int64-dcb-head-split", dict(dtype=bf, int64=True, overrides=dict(
+        bc_fused=2, da_mode=3, dcb_head_split=2))))
     # the dispatcher computes a chunk-256 backward at chunk 128; 256 stays selectable
     items.append(("bf16-Q256-internal-256", dict(dtype=bf, chunk_size=256,
                                                  overrides=dict(chunk_size=256))))

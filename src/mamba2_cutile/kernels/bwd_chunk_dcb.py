@@ -25,13 +25,22 @@ with S = C B^T (bwd_chunk_dx's docstring): of block (i, j), j <= i, the row sums
 tokens of block i in slot j and minus its column sums to the tokens of block j in slot i (both
 in slot i on the diagonal), so each token's slots add up to r - c of its row and column of W,
 every (slot, block) written by one program; bwd_chunk_dx then adds its own terms.
-Grid: ((Q / BLOCK_Q)^2 * nc * B * G,), a chunk's block pairs adjacent: the programs of one
-chunk run together and share its dout and x blocks in L2 (with the chunk the fastest index
-they ran a wave apart, and at 2.7B the launch read 1.8x the bytes of x and dout from DRAM).
+Grid: ((Q / BLOCK_Q)^2 * SPLITS * nc * B * G,), a chunk's block pairs adjacent: the programs
+of one chunk run together and share its dout and x blocks in L2 (with the chunk the fastest
+index they ran a wave apart, and at 2.7B the launch read 1.8x the bytes of x and dout from
+DRAM).
 
 3b: one program = one whole chunk x one n-tile (BLOCK_N) of one group and one output (dC or
-dB). Grid: (cdiv(N, BLOCK_N) * 2 * nc * B * G,), n-tiles fastest, then the output: the
-programs reading a chunk's dout (dC) or x (dB) run side by side.
+dB). Grid: (cdiv(N, BLOCK_N) * 2 * SPLITS * nc * B * G,), n-tiles fastest, then the output:
+the programs reading a chunk's dout (dC) or x (dB) run side by side.
+
+Head split (SPLITS > 1, `BackwardConfig.dcb_head_split`; short sequences, where nc * B * G
+programs leave SMs idle while each walks all of its group's heads): the group's heads are cut
+into SPLITS runs of HEADS_PER_GROUP / SPLITS. 3a's program of split s sums its run's M into
+dS_s (at s * B + batch of dcb); 3b's program of split s adds its run's state terms and
+dS_s B (dC) or dS_s^T C (dB), into an fp32 partial at s * B + batch of db / dc. Since dS is
+linear in the head sum, the partials add up to dB and dC (sum_partials, in a fixed order:
+deterministic). The W terms are per head, written by the one program that owns the head.
 """
 
 import cuda.tile as ct
@@ -62,7 +71,8 @@ def bwd_chunk_dcb_fn(
     dt,          # (B, H, Lp) float32 dt'
     cum,         # (B, H, Lp) float32 G2
     seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
-    dcb,         # (B, G, Lp, Q) float32 out: dS, row = token, column = token within its chunk
+    dcb,         # (SPLITS * B, G, Lp, Q) float32 out: dS (split s's heads at s * B + batch),
+                 # row = token, column = token within its chunk
     da_part,     # (>= Q / BLOCK_Q, B, H, Lp) float32 out (only if DA_W): W terms, slot = block
     Q: ct.Constant[int],
     BLOCK_Q: ct.Constant[int],
@@ -74,14 +84,19 @@ def bwd_chunk_dcb_fn(
     LOWP: ct.Constant[bool],
     LAT: ct.Constant[int],        # load latency hint in the head loop (0: none)
     DA_W: ct.Constant[bool],      # also the W terms of the decay gradient (da_mode 3)
+    SPLITS: ct.Constant[int],     # programs sharing a group's heads (dividing HEADS_PER_GROUP)
 ):
     NBPC = Q // BLOCK_Q
+    HPS = HEADS_PER_GROUP // SPLITS
     seqlen = x.shape[1]
+    nbatch = x.shape[0]
     ngroups = dcb.shape[1]
     nc = ct.cdiv(seqlen, Q)
     n_pt = ct.cdiv(x.shape[3], BLOCK_P)
     pair = ct.bid(0) % (NBPC * NBPC)
     rest = ct.bid(0) // (NBPC * NBPC)
+    split = rest % SPLITS
+    rest = rest // SPLITS
     chunk = rest % nc
     bg = rest // nc
     batch = bg // ngroups
@@ -105,8 +120,8 @@ def bwd_chunk_dcb_fn(
                 bj = load_rows(b, batch, col_blk, group, 0, BLOCK_Q, NP)
                 s_ij = ct.mma(mma_operand(ci, mm), mma_operand(bj.transpose(), mm),
                               ct.full((BLOCK_Q, BLOCK_Q), 0.0, dtype=ct.float32))
-            for hh in range(HEADS_PER_GROUP):
-                head = group * HEADS_PER_GROUP + hh
+            for hh in range(HPS):
+                head = group * HEADS_PER_GROUP + split * HPS + hh
                 g_i = block_decay(cum, batch, head, row_blk, BLOCK_Q, LAT)
                 g_j = block_decay(cum, batch, head, col_blk, BLOCK_Q, LAT)
                 dt_j = block_decay(dt, batch, head, col_blk, BLOCK_Q, LAT)
@@ -134,11 +149,12 @@ def bwd_chunk_dcb_fn(
             if DA_W:
                 # a row block past the sequence: its slot of block j still needs writing
                 zero = ct.full((1, 1, 1, BLOCK_Q), 0.0, dtype=ct.float32)
-                for hh in range(HEADS_PER_GROUP):
-                    head = group * HEADS_PER_GROUP + hh
+                for hh in range(HPS):
+                    head = group * HEADS_PER_GROUP + split * HPS + hh
                     ct.store(da_part, index=(i, batch, head, col_blk), tile=zero)
                     ct.store(da_part, index=(j, batch, head, row_blk), tile=zero)
-    ct.store(dcb, index=(batch, group, row_blk, j), tile=acc.reshape((1, 1, BLOCK_Q, BLOCK_Q)))
+    ct.store(dcb, index=(split * nbatch + batch, group, row_blk, j),
+             tile=acc.reshape((1, 1, BLOCK_Q, BLOCK_Q)))
 
 
 def bwd_chunk_dbc_group_fn(
@@ -152,9 +168,9 @@ def bwd_chunk_dbc_group_fn(
     seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
     states,      # (B, H, C, P, N) entry states h_c
     dstates,     # (B, H, C, P, N) exit-state gradients dS_c
-    dcb,         # (B, G, Lp, Q) float32: dS from bwd_chunk_dcb
-    db,          # (B, L, G, N) out
-    dc,          # (B, L, G, N) out
+    dcb,         # (SPLITS * B, G, Lp, Q) float32: dS from bwd_chunk_dcb
+    db,          # (SPLITS * B, L, G, N) out (SPLITS > 1: fp32 partials, split s at s * B)
+    dc,          # (SPLITS * B, L, G, N) out
     Q: ct.Constant[int],
     BLOCK_K: ct.Constant[int],    # tokens of dS's inner dimension per MMA
     BLOCK_P: ct.Constant[int],
@@ -164,9 +180,12 @@ def bwd_chunk_dbc_group_fn(
     HAS_SEQ: ct.Constant[bool],
     LOWP: ct.Constant[bool],
     LAT: ct.Constant[int],        # load latency hint in the head loop (0: none)
+    SPLITS: ct.Constant[int],     # programs sharing a group's heads (dividing HEADS_PER_GROUP)
 ):
     NKB = Q // BLOCK_K
+    HPS = HEADS_PER_GROUP // SPLITS
     seqlen = x.shape[1]
+    nbatch = x.shape[0]
     ngroups = b.shape[2]
     nc = ct.cdiv(seqlen, Q)
     n_pt = ct.cdiv(x.shape[3], BLOCK_P)
@@ -174,6 +193,8 @@ def bwd_chunk_dbc_group_fn(
     n_tile = ct.bid(0) % n_nt
     kind = (ct.bid(0) // n_nt) % 2               # 0: dC, 1: dB
     rest = ct.bid(0) // (2 * n_nt)
+    split = rest % SPLITS
+    rest = rest // SPLITS
     chunk = rest % nc
     bg = rest // nc
     batch = bg // ngroups
@@ -185,9 +206,10 @@ def bwd_chunk_dbc_group_fn(
     # inner blocks holding tokens (a block wholly past the sequence is not loaded)
     k_end = ct.minimum(NKB, ct.cdiv(seqlen - chunk * Q, BLOCK_K))
     acc = ct.full((Q, BLOCK_N), 0.0, dtype=ct.float32)
+    part = split * nbatch + batch
     if kind == 0:
-        for hh in range(HEADS_PER_GROUP):
-            head = group * HEADS_PER_GROUP + hh
+        for hh in range(HPS):
+            head = group * HEADS_PER_GROUP + split * HPS + hh
             state_w = state_weight(block_decay(cum, batch, head, chunk, Q, LAT), s, before,
                                    HAS_SEQ)
             for pt in range(n_pt):
@@ -196,15 +218,15 @@ def bwd_chunk_dbc_group_fn(
                                    LAT)
                 acc = ct.mma(mma_operand(dy * state_w[:, None], mm), mma_operand(h, mm), acc)
         for kb in range(k_end):
-            m = ct.load(dcb, index=(batch, group, chunk, kb),
+            m = ct.load(dcb, index=(part, group, chunk, kb),
                         shape=(1, 1, Q, BLOCK_K)).reshape((Q, BLOCK_K))
             bk = load_rows(b, batch, chunk * NKB + kb, group, n_tile, BLOCK_K, BLOCK_N)
             acc = ct.mma(wop(m, mm, LOWP), wop(bk, mm, LOWP), acc)
-        ct.store(dc, index=(batch, chunk, group, n_tile),
+        ct.store(dc, index=(part, chunk, group, n_tile),
                  tile=acc.reshape((1, Q, 1, BLOCK_N)).astype(dc.dtype))
     else:
-        for hh in range(HEADS_PER_GROUP):
-            head = group * HEADS_PER_GROUP + hh
+        for hh in range(HPS):
+            head = group * HEADS_PER_GROUP + split * HPS + hh
             g = block_decay(cum, batch, head, chunk, Q, LAT)
             dtv = block_decay(dt, batch, head, chunk, Q, LAT)
             g_last = chunk_last_decay(cum, batch, head, chunk, Q)
@@ -215,11 +237,11 @@ def bwd_chunk_dbc_group_fn(
                                     LAT)
                 acc = ct.mma(mma_operand(xt * x_w[:, None], mm), mma_operand(ds, mm), acc)
         for kb in range(k_end):
-            m = ct.load(dcb, index=(batch, group, chunk * NKB + kb, 0),
+            m = ct.load(dcb, index=(part, group, chunk * NKB + kb, 0),
                         shape=(1, 1, BLOCK_K, Q)).reshape((BLOCK_K, Q))
             ck = load_rows(c, batch, chunk * NKB + kb, group, n_tile, BLOCK_K, BLOCK_N)
             acc = ct.mma(wop(m.transpose(), mm, LOWP), wop(ck, mm, LOWP), acc)
-        ct.store(db, index=(batch, chunk, group, n_tile),
+        ct.store(db, index=(part, chunk, group, n_tile),
                  tile=acc.reshape((1, Q, 1, BLOCK_N)).astype(db.dtype))
 
 

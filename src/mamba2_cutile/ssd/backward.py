@@ -9,7 +9,8 @@ Six launches (no host synchronization, CUDA-graph capturable), following the sta
   4. bwd_chunk_dbc       per chunk: dB and dC, summed over each group's heads in-program
                          (short sequences: the heads split over programs, whose fp32 partials
                          one sum_partials launch adds; bc_fused 2: the gradient of each
-                         group's C B^T first, bwd_chunk_dcb, then bwd_chunk_dbc_group)
+                         group's C B^T first, bwd_chunk_dcb, then bwd_chunk_dbc_group,
+                         whose heads dcb_head_split splits the same way)
   5. bwd_chunk_dx        per chunk: dx, dz, and per-tile partials of dD, ddt_direct, da
                          (after dB/dC: its partials reuse the memory of bc_fused 2's dS;
                          dx_heads > 1, da_mode 3 without z: bwd_chunk_dx_group, several heads
@@ -101,6 +102,10 @@ class BackwardConfig:
     bc_head_split: int = 1       # the fused dB/dC launch spreads each group's heads over
                                  # `head_splits` programs (the largest divisor of the heads per
                                  # group <= this) writing fp32 partials that sum_partials adds
+    dcb_head_split: int = 1      # the same for bc_fused 2: bwd_chunk_dcb writes one dS per
+                                 # split (its heads' sum), bwd_chunk_dbc_group per split dB/dC
+                                 # partials from its heads' state terms and its split's dS;
+                                 # sum_partials adds them
     dx_heads: int = 1            # > 1 (da_mode 3, no z): dx by bwd_chunk_dx_group, a program
                                  # per token block, group and p-tile walking this many of the
                                  # group's heads (clamped to the largest power-of-two divisor
@@ -141,11 +146,15 @@ class BackwardConfig:
         c.check_range(self, "state_segments", 1, 64)
         c.check_range(self, "bstate_segments", 1, 64)
         c.check_range(self, "bc_head_split", 1, 64)
+        c.check_range(self, "dcb_head_split", 1, 64)
         c.check_pow2(self, "dx_heads")
         c.check_pow2(self, "dx_block_n", "headdim_pad", allow_zero=True)
         if self.bc_head_split > 1 and self.bc_fused != 1:
             raise ValueError(f"BackwardConfig: bc_head_split={self.bc_head_split} needs "
-                             "bc_fused=1 (the other dB/dC launches do not split heads)")
+                             "bc_fused=1 (dcb_head_split splits the bc_fused=2 launches)")
+        if self.dcb_head_split > 1 and self.bc_fused != 2:
+            raise ValueError(f"BackwardConfig: dcb_head_split={self.dcb_head_split} needs "
+                             "bc_fused=2 (bc_head_split splits the bc_fused=1 launch)")
         for name in ("dx_warps", "bc_warps", "dcb_warps"):
             c.check_choice(self, name, (0, 4, 8))
         for name in ("lowp", "dx_lowp", "side_streams", "bstate_fresh_acc"):
@@ -175,6 +184,8 @@ class BackwardConfig:
                 out["da_mode"] = 1
             if "bc_head_split" not in out and self.bc_head_split > 1 and fused != 1:
                 out["bc_head_split"] = 1
+            if "dcb_head_split" not in out and self.dcb_head_split > 1 and fused != 2:
+                out["dcb_head_split"] = 1
         if (self.da_mode == 3 and out.get("da_mode", 3) != 3 and self.headdim_pad == 64
                 and self.dx_block_p == 64 and "dx_block_p" not in out
                 and "dx_warps" not in out):
@@ -221,11 +232,13 @@ def dx_group_heads(cfg: BackwardConfig, heads_per_group: int, has_z: bool) -> in
 
 
 def head_splits(cfg: BackwardConfig, nheads: int, ngroups: int) -> int:
-    """How many programs share each group's heads in the fused dB/dC launch: the largest
-    divisor of the heads per group that is at most `cfg.bc_head_split` (every program then
-    walks the same number of heads, a compile-time trip count)."""
+    """How many programs share each group's heads in the dB/dC launches: the largest divisor
+    of the heads per group that is at most `cfg.bc_head_split` (bc_fused 1: the fused launch)
+    or `cfg.dcb_head_split` (bc_fused 2: the dS and dB/dC launches); every program then walks
+    the same number of heads, a compile-time trip count."""
     hpg = max(1, nheads // max(1, ngroups))
-    return max(d for d in range(1, min(cfg.bc_head_split, hpg) + 1) if hpg % d == 0)
+    cap = {1: cfg.bc_head_split, 2: cfg.dcb_head_split}.get(cfg.bc_fused, 1)
+    return max(d for d in range(1, min(cap, hpg) + 1) if hpg % d == 0)
 
 
 def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
@@ -423,7 +436,8 @@ class BackwardBuffers:
     dbias_part: torch.Tensor | None  # (B * nc, H) fp32
     db_part: torch.Tensor | None     # (splits, B, L, G, N) fp32 per-split dB (head_splits > 1)
     dc_part: torch.Tensor | None     # the same for dC
-    dcb: torch.Tensor | None   # (B, G, Lp, Q) fp32: the gradient of the groups' C B^T (bc_fused 2),
+    dcb: torch.Tensor | None   # (splits * B, G, Lp, Q) fp32: the gradient of the groups' C B^T
+                               # (bc_fused 2; with a head split, each split's heads' part),
                                # in the memory of v_part, ddt_part, dD_part (and da_part but
                                # in da_mode 3)
     dx: torch.Tensor
@@ -467,7 +481,7 @@ def allocate_buffers(x, dt, B, C, z, D, dt_bias, cfg: BackwardConfig, state_dtyp
         own["da_part"] = e(*shapes.pop("da_part"))
     # each part starts 256-byte aligned (a kernel's array alignment is part of its compile key)
     sizes = {k: 0 if s is None else -(-math.prod(s) // 64) * 64 for k, s in shapes.items()}
-    dcb_shape = (b, g, lp, Q)
+    dcb_shape = (splits * b, g, lp, Q)
     block = e(max(sum(sizes.values()), math.prod(dcb_shape) if cfg.bc_fused == 2 else 0))
     parts, at = {}, 0
     for k, s in shapes.items():
@@ -571,6 +585,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
     int64 = needs_int64(x, B, C, z, dout, bufs.dt_buf, bufs.cum_buf, seq_idx, bufs.states,
                       bufs.dstates, db_out, dc_out, bufs.da_part if cfg.bc_fused else None,
                       bufs.dcb)
+    splits = db_out.shape[0] if split else 1
     if cfg.bc_fused == 2:
         # dS in bc_block_q blocks; bwd_chunk_dbc_group reads it in (Q, <= 64) slices (a
         # (128, 128) fp32 slice staged with the chunk's rows needs more than an SM's 227 KB)
@@ -578,25 +593,28 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
         calls.append(KernelCall(
             with_hints(bwd_chunk_dcb_i64 if int64 else bwd_chunk_dcb, cfg.dcb_occupancy,
                        cfg.dcb_warps),
-            (nbpc * nbpc * nchunks * batch * ngroups, 1, 1),
+            (nbpc * nbpc * splits * nchunks * batch * ngroups, 1, 1),
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.dcb,
              bufs.da_part, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.dstate_pad, hpg, has_z,
-             has_seq, lowp, cfg.dcb_load_latency, cfg.da_mode == 3), stream=s2))
+             has_seq, lowp, cfg.dcb_load_latency, cfg.da_mode == 3, splits), stream=s2))
     if side:
         # the recompute on the caller's stream, the side launches above already under way;
         # the next launch reads the states, dS_c and the dS blocks: it joins them
         calls += recompute
     join_at = len(calls)
     if cfg.bc_fused == 2:
+        # with a head split: dB and dC as (splits * B, L, G, N) fp32 partials, a split's
+        # rows at split * B + batch
+        part = (lambda t: t.view(splits * batch, *t.shape[2:])) if split else (lambda t: t)
         calls.append(KernelCall(
             with_hints(bwd_chunk_dbc_group_i64 if int64 else bwd_chunk_dbc_group,
                        cfg.bc_occupancy, cfg.bc_warps),
-            (-(-dstate // cfg.bc_block_n) * 2 * nchunks * batch * ngroups, 1, 1),
+            (-(-dstate // cfg.bc_block_n) * 2 * splits * nchunks * batch * ngroups, 1, 1),
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
-             bufs.dstates, bufs.dcb, bufs.dB, bufs.dC, Q, min(cfg.bc_block_q, 64),
-             cfg.bc_block_p, cfg.bc_block_n, hpg, has_z, has_seq, lowp, cfg.bc_load_latency)))
+             bufs.dstates, bufs.dcb, part(db_out), part(dc_out), Q, min(cfg.bc_block_q, 64),
+             cfg.bc_block_p, cfg.bc_block_n, hpg, has_z, has_seq, lowp, cfg.bc_load_latency,
+             splits)))
     elif cfg.bc_fused:
-        splits = db_out.shape[0] if split else 1
         calls.append(KernelCall(
             with_hints(bwd_chunk_dbc_fused_i64 if int64 else bwd_chunk_dbc_fused, cfg.bc_occupancy,
                    cfg.bc_warps),
@@ -604,11 +622,6 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
              bufs.dstates, db_out, dc_out, bufs.da_part, Q, cfg.bc_block_p, cfg.bc_block_n,
              hpg, has_z, has_seq, lowp, cfg.da_mode == 2, cfg.bc_load_latency, splits)))
-        if split:
-            rows, cols = batch * seqlen, ngroups * dstate
-            calls.append(sum_partials_call(
-                bufs.db_part.view(splits, rows, cols), bufs.dB.view(rows, cols),
-                bufs.dc_part.view(splits, rows, cols), bufs.dC.view(rows, cols)))
     else:
         n_qb = -(-seqlen // cfg.bc_block_q)
         calls.append(KernelCall(
@@ -617,6 +630,11 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.states,
              bufs.dstates, bufs.dB, bufs.dC, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.bc_block_n,
              hpg, has_z, has_seq, lowp)))
+    if split:
+        rows, cols = batch * seqlen, ngroups * dstate
+        calls.append(sum_partials_call(
+            bufs.db_part.view(splits, rows, cols), bufs.dB.view(rows, cols),
+            bufs.dc_part.view(splits, rows, cols), bufs.dC.view(rows, cols)))
 
     # 5: dx, dz, partials of dD, ddt, da
     v_part = bufs.v_part if bufs.v_part is not None else bufs.ddt_part
