@@ -181,7 +181,7 @@ def sum_partials_call(parts, out, parts2=None, out2=None, sms: int = DEFAULT_SMS
     two = parts2 is not None
     kernel = sum_partials_i64 if needs_int64(parts, out, parts2, out2) else sum_partials
     return KernelCall(with_hints(kernel, SUM_PARTIALS_OCCUPANCY),
-                      (-(-n // block_n), r, 2 if two else 1),
+                      (-(-n // block_n) * r, 1, 2 if two else 1),
                       (parts, out, parts2 if two else parts, out2 if two else out,
                        block_p, block_n, two))
 

@@ -291,16 +291,19 @@ def test_emulated_head_split(opt, split, mode):
                  reference_grads(args, kw, Q, dout, dfinal))
 
 
-@pytest.mark.parametrize("split,mode,g", [(2, 3, 1), (4, 3, 1), (3, 3, 1), (2, 1, 2)])
+@pytest.mark.parametrize("split,mode,g,l", [(2, 3, 1, 90), (4, 3, 1, 70), (3, 3, 1, 90),
+                                            (2, 1, 2, 90), (2, 3, 2, 70)])
 @pytest.mark.parametrize("opt", ["D_head_z_seq", "all", "none"])
-def test_emulated_dcb_head_split(opt, split, mode, g):
+def test_emulated_dcb_head_split(opt, split, mode, g, l):
     """bc_fused 2 with each group's heads split over programs (4 heads per group: 2, 4, and
     3 -> 2): bwd_chunk_dcb writes one dS per split and, in da_mode 3, its heads' W terms;
     bwd_chunk_dbc_group one fp32 dB / dC partial per split from its heads' state terms and
-    its split's dS; sum_partials adds them. 90 tokens, chunks of 32 (a partial last chunk)."""
+    its split's dS; sum_partials adds them. Chunks of 32 in 16-token blocks: at 90 tokens a
+    partial last block, at 70 a last chunk whose last row block lies wholly past the sequence
+    (each split writes zeros for its own heads' W slots there)."""
     Q = 32
     h = 4 * g
-    args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=90, Q=Q, seed=10, h=h, g=g, p=24,
+    args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=l, Q=Q, seed=10, h=h, g=g, p=24,
                                           n=20)
     cfg = small_config(Q, 24, 20, bc_block_q=16, bc_fused=2, bc_block_n=16, da_mode=mode,
                        dcb_head_split=split)

@@ -12,14 +12,24 @@ from mamba2_cutile.bench import plans  # noqa: E402
 from mamba2_cutile.ssd import backward  # noqa: E402
 
 
-def test_plan_grids_respect_cuda_limits():
-    """Axes 1 and 2 of every grid stay within 65535, also for huge batch * heads."""
-    calls = plans.backward_problem_plan(batch=600, seqlen=3, nheads=128, headdim=4, dstate=16,
-                                        chunk_size=64)
+@pytest.mark.parametrize("problem, overrides", [
+    (dict(batch=600, seqlen=3, nheads=128, headdim=4, dstate=16, chunk_size=64), {}),
+    # the head splits' dB/dC partials: one sum_partials row per token (B * L rows)
+    (dict(batch=8, seqlen=8192, nheads=80, chunk_size=256), dict(dcb_head_split=2)),
+    (dict(batch=1, seqlen=65536 + 7, nheads=64, chunk_size=256), dict(dcb_head_split=4)),
+    (dict(batch=8, seqlen=8192, nheads=80, chunk_size=256),
+     dict(bc_fused=1, da_mode=1, bc_head_split=2)),
+], ids=["batch-heads", "dcb-split-B8", "dcb-split-64K", "fused-split-B8"])
+def test_plan_grids_respect_cuda_limits(problem, overrides):
+    """Axes 1 and 2 of every grid stay within 65535, also for huge batch * heads and for the
+    head splits' sums over B * L rows."""
+    calls = plans.backward_problem_plan(overrides=overrides, **problem)
     for call in calls:
         assert all(1 <= g for g in call.grid)
         assert all(g <= 65535 for g in call.grid[1:])
         assert call.grid[0] < 2**31
+    if overrides:
+        assert "sum_partials_fn" in [_name(c) for c in calls]
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(da_mode=2, bc_fused=1),
@@ -218,6 +228,21 @@ def test_bc_fused_override_takes_its_da_mode(spec, want, seqlen, monkeypatch):
         assert cfg.bc_head_split == 2
     else:
         assert cfg.bc_head_split == 1 or (seqlen == 512 and cfg.bc_fused == 1)
+
+
+@pytest.mark.parametrize("fused, kept", [(2, 4), (1, 1), (0, 1)])
+def test_bc_fused_override_drops_a_dcb_head_split(fused, kept):
+    """A config carrying dcb_head_split (bc_fused 2) that an override moves to bc_fused 1 or
+    0 loses the split (it needs the bc_fused-2 launches) with da_mode 3, instead of being
+    refused; kept at bc_fused 2."""
+    cfg = replace(backward.backward_config(2, 80, 1, 64, 128, 256, torch.bfloat16, 132,
+                                           seqlen=8192), dcb_head_split=4)
+    over = cfg.paired_overrides({"bc_fused": fused})
+    got = replace(cfg, **over)
+    assert got.dcb_head_split == kept and got.bc_fused == fused
+    assert got.da_mode == (3 if fused == 2 else 1)
+    with pytest.raises(ValueError, match="dcb_head_split=4 needs bc_fused=2"):
+        replace(cfg, bc_fused=1, da_mode=1)
 
 
 def test_da_mode_named_with_the_wrong_launch_is_refused(monkeypatch):

@@ -168,10 +168,10 @@ class BackwardConfig:
 
     def paired_overrides(self, overrides: dict) -> dict:
         """`overrides` (field -> value) as applied to this config: one that changes
-        `bc_fused` without naming `da_mode` or `bc_head_split` also resets those of this
-        config's choices that need the old dB/dC launch (da_mode 3 needs bc_fused 2, 2 and a
-        head split need 1) to da_mode 1 (the per-token terms in bwd_chunk_dx, which go with
-        any bc_fused) and no split, so that MAMBA2_CUTILE_BWD_CONFIG=bc_fused=N works at every
+        `bc_fused` without naming `da_mode`, `bc_head_split` or `dcb_head_split` also resets
+        those of this config's choices that need the old dB/dC launch (da_mode 3 and a
+        `dcb_head_split` need bc_fused 2, da_mode 2 and a `bc_head_split` need 1) to da_mode 1
+        (the per-token terms in bwd_chunk_dx, which go with any bc_fused) and no split, so that MAMBA2_CUTILE_BWD_CONFIG=bc_fused=N works at every
         sequence length. Leaving da_mode 3 (by either route) without naming `dx_block_p` or
         `dx_warps` also takes bwd_chunk_dx from the 64-channel programs the dispatcher gives
         da_mode 3 at headdim 33-64 back to the 32-channel ones of the other modes (with the
@@ -347,9 +347,9 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
     programs = 0
     if seqlen is not None:
         programs = -(-seqlen // chunk_size) * batch * ngroups * -(-dstate // cfg.bc_block_n)
-    # The head-split fused dB/dC launch only where its grid is a sixth of the SMs or less:
-    # from 32 programs up the dS launch below, with bwd_chunk_dx free of its key-block loop,
-    # was faster. H100, bf16, batch 1, 1 group, dstate 128, chunk 256 computed at 128,
+    # The head-split fused dB/dC launch only where its grid is a sixth of the SMs or less
+    # (22 programs on 132; 23-31 untimed): from 32 programs up the dS launch below, with
+    # bwd_chunk_dx free of its key-block loop, was faster, at 16 and below slower. H100, bf16, batch 1, 1 group, dstate 128, chunk 256 computed at 128,
     # backward kernels ms, head split -> dS launch (programs):
     #   64 heads  512 tokens (8)  0.131 -> 0.233    1024 (16) 0.209 -> 0.259
     #             2048 (32)       0.352 -> 0.318    4096 (64) 0.637 -> 0.457
@@ -379,7 +379,8 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
             # bwd_chunk_dcb / whole backward, ms: headdim 128 (48 heads) 0.311 -> 0.291 /
             # 1.787 -> 1.770, dstate 256 (32 heads) 0.165 -> 0.141 / 1.134 -> 1.105; two per
             # SM in 32-token blocks was slower (0.362 and 0.206 ms), 64-token blocks at four
-            # per SM untimed (benchmarks/results/2026-12-06-h100-backward-sweep-wide-tiles.jsonl)
+            # per SM untimed (benchmarks/results/2026-12-06-h100-backward-sweep-wide-tiles.jsonl);
+            # timed in bf16 without z only (fp32 and z compile to 2 CTAs/SM without spills)
             cfg = replace(cfg, bc_block_q=min(chunk_size, 64), dcb_occupancy=2)
         # bwd_chunk_dx without its key-block loop (da_mode 3, no z): at headdim 33-64 (timed
         # at 64) one program over all 64 channels (then with 8 warps) formed B_t C_q^T half as
