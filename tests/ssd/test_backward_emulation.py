@@ -220,22 +220,34 @@ def test_emulated_group_dcb(opt, bq, bn, bp, da_mode):
                                   dict(bc_fused=2, da_mode=3, bstate_segments=2,
                                        state_segments=2)],
                          ids=["dcb-da3", "dcb-da1", "fused", "dcb-segments"])
+@pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("opt", ["all", "init_no_dfinal", "none"])
-def test_emulated_side_streams(opt, over):
+def test_emulated_side_streams(opt, over, mode):
     """side_streams=1: bwd_state_pass (with bstate_segments its carry too) and the dS launch on
-    side streams beside the recompute of the states. The gradients as on one stream, and no
+    side streams beside the recompute of the states; 2: only bwd_state_pass (and its carry)
+    on a side stream, the recompute then the dS launch on the caller's stream, the dS launch
+    thus beside the reverse pass too. The gradients as on one stream, and no
     two launches that may run at the same time touch a byte one of them writes (the
     emulation checks every such pair: with initial states the recompute's final state and
     bwd_state_pass's dh_0 would share hbuf)."""
     Q = 32
     args, kw, dout, dfinal = make_problem(OPTIONS[opt], l=84, Q=Q, seed=12, h=6, g=2, p=24,
                                           n=20)
-    cfg = small_config(Q, 24, 20, bc_block_q=16, side_streams=1, **over)
+    cfg = small_config(Q, 24, 20, bc_block_q=16, side_streams=mode, **over)
     calls = []
     backward.run_backward(**args, chunk_size=Q, dout=dout, dfinal_states=dfinal, **kw,
                           config=cfg, launch_fn=calls.extend, buf_dtype=F64)
-    assert {c.stream for c in calls} == ({0, 1, 2} if over["bc_fused"] == 2 else {0, 1})
+    assert {c.stream for c in calls} == ({0, 1, 2} if over["bc_fused"] == 2 and mode == 1
+                                         else {0, 1})
     assert sum(c.join for c in calls) == 1
+    names = [c.kernel._annotated_function.pyfunc.__name__ for c in calls]
+    on_side = [n for n, c in zip(names, calls) if c.stream == 1]
+    assert on_side[0] == "bwd_state_pass_fn"
+    if mode == 2:
+        # the recompute follows the side launch, before any dB/dC launch
+        first_rec = names.index("chunk_state_pass_fn")
+        assert names.index("bwd_state_pass_fn") < first_rec < min(
+            i for i, n in enumerate(names) if n.startswith("bwd_chunk_db"))
     assert_close(emulated_grads(args, kw, Q, dout, dfinal, cfg),
                  reference_grads(args, kw, Q, dout, dfinal))
 

@@ -354,7 +354,8 @@ def test_deterministic():
             assert torch.equal(a[k], b[k]), f"d{k} differs between two runs"
 
 
-@pytest.mark.parametrize("side", ["", "side_streams=1"], ids=["one-stream", "side-streams"])
+@pytest.mark.parametrize("side", ["", "side_streams=1", "side_streams=2"],
+                         ids=["one-stream", "side-streams", "side-stream-reverse-pass"])
 def test_cuda_graph_capture(side, monkeypatch):
     """A captured backward replays on new inputs as a fresh call computes them; with side
     streams the capture holds their fork and join (launch_calls joins them to the capture's
@@ -404,6 +405,7 @@ CONFIGS = [
     {"bstate_segments": 2}, {"bstate_segments": 3, "state_segments": 3, "state_occupancy": 4},
     {"side_streams": 1}, {"side_streams": 1, "bstate_segments": 2, "state_segments": 2},
     {"side_streams": 1, "bc_fused": 1, "da_mode": 1},
+    {"side_streams": 2}, {"side_streams": 2, "bstate_segments": 2},
     {"bc_head_split": 2, "bc_fused": 1, "da_mode": 1},
     {"bc_head_split": 2, "bc_fused": 1, "da_mode": 2},
     {"bc_fused": 1, "da_mode": 1, "bc_block_q": 64, "dcb_occupancy": 0, "bc_occupancy": 0,

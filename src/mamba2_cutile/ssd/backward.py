@@ -119,7 +119,10 @@ class BackwardConfig:
                                  # each on a side stream beside the recompute of the states
                                  # (three launches with disjoint outputs; within 2% either
                                  # way where timed, each launch filling the GPU's CTA slots
-                                 # alone); 0: one stream
+                                 # alone); 2: only the reverse state pass on a side stream,
+                                 # beside the recompute (two sequential passes whose grids
+                                 # may fit on the SMs together at few heads; untimed), the
+                                 # dS launch after the recompute; 0: one stream
 
     headdim_pad: int = 0         # the padded headdim the dispatcher saw (0: not recorded); read
                                  # only by paired_overrides
@@ -157,8 +160,9 @@ class BackwardConfig:
                              "bc_fused=2 (bc_head_split splits the bc_fused=1 launch)")
         for name in ("dx_warps", "bc_warps", "dcb_warps"):
             c.check_choice(self, name, (0, 4, 8))
-        for name in ("lowp", "dx_lowp", "side_streams", "bstate_fresh_acc"):
+        for name in ("lowp", "dx_lowp", "bstate_fresh_acc"):
             c.check_choice(self, name, (0, 1))
+        c.check_choice(self, "side_streams", (0, 1, 2))
         c.check_choice(self, "bstate_scale_dy", (-1, 0, 1))
         c.check_choice(self, "bc_fused", (0, 1, 2))
         if (self.da_mode not in (0, 1, 2, 3) or (self.da_mode == 2 and self.bc_fused != 1)
@@ -561,7 +565,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
                         seg_final)
     bstate_grid = (batch * nheads, -(-headdim // cfg.bstate_block_p),
                    -(-dstate // cfg.bstate_block_n) * segs)
-    s1, s2 = (1, 2) if side else (0, 0)
+    s1, s2 = (1 if side else 0), (2 if cfg.side_streams == 1 else 0)
     calls.append(KernelCall(
         with_hints(bwd_state_pass_i64 if int64 else bwd_state_pass, cfg.bstate_occupancy),
         bstate_grid,
@@ -578,6 +582,9 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
              init is not None, False), stream=s1))
     if not side:
         calls = calls[:1] + recompute + calls[1:]
+    elif cfg.side_streams == 2:
+        # the recompute on the caller's stream beside the reverse pass, the dS launch after it
+        calls += recompute
 
     # 4: dB, dC (with a head split: per-split fp32 partials, then their sum in one launch),
     # before dx: bc_fused 2's dS shares its memory with the partials bwd_chunk_dx writes
@@ -598,7 +605,7 @@ def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init
             (x, B, C, z if has_z else x, dout, bufs.dt_buf, bufs.cum_buf, seq_arg, bufs.dcb,
              bufs.da_part, Q, cfg.bc_block_q, cfg.bc_block_p, cfg.dstate_pad, hpg, has_z,
              has_seq, lowp, cfg.dcb_load_latency, cfg.da_mode == 3, splits), stream=s2))
-    if side:
+    if cfg.side_streams == 1:
         # the recompute on the caller's stream, the side launches above already under way;
         # the next launch reads the states, dS_c and the dS blocks: it joins them
         calls += recompute
