@@ -335,7 +335,7 @@ def test_wide_state_dispatch_compiles():
     of spills per thread in tileiras 13.4;
     benchmarks/results/2026-12-06-h100-forward-sweep-group-dstate256.jsonl; not the rule
     until its GPU output check runs); the dispatcher's backward: the reverse state pass in
-    32 x 256 tiles (spilling 72 bytes per thread, timed so:
+    32 x 256 tiles (spilling 80 bytes per thread here, timed so:
     benchmarks/results/2026-12-06-h100-backward-sweep-wide-tiles.jsonl) and the dS launch in
     64-token blocks at two CTAs per SM."""
     problem = dict(batch=2, seqlen=8192, nheads=32, dstate=256, chunk_size=256)
@@ -352,7 +352,7 @@ def test_wide_state_dispatch_compiles():
     state = bwd[names.index("bwd_state_pass")]
     assert (variants.kernel_arg(state, "BLOCK_P"), variants.kernel_arg(state, "BLOCK_N")) == (
         32, 256)
-    assert resources.compile_resources(state)["stack"] <= 128
+    assert resources.compile_resources(state)["stack"] <= 80
     dcb = bwd[names.index("bwd_chunk_dcb")]
     assert variants.kernel_arg(dcb, "BLOCK_Q") == 64
     assert resources.compile_resources(dcb)["ctas_per_sm"] == 2

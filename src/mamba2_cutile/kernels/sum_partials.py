@@ -5,10 +5,11 @@ parameter's dtype, in one launch and a fixed order (deterministic).
 
 parts (P, R, N) float32; out (R, N) any strides (the conv1d's dweight is written through its
 transposed view). Program (r * cdiv(N, BLOCK_N) + j, 0, k) sums column block j (BLOCK_N
-columns) of row r of the k-th pair (k = 1: parts2 / out2, the bias, whose R may be smaller: rows past it return). It walks
-P in BLOCK_P-row tiles, adding them into one (BLOCK_P, BLOCK_N) accumulator, and reduces it
-over its rows once at the end, so the order of the additions is fixed by the tile shapes
-alone. Rows past P and columns past N load as zeros; columns past N are not stored.
+columns) of row r of the k-th pair (k = 1: parts2 / out2, the bias, whose R may be smaller:
+rows past it return). It walks P in BLOCK_P-row tiles, adding them into one (BLOCK_P, BLOCK_N)
+accumulator, and reduces it over its rows once at the end, so the order of the additions is
+fixed by the tile shapes alone. Rows past P and columns past N load as zeros; columns past N
+are not stored.
 
 Why a kernel: `parts.sum(0)` and the cast to the parameter's dtype are two launches per
 tensor (four with a bias, five for the conv1d's transposed dweight), each a few microseconds

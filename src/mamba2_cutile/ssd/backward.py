@@ -171,16 +171,17 @@ class BackwardConfig:
                              f"bc_fused=1, or 3 with bc_fused=2 (bc_fused={self.bc_fused})")
 
     def paired_overrides(self, overrides: dict) -> dict:
-        """`overrides` (field -> value) as applied to this config: one that changes
-        `bc_fused` without naming `da_mode`, `bc_head_split` or `dcb_head_split` also resets
-        those of this config's choices that need the old dB/dC launch (da_mode 3 and a
-        `dcb_head_split` need bc_fused 2, da_mode 2 and a `bc_head_split` need 1) to da_mode 1
-        (the per-token terms in bwd_chunk_dx, which go with any bc_fused) and no split, so that MAMBA2_CUTILE_BWD_CONFIG=bc_fused=N works at every
-        sequence length. Leaving da_mode 3 (by either route) without naming `dx_block_p` or
-        `dx_warps` also takes bwd_chunk_dx from the 64-channel programs the dispatcher gives
-        da_mode 3 at headdim 33-64 back to the 32-channel ones of the other modes (with the
-        key-block loop the 64-channel, 8-warp ones were slower: 0.145 -> 0.196 ms at 1.3B,
-        1 x 2048). A config not made by the dispatcher (`headdim_pad` 0) keeps its tiles."""
+        """`overrides` (field -> value) as applied to this config: one that changes `bc_fused`
+        without naming `da_mode`, `bc_head_split` or `dcb_head_split` also resets those of this
+        config's choices that need the old dB/dC launch (da_mode 3 and a `dcb_head_split` need
+        bc_fused 2, da_mode 2 and a `bc_head_split` need 1) to da_mode 1 (the per-token terms
+        in bwd_chunk_dx, which go with any bc_fused) and no split, so that
+        MAMBA2_CUTILE_BWD_CONFIG=bc_fused=N works at every sequence length. Leaving da_mode 3
+        (by either route) without naming `dx_block_p` or `dx_warps` also takes bwd_chunk_dx
+        from the 64-channel programs the dispatcher gives da_mode 3 at headdim 33-64 back to
+        the 32-channel ones of the other modes (with the key-block loop the 64-channel, 8-warp
+        ones were slower: 0.145 -> 0.196 ms at 1.3B, 1 x 2048). A config not made by the
+        dispatcher (`headdim_pad` 0) keeps its tiles."""
         out = dict(overrides)
         if "bc_fused" in overrides:
             fused = overrides["bc_fused"]
@@ -282,6 +283,7 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
     # bwd_chunk_dx holds (BQ, NP) B/C tiles and (BP, NP) h_c / dS_c tiles at once: a wide
     # state or fp32 inputs keep the compiler's occupancy (and narrower state-pass tiles)
     wide = np_ >= 256 or dtype == torch.float32
+    wide_state16 = np_ == 256 and dtype != torch.float32
     # (the long-sequence rule below gives da_mode 3 without z other dx tiles)
     dx_block_p, dx_warps = key_loop_dx_tiles(pp, np_, dtype)
     cfg = BackwardConfig(
@@ -308,10 +310,9 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # A 256-wide state in 16 bits takes 32 x 256 tiles: bwd_state_pass 0.154 -> 0.137 ms
         # against the forward's 64 x 128 (H100, bf16, B=2 T=8192 H=32, chunk 256 computed at
         # 128; benchmarks/results/2026-12-06-h100-backward-sweep-wide-tiles.jsonl).
-        bstate_block_p=(min(pp, 32) if np_ == 256 and dtype != torch.float32
+        bstate_block_p=(min(pp, 32) if wide_state16
                         else fwd.state_block_p if wide else min(pp, 64)),
-        bstate_block_n=(256 if np_ == 256 and dtype != torch.float32
-                        else fwd.state_block_n if wide else min(np_, 128)),
+        bstate_block_n=256 if wide_state16 else fwd.state_block_n if wide else min(np_, 128),
         bstate_occupancy=0 if wide else 2,
         dx_block_q=min(chunk_size, 64),
         dx_block_p=dx_block_p,
@@ -353,8 +354,9 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         programs = -(-seqlen // chunk_size) * batch * ngroups * -(-dstate // cfg.bc_block_n)
     # The head-split fused dB/dC launch only where its grid is a sixth of the SMs or less
     # (22 programs on 132; 23-31 untimed): from 32 programs up the dS launch below, with
-    # bwd_chunk_dx free of its key-block loop, was faster, at 16 and below slower. H100, bf16, batch 1, 1 group, dstate 128, chunk 256 computed at 128,
-    # backward kernels ms, head split -> dS launch (programs):
+    # bwd_chunk_dx free of its key-block loop, was faster, at 16 and below slower. H100,
+    # bf16, batch 1, 1 group, dstate 128, chunk 256 computed at 128, backward kernels ms,
+    # head split -> dS launch (programs):
     #   64 heads  512 tokens (8)  0.131 -> 0.233    1024 (16) 0.209 -> 0.259
     #             2048 (32)       0.352 -> 0.318    4096 (64) 0.637 -> 0.457
     #   24 heads  512 (8)         0.092 -> 0.123    1024 (16) 0.123 -> 0.141
