@@ -6,12 +6,16 @@ SHAPES: bench registry keys (comma list). CONFIG: MAMBA2_CUTILE_CONFIG strings (
 "scan_block_n=32,scan_lowp=1", ...). Each config is checked against mamba_ssm's output, then
 timed (CUDA graph, L2 flushed), whole forward and per kernel. One JSON line per (shape, config).
 --ours-only: no mamba_ssm (no baseline time and no output check: "diff" is null).
+SWEEP_COMPILE_ONLY=1: run each config's forward once and time nothing (fills the kernel cache,
+so that several configs can compile in parallel processes before one process times them).
 """
 import json
 import os
 import sys
 
-from mamba2_cutile.bench import problems, runner
+import torch
+
+from mamba2_cutile.bench import impls, problems, runner
 
 argv = sys.argv[1:]
 ours_only = "--ours-only" in argv
@@ -20,6 +24,17 @@ shapes = problems.select(argv[0])
 for shape in shapes:
     for i, cfg in enumerate(argv[1:]):
         os.environ["MAMBA2_CUTILE_CONFIG"] = cfg
+        if os.environ.get("SWEEP_COMPILE_ONLY"):
+            try:
+                impls.ours(problems.make_inputs(shape), shape.chunk)()
+                torch.cuda.synchronize()
+                print(json.dumps({"shape": shape.name, "config": cfg, "compiled": True}),
+                      flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(json.dumps({"shape": shape.name, "config": cfg,
+                                  "status": f"error: {type(e).__name__}: {str(e)[:300]}"}),
+                      flush=True)
+            continue
         names = ["mamba_ssm", "mamba2-cutile"] if i == 0 and not ours_only else ["mamba2-cutile"]
         try:
             rows = runner.run_case(shape, names, mode="fwd")
