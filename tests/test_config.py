@@ -151,7 +151,8 @@ def test_reverse_state_pass_tiles(batch, nheads, headdim, dstate, dtype, tiles):
     (2, 8192, 32, 64, 256, BF, False, (64, 8, 0)),          # dstate 256: 8 warps, no hint
     (4, 16384, 24, 40, 24, BF, False, (64, 4, 2)),          # headdim 40 pads to 64
     (2, 8192, 80, 64, 128, BF, True, (32, 4, 2)),           # z: the key-block loop stays
-    (1, 1024, 64, 64, 128, BF, False, (32, 4, 2)),          # short: head split, da_mode 1
+    (1, 512, 64, 64, 128, BF, False, (32, 4, 2)),           # short: head split, da_mode 1
+    (1, 1024, 64, 64, 128, BF, False, (64, 4, 2)),          # 16 fused programs: the dS launch
     (1, 2048, 64, 64, 128, BF, False, (64, 4, 2)),          # 32 fused programs: the dS launch
     (2, 8192, 48, 128, 128, BF, False, (64, 4, 2)),         # headdim 128 keeps 4 warps
     (2, 8192, 80, 64, 128, torch.float32, False, (32, 4, 0)),  # fp32
@@ -164,7 +165,7 @@ def test_dx_tiles(batch, seqlen, nheads, headdim, dstate, dtype, has_z, tiles):
     cfg = backward_shape_config(batch, nheads, 1, headdim, dstate, 256, dtype, 132, seqlen,
                                 has_z)
     assert (cfg.dx_block_p, cfg.dx_warps, cfg.dx_occupancy) == tiles
-    assert cfg.da_mode == (1 if seqlen == 1024 else 3)
+    assert cfg.da_mode == (1 if seqlen == 512 else 3)
 
 
 @pytest.mark.parametrize("dstate, over, tiles", [

@@ -85,38 +85,60 @@ def _name(call):
     return call.kernel._annotated_function.pyfunc.__name__
 
 
-@pytest.mark.parametrize("b,l,h,g,splits", [(1, 512, 24, 1, 12), (1, 1000, 24, 1, 8),
-                                            (1, 512, 7, 1, 7), (1, 1024, 80, 1, 8),
-                                            (1, 1408, 64, 1, 4), (1, 1409, 64, 1, 1),
-                                            (1, 2048, 64, 1, 1), (1, 512, 128, 8, 1),
-                                            (2, 8192, 80, 1, 1), (4, 16384, 8, 1, 1)])
-def test_dispatcher_head_split(b, l, h, g, splits):
-    """Where the fused dB/dC launch would have at most a sixth of the SMs' programs
-    (chunks x n-tiles x batch x groups <= 132 // 6 = 22; chunk 128, two n-tiles) the
-    dispatcher splits each group's heads over up to SMs / programs programs (the largest
-    divisor of the heads per group); the launch's third grid axis is the split, it writes
-    (splits, B, L, G, N) fp32 partials, and one sum_partials launch adds them into dB and dC
-    (before bwd_chunk_dx). Long sequences take dB and dC through the groups' C B^T
-    gradient (bc_fused 2: bwd_chunk_dcb, then bwd_chunk_dbc_group writing dB and dC), with
-    the decay gradient's W terms from bwd_chunk_dcb (da_mode 3)."""
+@pytest.mark.parametrize("b,l,h,g,fused,splits", [
+    (1, 512, 24, 1, 1, 12), (1, 512, 7, 1, 1, 7), (1, 1000, 24, 1, 2, 8), (1, 1024, 80, 1, 2, 8),
+    (1, 1408, 64, 1, 2, 4), (1, 1409, 64, 1, 2, 4), (1, 2048, 64, 1, 2, 4),
+    (1, 2049, 64, 1, 2, 1), (1, 4096, 64, 1, 2, 1), (1, 512, 128, 8, 2, 1),
+    (2, 8192, 80, 1, 2, 1), (4, 16384, 8, 1, 2, 1)])
+def test_dispatcher_head_split(b, l, h, g, fused, splits):
+    """Where the fused dB/dC launch would have at most 8 programs (chunks x n-tiles x batch x
+    groups; chunk 128, two n-tiles) the dispatcher splits each group's heads over up to
+    SMs / programs programs (the largest divisor of the heads per group); the launch's third
+    grid axis is the split, it writes (splits, B, L, G, N) fp32 partials, and one
+    sum_partials launch adds them into dB and dC (before bwd_chunk_dx). Longer sequences
+    take dB and dC through the groups' C B^T gradient (bc_fused 2: bwd_chunk_dcb, then
+    bwd_chunk_dbc_group), with the decay gradient's W terms from bwd_chunk_dcb (da_mode 3);
+    from 9 to 32 programs with the heads split over the most programs (a power of two <= 8)
+    whose grid stays within one per SM, its partials summed by sum_partials."""
     cfg = backward.backward_config(b, h, g, 64, 128, 256, torch.bfloat16, 132, seqlen=l)
-    assert backward.head_splits(cfg, h, g) == splits
+    assert cfg.bc_fused == fused and backward.head_splits(cfg, h, g) == splits
     calls = plans.backward_problem_plan(batch=b, seqlen=l, nheads=h, ngroups=g,
                                         chunk_size=256)
     names = [_name(c) for c in calls]
     assert "sum_partials_fn" in names if splits > 1 else "sum_partials_fn" not in names
-    if splits == 1:
-        assert cfg.bc_fused == 2 and cfg.da_mode == 3 and "bwd_chunk_dbc_fused_fn" not in names
+    if fused == 2:
+        assert cfg.da_mode == 3 and "bwd_chunk_dbc_fused_fn" not in names
         i = names.index("bwd_chunk_dcb_fn")
         assert names[i + 1] == "bwd_chunk_dbc_group_fn"
-        assert calls[i + 1].args[11].dtype == torch.bfloat16     # dB, written directly
+        dbc = calls[i + 1]
+        if splits == 1:
+            assert dbc.args[11].dtype == torch.bfloat16     # dB, written directly
+        else:
+            assert dbc.args[11].shape == (splits * b, l, g, 128)
+            assert names[i + 2] == "sum_partials_fn"
         return
-    assert cfg.bc_fused == 1 and cfg.da_mode == 1
+    assert cfg.da_mode == 1
     dbc = calls[names.index("bwd_chunk_dbc_fused_fn")]
     assert dbc.grid[2] == splits
     assert dbc.args[10].shape == (splits, b, l, g, 128)
     assert dbc.args[10].dtype == torch.float32
     assert names[names.index("bwd_chunk_dbc_fused_fn") + 1] == "sum_partials_fn"
+
+
+@pytest.mark.parametrize("b,l,h,g,side", [
+    (2, 8192, 24, 1, 2), (2, 8192, 32, 1, 2), (2, 8192, 33, 1, 2), (2, 8192, 34, 1, 0), (2, 8192, 80, 1, 0),
+    (4, 16384, 8, 1, 2), (2, 8192, 128, 8, 0), (1, 512, 24, 1, 2)])
+def test_dispatcher_side_streams(b, l, h, g, side):
+    """The reverse state pass goes on a side stream beside the recompute of the states
+    (side_streams=2) where its grid (batch x heads, the whole 64 x 128 state a program) is at
+    most half the SMs; in the plan it follows the recompute, marked for stream 1."""
+    cfg = backward.backward_config(b, h, g, 64, 128, 256, torch.bfloat16, 132, seqlen=l)
+    assert cfg.side_streams == side
+    calls = plans.backward_problem_plan(batch=b, seqlen=l, nheads=h, ngroups=g, chunk_size=256)
+    names = [_name(c) for c in calls]
+    rev = calls[names.index("bwd_state_pass_fn")]
+    assert rev.grid[0] * rev.grid[1] * rev.grid[2] == b * h
+    assert rev.stream == (1 if side else 0)
 
 
 def test_head_split_needs_the_fused_launch():
@@ -134,7 +156,8 @@ def test_dcb_head_split_plan(split, splits):
     sum_partials adds them into dB and dC right after it; without a split dB and dC are
     written directly, no sum launch."""
     b, l, h, g = 1, 2048, 64, 1
-    base = plans.backward_problem_plan(batch=b, seqlen=l, nheads=h, ngroups=g, chunk_size=256)
+    base = plans.backward_problem_plan(batch=b, seqlen=l, nheads=h, ngroups=g, chunk_size=256,
+                                       overrides=dict(dcb_head_split=1))
     calls = plans.backward_problem_plan(batch=b, seqlen=l, nheads=h, ngroups=g, chunk_size=256,
                                         overrides=dict(dcb_head_split=split))
     names = [_name(c) for c in calls]
@@ -210,7 +233,7 @@ def test_da_mode_needs_its_dbc_launch(over, ok):
     ("bc_fused=1", (1, 1)), ("bc_fused=0", (0, 1)), ("bc_head_split=2,bc_fused=1", (1, 1)),
     ("bc_fused=2", (2, 3)), ("bc_fused=2,da_mode=1", (2, 1)), ("da_mode=1", (2, 1)),
     ("bc_fused=1,da_mode=2", (1, 2))])
-@pytest.mark.parametrize("seqlen", [512, 8192])
+@pytest.mark.parametrize("seqlen", [256, 8192])
 def test_bc_fused_override_takes_its_da_mode(spec, want, seqlen, monkeypatch):
     """MAMBA2_CUTILE_BWD_CONFIG naming bc_fused but not da_mode works at every sequence
     length: where the rule's da_mode or head split needs the dB/dC launch being replaced
@@ -221,13 +244,13 @@ def test_bc_fused_override_takes_its_da_mode(spec, want, seqlen, monkeypatch):
 
     monkeypatch.setenv(config.ENV_BACKWARD, spec)
     cfg = backward.backward_config(2, 80, 1, 64, 128, 256, torch.bfloat16, 132, seqlen=seqlen)
-    if seqlen == 512 and spec in ("bc_fused=2", "da_mode=1"):
+    if seqlen == 256 and spec in ("bc_fused=2", "da_mode=1"):
         want = (2, 1) if spec == "bc_fused=2" else (1, 1)     # from bc_fused 1, da_mode 1
     assert (cfg.bc_fused, cfg.da_mode) == want
     if "bc_head_split" in spec:
         assert cfg.bc_head_split == 2
     else:
-        assert cfg.bc_head_split == 1 or (seqlen == 512 and cfg.bc_fused == 1)
+        assert cfg.bc_head_split == 1 or (seqlen == 256 and cfg.bc_fused == 1)
 
 
 @pytest.mark.parametrize("fused, kept", [(2, 4), (1, 1), (0, 1)])

@@ -310,10 +310,12 @@ def test_varlen_states_at_the_computed_chunk():
     (torch.bfloat16, 64, 128, 128), (torch.float16, 32, 64, 128),
     (torch.float32, 64, 128, 256), (torch.bfloat16, 128, 128, 128),
     (torch.float16, 96, 128, 128), (torch.bfloat16, 256, 128, 256),
-    (torch.bfloat16, 64, 256, 256), (torch.float16, 64, 200, 256),
+    (torch.bfloat16, 64, 256, 128), (torch.float16, 64, 200, 128),
+    (torch.bfloat16, 128, 256, 256), (torch.float16, 96, 200, 256),
     (torch.float32, 64, 256, 256)])
 def test_computed_chunk_rule(dtype, headdim, dstate, computed):
-    """Where chunk_scan_group applies (16-bit inputs, headdim <= 128, dstate <= 128) a chunk-256
+    """Where chunk_scan_group applies (16-bit inputs, headdim <= 128 with dstate <= 128,
+    headdim <= 64 with dstate <= 256) a chunk-256
     call is computed at GROUP_CHUNK with the group launch; elsewhere at the caller's chunk.
     Calls of chunk 64 keep theirs."""
     cfg = forward.forward_shape_config(2, 80, headdim, dstate, 256, dtype, 132, 8192)

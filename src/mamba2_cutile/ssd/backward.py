@@ -364,7 +364,9 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
     #   80 heads  1024 (16)       0.240 -> 0.305    48 heads 2048 (32) 0.290 -> 0.262
     # (benchmarks/results/2026-12-06-h100-backward-sweep-short-sequences.jsonl; without z:
     # with z bwd_chunk_dx keeps its key-block loop on either side, untimed there)
-    if 0 < programs and 6 * programs <= sms:
+    # From 16 programs up the dS launch with its heads split (below) beat the head-split fused
+    # launch too, so that launch keeps 8 programs or fewer.
+    if 0 < programs <= 8 and 6 * programs <= sms:
         cfg = replace(cfg, bc_head_split=max(1, min(64, sms // programs)))
     else:
         # dB/dC through the groups' C B^T gradient: dS summed over the heads in 32-token
@@ -413,6 +415,29 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
         # seed problem or in fp16)
         if pp == 64 and dtype != torch.float32 and not has_z:
             cfg = replace(cfg, dx_block_p=64, dx_warps=8 if np_ >= 256 else 4)
+        if 8 < programs <= 32:
+            # a short sequence: each group's heads split over the programs of the dS and dB/dC
+            # launches (fp32 partials summed by sum_partials), the most splits (<= 8) whose
+            # grid stays within one program per SM. H100, bf16, B=1, 64 heads, 1 group,
+            # chunk 256 computed at 128, whole backward, ms:
+            #   2048 tokens (32 programs): none 0.302, 2 splits 0.258, 4 0.251, 8 0.257
+            #   1024 tokens (16 programs): head-split fused launch 0.193, 4 splits 0.153,
+            #                              8 0.151
+            # (benchmarks/results/2026-12-06-h100-backward-sweep-dcb-head-split.jsonl; 24
+            # heads and z untimed)
+            splits = max(1, min(8, sms // programs))
+            cfg = replace(cfg, dcb_head_split=1 << (splits.bit_length() - 1))
+    if seqlen is not None:
+        bstate_programs = (batch * nheads * -(-headdim // cfg.bstate_block_p)
+                           * -(-dstate // cfg.bstate_block_n))
+        if 2 * bstate_programs <= sms:
+            # the reverse state pass on a side stream beside the recompute of the states where
+            # its grid fills at most half the SMs (two sequential passes that fit together).
+            # H100, bf16, B=2 T=8192, chunk 256 computed at 128, whole backward one stream /
+            # side_streams=2, ms: 130M (48 programs) 0.615 / 0.555, 370M (64) 0.760 / 0.711,
+            # 2.7B (160) 1.624 / 1.646 (benchmarks/results/2026-12-06-h100-backward-sweep-
+            # side-streams-2.jsonl; the seed problem and short sequences untimed)
+            cfg = replace(cfg, side_streams=2)
     return cfg
 
 
