@@ -2,7 +2,8 @@
 
     python3 scripts/sweep.py [--ours-only] SHAPES CONFIG [CONFIG ...]      (on a CUDA machine)
 
-SHAPES: bench registry keys (comma list). CONFIG: MAMBA2_CUTILE_CONFIG strings ("default",
+SHAPES: bench registry keys (comma list), or "custom=B,T,H,G,P,N,Q;..." (custom shapes).
+CONFIG: MAMBA2_CUTILE_CONFIG strings ("default",
 "scan_block_n=32,scan_lowp=1", ...). Each config is checked against mamba_ssm's output, then
 timed (CUDA graph, L2 flushed), whole forward and per kernel. One JSON line per (shape, config).
 --ours-only: no mamba_ssm (no baseline time and no output check: "diff" is null).
@@ -20,11 +21,12 @@ from mamba2_cutile.bench import impls, problems, runner
 argv = sys.argv[1:]
 ours_only = "--ours-only" in argv
 argv = [a for a in argv if a != "--ours-only"]
-shapes = problems.select(argv[0])
+shapes = ([problems.parse_custom(s) for s in argv[0][len("custom="):].split(";") if s]
+          if argv[0].startswith("custom=") else problems.select(argv[0]))
 for shape in shapes:
     for i, cfg in enumerate(argv[1:]):
         os.environ["MAMBA2_CUTILE_CONFIG"] = cfg
-        if os.environ.get("SWEEP_COMPILE_ONLY"):
+        if os.environ.get("SWEEP_COMPILE_ONLY", "") not in ("", "0"):
             try:
                 impls.ours(problems.make_inputs(shape), shape.chunk)()
                 torch.cuda.synchronize()

@@ -590,13 +590,17 @@ def test_backward_breakdown_with_fakes(monkeypatch):
     monkeypatch.setattr(problems, "make_grad_outputs", lambda s, device="cuda", seed=1:
                         real_grads(s, device="cpu"))
     monkeypatch.setattr(runtime, "num_sms", lambda i: 132)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    class FakeStream:             # the plan's side stream (side_streams=2 at 4 heads) too
+        def wait_stream(self, other):
+            pass
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: FakeStream())
+    monkeypatch.setattr(runtime, "_side_stream", lambda device, k: FakeStream())
     launched = []
     monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: launched.append(kernel))
     monkeypatch.setattr(timing, "time_graph", lambda fn, reps=30: (fn(), {"median_ms": 0.1})[1])
     row = runner.backward_breakdown(problems.parse_custom("1,256,4,1,32,64,64"))
     names = list(row["kernels"])
-    assert names[:2] == ["decay_cumsum", "chunk_state_pass"] and "bwd_state_pass" in names
+    assert names[0] == "decay_cumsum" and {"chunk_state_pass", "bwd_state_pass"} <= set(names)
     assert len(names) == len(launched) // 2 and abs(row["total_ms"] - 0.1 * len(names)) < 1e-9
 
 

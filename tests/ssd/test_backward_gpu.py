@@ -306,7 +306,7 @@ def test_many_heads(shape, chunk_size):
 
 #: the dispatcher's wide-program tiles (dstate 129-256: 32 x 256 bwd_state_pass tiles; headdim
 #: 65-128 or dstate 129-256: the dS launch in 64-token blocks at two per SM) on sequences long
-#: enough for the dS launch (more than a sixth of the SMs' fused dB/dC programs), neither
+#: enough for the dS launch (more than 8 fused dB/dC programs), neither
 #: dstate nor headdim a multiple of the tiles
 WIDE = [(1, 1500, 24, 1, 64, 200), (1, 3000, 6, 2, 100, 64)]
 

@@ -253,6 +253,27 @@ def test_bc_fused_override_takes_its_da_mode(spec, want, seqlen, monkeypatch):
         assert cfg.bc_head_split == 1 or (seqlen == 256 and cfg.bc_fused == 1)
 
 
+@pytest.mark.parametrize("spec, seqlen, want", [
+    ("bc_head_split=4", 1024, (1, 1, 4, 1, 32)),    # the dS rule: the fused launch named
+    ("da_mode=2", 1024, (1, 2, 1, 1, 32)),
+    ("dcb_head_split=4", 512, (2, 1, 1, 4, 32)),    # the head-split rule: the dS launch named
+    ("da_mode=3", 512, (2, 3, 1, 1, 32)),
+    ("bc_head_split=4", 512, (1, 1, 4, 1, 32)),     # already the rule's launch
+    ("dcb_head_split=2", 1024, (2, 3, 1, 2, 64))])
+def test_split_override_names_its_launch(spec, seqlen, want, monkeypatch):
+    """MAMBA2_CUTILE_BWD_CONFIG naming a head split or da_mode without bc_fused works at every
+    sequence length: it brings the dB/dC launch it needs (bc_head_split > 1 and da_mode 2:
+    bc_fused 1; dcb_head_split > 1 and da_mode 3: bc_fused 2) and resets the rule's choices
+    that need the other one. (bc_fused, da_mode, bc_head_split, dcb_head_split,
+    dx_block_p); B=1, 64 heads, 1 group, chunk 256."""
+    from mamba2_cutile import config
+
+    monkeypatch.setenv(config.ENV_BACKWARD, spec)
+    cfg = backward.backward_config(1, 64, 1, 64, 128, 256, torch.bfloat16, 132, seqlen=seqlen)
+    assert (cfg.bc_fused, cfg.da_mode, cfg.bc_head_split, cfg.dcb_head_split,
+            cfg.dx_block_p) == want
+
+
 @pytest.mark.parametrize("fused, kept", [(2, 4), (1, 1), (0, 1)])
 def test_bc_fused_override_drops_a_dcb_head_split(fused, kept):
     """A config carrying dcb_head_split (bc_fused 2) that an override moves to bc_fused 1 or

@@ -181,10 +181,19 @@ class BackwardConfig:
         from the 64-channel programs the dispatcher gives da_mode 3 at headdim 33-64 back to
         the 32-channel ones of the other modes (with the key-block loop the 64-channel, 8-warp
         ones were slower: 0.145 -> 0.196 ms at 1.3B, 1 x 2048). A config not made by the
-        dispatcher (`headdim_pad` 0) keeps its tiles."""
+        dispatcher (`headdim_pad` 0) keeps its tiles. Naming a choice that needs the other
+        dB/dC launch without naming `bc_fused` (`bc_head_split` > 1 or da_mode 2: bc_fused 1;
+        `dcb_head_split` > 1 or da_mode 3: bc_fused 2) names that launch too, so that such an
+        override works whichever launch the rule chose for the sequence length."""
         out = dict(overrides)
-        if "bc_fused" in overrides:
-            fused = overrides["bc_fused"]
+        if "bc_fused" not in out:
+            need = (1 if out.get("bc_head_split", 1) > 1 or out.get("da_mode") == 2
+                    else 2 if out.get("dcb_head_split", 1) > 1 or out.get("da_mode") == 3
+                    else self.bc_fused)
+            if need != self.bc_fused:
+                out["bc_fused"] = need
+        if "bc_fused" in out:
+            fused = out["bc_fused"]
             if "da_mode" not in out and {2: 1, 3: 2}.get(self.da_mode, fused) != fused:
                 out["da_mode"] = 1
             if "bc_head_split" not in out and self.bc_head_split > 1 and fused != 1:
@@ -259,13 +268,15 @@ def backward_config(batch, nheads, ngroups, headdim, dstate, chunk_size, dtype,
     better at the larger shapes (H200, 2026-12-01,
     benchmarks/results/2026-12-01-h200-backward-sweep-internal-chunk.jsonl).
 
-    With `seqlen`, a fused dB/dC grid of at most a sixth of `sms` programs (one chunk x
-    n-tile x group per program: short sequences, up to about 1400 tokens at batch 1 and one
-    group) splits each group's heads over up to sms / programs programs (`bc_head_split`);
-    otherwise dB and dC go through the
+    With `seqlen`, a fused dB/dC grid of at most 8 programs (one chunk x n-tile x group per
+    program: up to 512 tokens at batch 1, one group and dstate 128) splits each group's heads
+    over up to sms / programs programs (`bc_head_split`); otherwise dB and dC go through the
     gradient of each group's C B^T (`bc_fused=2`), as without `seqlen`, and that launch
     forms the decay gradient's W terms too (`da_mode=3`); there, without z (`has_z`), a
-    headdim of 33 to 64 in 16 bits takes `bwd_chunk_dx` programs over all 64 (padded) channels."""
+    headdim of 33 to 64 in 16 bits takes `bwd_chunk_dx` programs over all 64 (padded)
+    channels, and a fused grid of 9 to 32 programs splits the heads of the dS and dB/dC
+    launches (`dcb_head_split`). A reverse state pass whose grid is at most half of `sms`
+    runs on a side stream beside the recompute of the states (`side_streams=2`)."""
     return _config.with_env(backward_shape_config(batch, nheads, ngroups, headdim, dstate,
                                                   chunk_size, dtype, sms, seqlen, has_z),
                             _config.ENV_BACKWARD)
@@ -352,9 +363,9 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
     programs = 0
     if seqlen is not None:
         programs = -(-seqlen // chunk_size) * batch * ngroups * -(-dstate // cfg.bc_block_n)
-    # The head-split fused dB/dC launch only where its grid is a sixth of the SMs or less
-    # (22 programs on 132; 23-31 untimed): from 32 programs up the dS launch below, with
-    # bwd_chunk_dx free of its key-block loop, was faster, at 16 and below slower. H100,
+    # The head-split fused dB/dC launch against the dS launch below with bwd_chunk_dx free of
+    # its key-block loop (before that launch's heads were split): from 32 programs up the dS
+    # launch was faster, at 16 and below slower. H100,
     # bf16, batch 1, 1 group, dstate 128, chunk 256 computed at 128, backward kernels ms,
     # head split -> dS launch (programs):
     #   64 heads  512 tokens (8)  0.131 -> 0.233    1024 (16) 0.209 -> 0.259
@@ -364,8 +375,8 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
     #   80 heads  1024 (16)       0.240 -> 0.305    48 heads 2048 (32) 0.290 -> 0.262
     # (benchmarks/results/2026-12-06-h100-backward-sweep-short-sequences.jsonl; without z:
     # with z bwd_chunk_dx keeps its key-block loop on either side, untimed there)
-    # From 16 programs up the dS launch with its heads split (below) beat the head-split fused
-    # launch too, so that launch keeps 8 programs or fewer.
+    # At 16 programs the dS launch with its heads split (below) beat the head-split fused
+    # launch too, so that launch keeps 8 programs or fewer (9-15 untimed).
     if 0 < programs <= 8 and 6 * programs <= sms:
         cfg = replace(cfg, bc_head_split=max(1, min(64, sms // programs)))
     else:
@@ -417,14 +428,17 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
             cfg = replace(cfg, dx_block_p=64, dx_warps=8 if np_ >= 256 else 4)
         if 8 < programs <= 32:
             # a short sequence: each group's heads split over the programs of the dS and dB/dC
-            # launches (fp32 partials summed by sum_partials), the most splits (<= 8) whose
-            # grid stays within one program per SM. H100, bf16, B=1, 64 heads, 1 group,
+            # launches (fp32 partials summed by sum_partials): the largest power of two <= 8
+            # and <= sms / programs (`programs` counting the fused launch's chunk x n-tile x
+            # group grid; the plan then takes the largest divisor of the heads per group at
+            # most that, `head_splits`). H100, bf16, B=1, 64 heads, 1 group,
             # chunk 256 computed at 128, whole backward, ms:
             #   2048 tokens (32 programs): none 0.302, 2 splits 0.258, 4 0.251, 8 0.257
             #   1024 tokens (16 programs): head-split fused launch 0.193, 4 splits 0.153,
             #                              8 0.151
             # (benchmarks/results/2026-12-06-h100-backward-sweep-dcb-head-split.jsonl; 24
-            # heads and z untimed)
+            # heads, z, dstate 256 and 9-15 or 17-31 programs untimed; these shapes also take
+            # the side stream below, untimed with the split)
             splits = max(1, min(8, sms // programs))
             cfg = replace(cfg, dcb_head_split=1 << (splits.bit_length() - 1))
     if seqlen is not None:
@@ -432,11 +446,14 @@ def backward_shape_config(batch, nheads, ngroups, headdim, dstate, chunk_size, d
                            * -(-dstate // cfg.bstate_block_n))
         if 2 * bstate_programs <= sms:
             # the reverse state pass on a side stream beside the recompute of the states where
-            # its grid fills at most half the SMs (two sequential passes that fit together).
+            # its grid fills at most half the SMs, so that its programs find free slots while
+            # the recompute's pass runs (both walk the chunks one after another; the
+            # recompute's grid is not sized here: 192 programs at 130M, two per SM).
             # H100, bf16, B=2 T=8192, chunk 256 computed at 128, whole backward one stream /
             # side_streams=2, ms: 130M (48 programs) 0.615 / 0.555, 370M (64) 0.760 / 0.711,
             # 2.7B (160) 1.624 / 1.646 (benchmarks/results/2026-12-06-h100-backward-sweep-
-            # side-streams-2.jsonl; the seed problem and short sequences untimed)
+            # side-streams-2.jsonl; the seed problem, short sequences and reverse grids of
+            # 1-47 programs untimed)
             cfg = replace(cfg, side_streams=2)
     return cfg
 

@@ -178,8 +178,8 @@ def group_heads(nheads, ngroups) -> int:
 def uses_group_scan(batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size, dtype,
                     sms=DEFAULT_SMS) -> bool:
     """Whether the shape rule's output launch is chunk_scan_group, computed at GROUP_CHUNK:
-    where it was timed (16-bit inputs, headdim <= 128, dstate <= 128 or headdim <= 64 and
-    dstate <= 256, chunk 128 or 256), and
+    where it was timed (16-bit inputs, chunk 128 or 256, and either headdim <= 128 with
+    dstate <= 128 or headdim <= 64 with dstate <= 256), and
     its grid gives every SM a program (`seqlen` None: assumed long). Its grid is a program per
     64-token block, group, p-tile and `group_heads` heads, a fraction of chunk_scan's: at B=1
     T=512 H=24 chunk 256 it had 24 programs, 0.033 -> 0.041 ms; at B=1 T=2048 H=64, 128
@@ -195,9 +195,10 @@ def uses_group_scan(batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size,
     is twice the SMs. dstate 129-256 (one 256-wide tile) at headdim <= 64 ran faster too: at
     B=2 T=8K H=32 chunk 256 forward 0.312 -> 0.272 ms (chunk_scan 0.213 -> chunk_scan_group
     0.158; H100, 2026-12-06, benchmarks/results/2026-12-06-h100-forward-sweep-group-dstate256
-    .jsonl), its output against float64 checked on the GPU
+    .jsonl), the same config's output against float64 checked on the GPU
     (tests/ssd/test_forward_gpu.py::test_scan_heads_dstate256, bf16, dstate 200, chunks 128
-    and 256); headdims 65-128 with such a state (untimed) keep chunk_scan."""
+    and 256, through explicit overrides; fp16 follows untimed and unchecked there); headdims
+    65-128 with such a state (untimed) keep chunk_scan."""
     if (chunk_size not in (128, 256) or dtype == torch.float32 or headdim > 128
             or dstate > 256 or (dstate > 128 and headdim > 64)):
         return False
