@@ -410,6 +410,29 @@ def test_write_png(tmp_path):
     assert report.write_png(tmp_path / "none.png", [rows[3]], META) is None   # nothing timed
 
 
+def test_write_png_per_shape_bars(tmp_path, monkeypatch):
+    """Rows whose shapes mostly have one sequence length each (the `models` set) get per-shape
+    bars: one bar per shape and implementation in the time panel, one per shape and baseline
+    in the speedup panel, of the baseline's time over ours."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    rows = []
+    for i, (ours, theirs) in enumerate([(0.2, 0.4), (0.3, 0.45), (0.05, 0.04)]):
+        for impl, ms in ((impls.OURS, ours), ("mamba_ssm", theirs)):
+            rows.append({"shape": f"s{i}", "dims": [2, 1024 * (i + 1), 8, 1, 64, 128, 128],
+                         "impl": impl, "series": f"series {i}", "floor_ms": 0.01,
+                         "graph": {"median_ms": ms}})
+    bars = []
+    real = matplotlib.axes.Axes.barh
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh", lambda ax, y, w, **kw: (
+        bars.append((ax.get_title(), list(w))), real(ax, y, w, **kw))[1])
+    path = report.write_png(tmp_path / "m.png", rows, META)
+    assert path and os.path.getsize(path) > 10_000
+    assert bars[0][1] == [0.2, 0.3, 0.05] and bars[1][1] == [0.4, 0.45, 0.04]
+    assert bars[2][1] == pytest.approx([2.0, 1.5, 0.8])
+
+
 def test_write_all_and_png_optional(tmp_path, monkeypatch):
     paths = report.write_all(tmp_path / "out", synthetic_rows(), META)
     assert os.path.exists(paths["json"]) and os.path.exists(paths["csv"])

@@ -98,11 +98,78 @@ def _series(rows):
     return out
 
 
+def _by_shape(rows):
+    """[(label, {impl: ms}, floor_ms)] of timed rows, one per shape in the rows' order."""
+    out = {}
+    for r in rows:
+        g = r.get("graph")
+        if not g or not g.get("median_ms"):
+            continue
+        dims = ", ".join(str(d) for d in r["dims"])
+        entry = out.setdefault(r["shape"], (f"{r['shape']} ({dims})", {}, r.get("floor_ms")))
+        entry[1][r["impl"]] = g["median_ms"]
+    return list(out.values())
+
+
+def _suptitle(fig, meta):
+    v = (meta or {}).get("versions", {})
+    fig.suptitle(f"{v.get('gpu', '?')} | {(meta or {}).get('roofline', '')} | "
+                 f"TileGym {(meta or {}).get('tilegym', '?')}", fontsize=8)
+
+
+def _write_png_shapes(plt, path, rows, meta):
+    """Per-shape bars, for sets whose shapes mostly have one sequence length each (`models`):
+    kernel time per implementation with the roofline floor marked, and our speedup over each
+    baseline (the line at 1: even)."""
+    shapes = _by_shape(rows)
+    impls = [i for i in ORDER if any(i in t for _, t, _ in shapes)]
+    impls += sorted({i for _, t, _ in shapes for i in t} - set(impls))
+    baselines = [i for i in impls if i != OURS]
+    n = len(shapes)
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(14, 1.2 + 0.42 * n), sharey=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    h = 0.8 / max(1, len(impls))
+    ys = list(range(n))
+    for k, impl in enumerate(impls):
+        pos = [y - 0.4 + h * (k + 0.5) for y in ys]
+        ax_t.barh(pos, [t.get(impl, 0.0) for _, t, _ in shapes], height=h,
+                  color=colors[k % len(colors)], label=LABELS.get(impl, impl))
+    floors = [(y, f) for y, (_, _, f) in zip(ys, shapes) if f]
+    if floors:
+        ax_t.scatter([f for _, f in floors], [y for y, _ in floors], marker="|", s=200,
+                     color="black", label="floor", zorder=3)
+    h = 0.8 / max(1, len(baselines))
+    for k, impl in enumerate(baselines):
+        pos = [y - 0.4 + h * (k + 0.5) for y in ys]
+        sp = [t[impl] / t[OURS] if impl in t and OURS in t else 0.0 for _, t, _ in shapes]
+        ax_s.barh(pos, sp, height=h, color=colors[(impls.index(impl)) % len(colors)],
+                  label=f"vs {LABELS.get(impl, impl)}")
+    mode = (meta or {}).get("mode", "fwd")
+    ax_t.set(xscale="log", xlabel="kernel time (ms, CUDA graph median)",
+             title=f"{mode}: kernel time")
+    ax_t.set_yticks(ys, [label for label, _, _ in shapes], fontsize=7)
+    ax_t.invert_yaxis()
+    ax_s.set(xlabel="speedup of mamba2-cutile (baseline time / ours)",
+             title=f"{mode}: speedup (> 1: mamba2-cutile faster)")
+    ax_s.axvline(1.0, color="gray", lw=0.8)
+    for ax in (ax_t, ax_s):
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
+    _suptitle(fig, meta)
+    fig.tight_layout()
+    _ensure_dir(path)
+    fig.savefig(path, dpi=120, bbox_inches="tight")       # the shape labels are long
+    plt.close(fig)
+    return path
+
+
 def write_png(path, rows, meta=None):
     """Two panels against sequence length: kernel time per implementation (log-log), and our
     speedup over each baseline. One line per (series, implementation); a series is a shape
-    family that differs only in T. Returns the path, or None when matplotlib is missing or
-    nothing was timed."""
+    family that differs only in T. Where most series have one sequence length (the `models`
+    set), per-shape bars instead (`_write_png_shapes`). Returns the path, or None when
+    matplotlib is missing or nothing was timed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -112,6 +179,9 @@ def write_png(path, rows, meta=None):
     series = _series(rows)
     if not series:
         return None
+    lengths = [max(len(pts) for pts in by_impl.values()) for by_impl in series.values()]
+    if 2 * sum(1 for k in lengths if k == 1) > len(lengths):
+        return _write_png_shapes(plt, path, rows, meta)
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(14, 5.5))
     styles = {name: st for name, st in zip(ORDER, ("-o", "--s", ":^", "-.v"))}
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -141,9 +211,7 @@ def write_png(path, rows, meta=None):
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6, loc="best")
-    v = (meta or {}).get("versions", {})
-    fig.suptitle(f"{v.get('gpu', '?')} | {(meta or {}).get('roofline', '')} | "
-                 f"TileGym {(meta or {}).get('tilegym', '?')}", fontsize=8)
+    _suptitle(fig, meta)
     fig.tight_layout()
     _ensure_dir(path)
     fig.savefig(path, dpi=120)
