@@ -270,7 +270,7 @@ def emulated_run(Q, block_q, causal=1, dstate_pad=8, **over):
             # read "recompute" in every mode and hide it)
             next(c for c in calls if variants.kernel_name(c) == "chunk_scan").args[-2].fill_(0.0)
         if mode in (4, 5):               # the same for chunk_state_pass's chunk flags
-            calls[1].args[-2].fill_(0.0)
+            variants.kernel_arg(calls[1], "flags").fill_(0.0)
         for c in calls:                  # scan_cb's scratch: a block read unwritten is NaN
             if variants.kernel_name(c) == "chunk_cb":
                 c.args[2].fill_(NAN)
@@ -301,14 +301,17 @@ EMULATED_CAUSAL = ([pytest.param(*e, c, id=f"{e[0]}={e[1]}-{e[2]}-{'seq' if e[3]
 @pytest.mark.parametrize("over", [dict(scan_cb=1), dict(state_segments=3, segment_fold=1),
                                   dict(scan_cb=1, state_segments=2, segment_fold=1),
                                   dict(scan_heads=2),
-                                  dict(state_segments=3, segment_fold=1, scan_heads=2)],
-                         ids=["cb", "fold", "cb-fold", "heads", "heads-fold"])
+                                  dict(state_segments=3, segment_fold=1, scan_heads=2),
+                                  dict(state_segments=3, state_resweep=1),
+                                  dict(state_segments=2, state_resweep=1, scan_heads=2)],
+                         ids=["cb", "fold", "cb-fold", "heads", "heads-fold", "resweep",
+                              "heads-resweep"])
 @pytest.mark.parametrize("name, value, where, seq, Q, block_q",
                          [e for e in EMULATED if e[4] == 64][:6])
 def test_emulated_kernels_causal_with_scan_cb_and_fold(name, value, where, seq, Q, block_q,
                                                        over):
-    """scan_cb, segment_fold and scan_heads (chunk_scan_group, both heads of the group in one
-    program) under scan_causal=4 keep the contract: outputs before the bad token and other
+    """scan_cb, segment_fold, state_resweep and scan_heads (chunk_scan_group, both heads of the
+    group in one program) under scan_causal=4 keep the contract: outputs before the bad token and other
     rows equal a clean run's, the rest as the recurrence."""
     t = where_in_chunk(Q, where)
     args, kw = make_problem(Q, t, seq, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
@@ -472,15 +475,16 @@ def test_emulated_head_flags_find_the_chunk(segments, bad_chunk):
     over = dict(state_segments=segments) if segments > 1 else {}
     run = emulated_run(Q, Q, 4, **over)
     y_clean, _ = run(args, kw)
-    assert run.last_calls[1].args[-2].shape == (h, segments)     # one 8 x 8 state tile
-    assert not run.last_calls[1].args[-2].any(), "a clean run flagged"
+    state_flags = variants.kernel_arg(run.last_calls[1], "flags")
+    assert state_flags.shape == (h, segments)     # one 8 x 8 state tile
+    assert not state_flags.any(), "a clean run flagged"
     t = bad_chunk * Q + min(17, l - 1 - bad_chunk * Q)
     bad = {**args, "x": args["x"].clone()}
     bad["x"][0, t, 1, 3] = NAN
     y, h_fin = run(bad, kw)
     want = torch.zeros(h, segments)
     want[1, 0 if segments == 1 else bad_chunk // 6] = 1.0
-    assert torch.equal(run.last_calls[1].args[-2], want)
+    assert torch.equal(variants.kernel_arg(run.last_calls[1], "flags"), want)
     assert torch.equal(y[0, :, 0], y_clean[0, :, 0]) and torch.equal(y[0, :t], y_clean[0, :t])
     y_ref, h_ref, _ = ssd_recurrence(**as_reference(bad), **as_reference(kw))
     assert rel_err_finite(y, y_ref) <= EMU_TOL and rel_err_finite(h_fin, h_ref) <= EMU_TOL
@@ -501,7 +505,7 @@ def test_emulated_head_flags_state_tiles_and_segments():
     bad = {**args, "B": args["B"].clone()}
     bad["B"][0, t, 0, 19] = NAN
     y, h_fin = run(bad, kw)
-    flags = run.last_calls[1].args[-2]
+    flags = variants.kernel_arg(run.last_calls[1], "flags")
     want = torch.zeros(h, 3 * 3 * 2)
     want[:, [(pt * 3 + 2) * 2 + 1 for pt in range(3)]] = 1.0
     assert torch.equal(flags, want)

@@ -159,6 +159,39 @@ def test_emulated_segment_fold(opt, block_q, segments, heads):
     check(args, kw, Q, cfg)
 
 
+@pytest.mark.parametrize("heads", [1, 2], ids=["chunk_scan", "group"])
+@pytest.mark.parametrize("segments", [2, 3, 8])
+@pytest.mark.parametrize("opt, block_q", [("none", 64), ("seq_idx", 32), ("all", 16)])
+def test_emulated_state_resweep(opt, block_q, segments, heads):
+    """state_resweep: the segmented pass for the runs' ends only, chunk_state_carry forming
+    the states entering the runs, the pass again from them writing the true chunk states
+    (every state starts as NaN in the emulation: one left unwritten would reach the output),
+    then the plain output launch. 5 chunks in 2, 3 or 5 runs; seq_idx resets inside runs and
+    on their boundaries; initial_states with "all"."""
+    Q = 64
+    args, kw, _, _ = make_problem(OPTIONS[opt], l=300, Q=Q)
+    cfg = small_forward_config(Q, 7, scan_block_q=block_q, state_segments=segments,
+                               state_resweep=1, scan_heads=heads)
+    calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
+    names = [c.kernel._annotated_function.pyfunc.__name__ for c in calls]
+    out = "chunk_scan_group_fn" if heads > 1 else "chunk_scan_fn"
+    assert names == ["decay_cumsum_fn", "chunk_state_pass_fn", "chunk_state_carry_fn",
+                     "chunk_state_pass_fn", out, "chunk_scan_fn"]
+    entry = calls[2].args[5]
+    assert variants.kernel_arg(calls[2], "ENTRY_ONLY") is True
+    assert [variants.kernel_arg(calls[i], "SEG_MODE") for i in (1, 3)] == [1, 2]
+    assert variants.kernel_arg(calls[3], "seg_entry") is entry
+    assert (variants.kernel_arg(calls[1], "FLAG"), variants.kernel_arg(calls[3], "FLAG")) == (
+        False, True)                     # the flags of scan_causal 4 from the second pass
+    assert variants.kernel_arg(calls[4], "SEGS") == 1       # nothing left to add
+    check(args, kw, Q, cfg)
+
+
+def test_state_resweep_refuses_segment_fold():
+    with pytest.raises(ValueError, match="state_resweep=1 and segment_fold=1"):
+        small_forward_config(64, 7, state_segments=3, state_resweep=1, segment_fold=1)
+
+
 def test_segment_fold_off_where_states_are_read():
     """Varlen states read the chunk states: forward_launches turns segment_fold off there."""
     args, kw, _, _ = make_problem(OPTIONS["none"], l=300, Q=64)

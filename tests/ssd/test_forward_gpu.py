@@ -335,6 +335,8 @@ TUNING_OPTIONS = [
     {"scan_causal": 5}, {"scan_causal": 5, "scan_block_q": 64, "scan_block_p": 32},
     {"state_segments": 3, "state_occupancy": 4, "segment_fold": 1},
     {"state_segments": 2, "segment_fold": 1, "scan_causal": 4, "scan_cb": 1},
+    {"state_segments": 3, "state_resweep": 1},
+    {"state_segments": 2, "state_resweep": 1, "state_block_n": 128, "state_occupancy": 2},
 ]
 
 

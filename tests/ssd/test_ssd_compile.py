@@ -183,7 +183,9 @@ def test_fix_span_pass_takes_no_scan_hints(block_q, causal):
     dict(state_segments=8, state_block_n=64, state_occupancy=2),
     dict(state_segments=1, state_load_latency=0),        # 0: no latency hint (compiler's)
     dict(state_segments=4, state_occupancy=4, segment_fold=1),
-], ids=["seg4", "seg4-occ4", "seg8-n64-occ2", "latency0", "seg4-occ4-fold"])
+    dict(state_segments=4, state_block_n=128, state_occupancy=2, state_resweep=1),
+], ids=["seg4", "seg4-occ4", "seg8-n64-occ2", "latency0", "seg4-occ4-fold",
+        "seg4-n128-occ2-resweep"])
 @pytest.mark.parametrize("options", [("D_head",), ("D_head", "seq_idx", "init")],
                          ids=["D", "D-seq-init"])
 def test_segmented_state_pass_compiles(over, options):
@@ -194,10 +196,12 @@ def test_segmented_state_pass_compiles(over, options):
     segs = over["state_segments"]
     # the flagged-tile pass of scan_causal 4 (the default) last
     fold = over.get("segment_fold", 0)
+    resweep = over.get("state_resweep", 0)
     # the output launch at chunk 128: chunk_scan_group, which adds the segments' entering
-    # states where they are folded
+    # states where they are folded; with state_resweep the pass again after the carry
     assert names == ["decay_cumsum", "chunk_state_pass"] + (
-        ["chunk_state_carry"] if segs > 1 else []) + ["chunk_scan_group", "chunk_scan"]
+        ["chunk_state_carry"] if segs > 1 else []) + (
+        ["chunk_state_pass"] if resweep else []) + ["chunk_scan_group", "chunk_scan"]
     assert calls[1].grid[2] == 4 * segs // (over.get("state_block_n", 32) // 32)
     assert variants.kernel_arg(calls[-2], "SEGS") == (segs if fold else 1)
     for call in calls[1:-1] if fold else calls[1:-2]:

@@ -32,6 +32,12 @@ their end state (seg_final) and the end factor (seg_factor); `chunk_state_carry`
 H_s, adds f_c H_s to the states of segments s >= 1 and writes the final state. Rounding: l_c
 is rounded to the state dtype before H_s is added (twice in all, against once).
 
+SEG_MODE (ForwardConfig.state_resweep): 1 runs the segments for their end states E_s and
+factors F_s only (no state written), `chunk_state_carry` then forms the entering states H_s
+into seg_entry, and 2 runs them again from H_s (segment 0 from init), writing the true h_c
+(rounded once) and the flags: the inputs are read twice instead of the states being
+rewritten (or added in the output launch, segment_fold).
+
 FLAG (ForwardConfig.scan_causal=4): whether any chunk of the program's run holds a
 non-finite x, B or dt', for chunk_scan's pass over flagged heads (kernels/chunk_scan.py,
 CHECK=8, which then finds the chunks). A chunk's own term of the update, X^T (w B) over its
@@ -109,6 +115,10 @@ def chunk_state_pass_fn(
     chunk_factor,  # (B, H, C) float32: f_c
     flags,       # (B * H, p-tiles * n-tiles * SEGMENTS) float32: runs with a non-finite term
     FLAG: ct.Constant[bool],
+    seg_entry,   # (B, H, SEGMENTS, P, N) float32: the state entering each run (SEG_MODE 2)
+    SEG_MODE: ct.Constant[int],   # (SEGMENTS > 1) 0: local entry states l_c, f_c, the runs'
+                                  # ends; 1: the runs' ends only; 2: the true entry states,
+                                  # each run from seg_entry (segment 0 from init)
 ):
     bh, p_tile = ct.bid(0), ct.bid(1)
     LAT = None if LOAD_LATENCY == 0 else LOAD_LATENCY   # 0: the compiler decides
@@ -135,6 +145,12 @@ def chunk_state_pass_fn(
                           shape=(1, 1, BLOCK_P, BLOCK_N),
                           padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
             hid = hid.astype(ct.float32)
+    if SEGMENTS > 1:
+        if SEG_MODE == 2:
+            if seg > 0:
+                hid = ct.load(seg_entry, index=(batch, head, seg, p_tile, n_tile),
+                              shape=(1, 1, 1, BLOCK_P, BLOCK_N),
+                              padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
     pending = ct.full((1, 1), 0.0, dtype=ct.float32)
     if FLAG:
         if HAS_SEQ:
@@ -152,11 +168,14 @@ def chunk_state_pass_fn(
                 seq_prev = ct.max(s_prev, axis=0, keepdims=True)
 
     for c in range(c_begin, c_end):
-        ct.store(states, index=(batch, head, c, p_tile, n_tile),
-                 tile=hid.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(states.dtype))
+        if SEGMENTS == 1 or SEG_MODE != 1:
+            ct.store(states, index=(batch, head, c, p_tile, n_tile),
+                     tile=hid.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(states.dtype))
         if SEGMENTS > 1:
-            if writer:
-                ct.store(chunk_factor, index=(batch, head, c), tile=factor.reshape((1, 1, 1)))
+            if SEG_MODE == 0:
+                if writer:
+                    ct.store(chunk_factor, index=(batch, head, c),
+                             tile=factor.reshape((1, 1, 1)))
         xt = ct.load(x, index=(batch, c, head, p_tile), shape=(1, Q, 1, BLOCK_P),
                      padding_mode=ct.PaddingMode.ZERO,
                      latency=LAT).reshape((Q, BLOCK_P))
@@ -212,10 +231,12 @@ def chunk_state_pass_fn(
             bad = _nonfinite(pending)
         ct.store(flags, index=(bh, flag_col), tile=bad.reshape((1, 1)))
     if SEGMENTS > 1:
-        ct.store(seg_final, index=(batch, head, seg, p_tile, n_tile),
-                 tile=hid.reshape((1, 1, 1, BLOCK_P, BLOCK_N)))
-        if writer:
-            ct.store(seg_factor, index=(batch, head, seg), tile=factor.reshape((1, 1, 1)))
+        if SEG_MODE != 2:                       # (2: chunk_state_carry wrote the final state)
+            ct.store(seg_final, index=(batch, head, seg, p_tile, n_tile),
+                     tile=hid.reshape((1, 1, 1, BLOCK_P, BLOCK_N)))
+            if writer:
+                ct.store(seg_factor, index=(batch, head, seg),
+                         tile=factor.reshape((1, 1, 1)))
     else:
         ct.store(final, index=(batch, head, p_tile, n_tile),
                  tile=hid.reshape((1, 1, BLOCK_P, BLOCK_N)))
@@ -224,4 +245,4 @@ def chunk_state_pass_fn(
 chunk_state_pass = ct.kernel(chunk_state_pass_fn)
 chunk_state_pass_i64 = ct.kernel(int64_variant(
     chunk_state_pass_fn, ["x", "b", "dt", "cum", "init", "seq_idx", "states", "final",
-                          "seg_final", "seg_factor", "chunk_factor", "flags"]))
+                          "seg_final", "seg_factor", "chunk_factor", "flags", "seg_entry"]))

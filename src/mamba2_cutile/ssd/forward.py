@@ -106,6 +106,14 @@ class ForwardConfig:
                                     # the local state it loads, instead of a launch rewriting
                                     # every chunk state (2x the state bytes). Timed with
                                     # chunk_scan only (docs/measurements.md)
+    state_resweep: int = 0          # 1 (with state_segments S > 1, not segment_fold): the
+                                    # segmented pass runs twice: first for the runs' end
+                                    # states only (no chunk state written), then, after
+                                    # chunk_state_carry forms the S entering states, again
+                                    # with each run starting from its true entering state,
+                                    # writing the chunk states: the chunks' inputs read twice,
+                                    # no launch rewriting the states and nothing added in the
+                                    # output launch. Not timed yet
     scan_heads: int = 1             # > 1 where the plain tile is launched (scan_causal 0, 4,
                                     # 5; not with scan_cb or scan_persistent): the
                                     # output launch is kernels/chunk_scan_group.py, a program
@@ -136,8 +144,11 @@ class ForwardConfig:
         c.check_pow2(self, "scan_heads")
         c.check_range(self, "state_scale_x", -1, 1)
         for name in ("state_fresh_acc", "scan_lowp", "scan_head_major", "scan_cb",
-                     "segment_fold"):
+                     "segment_fold", "state_resweep"):
             c.check_choice(self, name, (0, 1))
+        if self.state_resweep and self.segment_fold:
+            raise ValueError("ForwardConfig: state_resweep=1 and segment_fold=1 are two ways "
+                             "to carry the segments' entering states: choose one")
         c.check_choice(self, "scan_causal", (0, 1, 2, 3, 4, 5))
         c.check_choice(self, "scan_warps", (0, 4, 8))
         if self.scan_block_q > self.chunk_size:
@@ -398,8 +409,10 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     # segment_fold: the states entering the segments, added by the output launch (chunk_scan
     # or chunk_scan_group; a stand-in else)
     fold = segs > 1 and bool(cfg.segment_fold)
-    seg_entry = torch.empty(seg_final.shape if fold else (1, 1, 1, 1, 1), dtype=final.dtype,
-                            device=x.device)
+    # state_resweep: the runs' ends, their entering states, then the runs again from them
+    resweep = segs > 1 and bool(cfg.state_resweep)
+    seg_entry = torch.empty(seg_final.shape if fold or resweep else (1, 1, 1, 1, 1),
+                            dtype=final.dtype, device=x.device)
     int64 = needs_int64(x, dt, B, C, z, seq_idx, seq_start, init, dt_buf, cum_buf, states, out,
                         seg_final, chunk_flags)
     # the scratch of scan_cb / segment_fold (the C B^T one can pass 2^31 elements before x
@@ -435,7 +448,8 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
              init is not None, seq_idx is not None, cfg.state_load_latency,
              scale_x(cfg), bool(cfg.state_fresh_acc), segs, seg_final, seg_factor,
-             chunk_factor, chunk_flags, head_flags),
+             chunk_factor, chunk_flags, head_flags and not resweep, seg_entry,
+             1 if resweep else 0),
         ),
         KernelCall(
             with_hints(chunk_scan_i64 if wide else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
@@ -458,11 +472,17 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
                                    (nchunks * batch * ngroups, nbpc, nbpc),
                                    (B, C, cbuf, Q, cfg.scan_block_q, cfg.dstate_pad)))
     if segs > 1:
-        # each segment's entering state added to its local states, the final state
+        # each segment's entering state added to its local states (fold, resweep: only
+        # written, for the output launch or the second pass), the final state
         calls.insert(2, KernelCall(
             chunk_state_carry_i64 if wide else chunk_state_carry, state_grid,
             (seg_final, seg_factor, chunk_factor, states, final, seg_entry, cfg.state_block_p,
-             cfg.state_block_n, segs, cfg.state_load_latency, False, True, fold)))
+             cfg.state_block_n, segs, cfg.state_load_latency, False, True, fold or resweep)))
+    if resweep:
+        # the runs again, from their entering states, writing the chunk states (and the flags)
+        # (seg_entry has seg_final's shape, which `int64` counts)
+        calls.insert(3, KernelCall(calls[1].kernel, state_grid,
+                                   calls[1].args[:-3] + (head_flags, seg_entry, 2)))
     scan = calls[-1]
     heads = group_scan_heads(cfg, nheads // ngroups)
     if heads > 1:
