@@ -82,16 +82,20 @@ def _ensure_dir(path):
         os.makedirs(d, exist_ok=True)
 
 
+def _timed(rows):
+    """(row, kernel-time median in ms) of the rows that were timed."""
+    for r in rows:
+        g = r.get("graph")
+        if g and g.get("median_ms"):
+            yield r, g["median_ms"]
+
+
 def _series(rows):
     """{series: {impl: [(seqlen, ms)]}} of timed rows, sorted by seqlen."""
     out = {}
-    for r in rows:
-        g = r.get("graph")
-        if not g or not g.get("median_ms"):
-            continue
-        seqlen = r["dims"][1]
+    for r, ms in _timed(rows):
         out.setdefault(r.get("series", r["shape"]), {}).setdefault(r["impl"], []).append(
-            (seqlen, g["median_ms"]))
+            (r["dims"][1], ms))
     for impls in out.values():
         for pts in impls.values():
             pts.sort()
@@ -101,13 +105,10 @@ def _series(rows):
 def _by_shape(rows):
     """[(label, {impl: ms}, floor_ms)] of timed rows, one per shape in the rows' order."""
     out = {}
-    for r in rows:
-        g = r.get("graph")
-        if not g or not g.get("median_ms"):
-            continue
+    for r, ms in _timed(rows):
         dims = ", ".join(str(d) for d in r["dims"])
         entry = out.setdefault(r["shape"], (f"{r['shape']} ({dims})", {}, r.get("floor_ms")))
-        entry[1][r["impl"]] = g["median_ms"]
+        entry[1][r["impl"]] = ms
     return list(out.values())
 
 
