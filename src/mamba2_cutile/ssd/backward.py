@@ -121,8 +121,9 @@ class BackwardConfig:
                                  # way where timed, each launch filling the GPU's CTA slots
                                  # alone); 2: only the reverse state pass on a side stream,
                                  # beside the recompute (two sequential passes whose grids
-                                 # may fit on the SMs together at few heads; untimed), the
-                                 # dS launch after the recompute; 0: one stream
+                                 # fit on the SMs together at few heads: the rule's choice
+                                 # there, backward_shape_config), the dS launch after the
+                                 # recompute; 0: one stream
 
     headdim_pad: int = 0         # the padded headdim the dispatcher saw (0: not recorded); read
                                  # only by paired_overrides
