@@ -198,7 +198,8 @@ def select(keys="default", custom=(), seqlens=None, dstates=None, match=None, dt
            chunk=None):
     """Shapes from registry keys or shape names (comma-separated), plus custom specs, then
     filtered by sequence length, dstate and a name regex; `dtype` replaces every dtype and
-    `chunk` every chunk size (renamed with a -Q suffix where it changes)."""
+    `chunk` every chunk size (renamed with a -Q suffix where it changes; a shape it makes
+    equal to an earlier one is dropped)."""
     from dataclasses import replace
 
     by_name = {s.name: s for s in all_shapes()}
@@ -231,6 +232,14 @@ def select(keys="default", custom=(), seqlens=None, dstates=None, match=None, dt
             raise ValueError(f"--chunk must be 64, 128 or 256, got {chunk}")
         out = [replace(s, chunk=chunk, name=f"{s.name}-Q{chunk}") if s.chunk != chunk else s
                for s in out]
+        # a set that already holds a shape at two chunk sizes (the models set's 7B-class
+        # layer) would time the same problem twice: the first of each keeps its place
+        seen, kept = set(), []
+        for s in out:
+            if replace(s, name="") not in seen:
+                seen.add(replace(s, name=""))
+                kept.append(s)
+        out = kept
     return out
 
 
