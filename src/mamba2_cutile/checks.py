@@ -45,6 +45,14 @@ def shape_of(t):
     return tuple(t.shape)
 
 
+def check_not_expanded(name, t):
+    """`t`, written in place, has no expanded (stride-0) dimension of size > 1: its rows would
+    share memory, each write overwriting the others'."""
+    if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name} is written in place and must not be an expanded (stride-0) "
+                         f"view, got strides {t.stride()} for shape {shape_of(t)}")
+
+
 def check_tensor(name, t, ndims, kinds, optional=False):
     """`t` is a tensor with one of `ndims` dimensions and a dtype in `kinds`."""
     if t is None:

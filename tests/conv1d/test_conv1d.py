@@ -330,6 +330,9 @@ def test_unsupported_activation_is_also_not_implemented():
     (lambda a: a.update(x=torch.randn(2, 7, 0, dtype=F64)), ValueError, "at least one"),
     (lambda a: a.update(conv_state=torch.randn(2, 7, 2, dtype=F64)), ValueError, "state_len"),
     (lambda a: a.update(conv_state=torch.randn(3, 7, 3, dtype=F64)), ValueError, "slots"),
+    # one slot's memory shared by both rows: each write would overwrite the other's
+    (lambda a: a.update(conv_state=torch.zeros(1, 7, 3, dtype=F64).expand(2, 7, 3)),
+     ValueError, "conv_state"),
     (lambda a: a.update(cache_seqlens=torch.tensor([1, -2])), ValueError, "cache_seqlens"),
     (lambda a: a.update(cache_seqlens=torch.tensor([1, 2, 3])), ValueError, "cache_seqlens"),
     (lambda a: a.update(conv_state_indices=torch.tensor([0, 2])), ValueError,

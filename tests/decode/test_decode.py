@@ -148,6 +148,20 @@ def test_k_steps_equal_k_calls():
     torch.testing.assert_close(state_a, state_b, rtol=1e-6, atol=1e-6)
 
 
+def test_no_autograd_graph():
+    """A decode step records nothing for autograd, even from inputs that require grad: the
+    state written in place carries no graph from step to step (a generation loop outside
+    torch.no_grad() would otherwise hold every step's tensors)."""
+    inp, kw = make(k=2, out=True)
+    x = inp["x"].requires_grad_()
+    for _ in range(3):
+        y = selective_state_update(**{**inp, "x": x}, **kw)
+    assert not y.requires_grad and y.grad_fn is None
+    assert inp["state"].grad_fn is None and kw["out_states"].grad_fn is None
+    ref = make(k=2, out=True)[0]["state"].clone()
+    assert not torch.equal(inp["state"], ref)            # the steps did write the state
+
+
 def test_empty_batch():
     inp, kw = make(b=0, nslots=2, opts=())
     before = inp["state"].clone()

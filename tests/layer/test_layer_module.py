@@ -162,6 +162,17 @@ def test_varlen_prefill_refuses_bad_cu_seqlens_before_the_cache(cu):
     assert (conv_state == 3.0).all()
 
 
+def test_decode_without_a_token_names_its_shape():
+    """A decode call (seqlen_offset > 0) with no token gets the one-token error, not a
+    reshape error from inside the module."""
+    m = make("mlp-Dp-groups-bias-limit")
+    params = InferenceParams(max_seqlen=8, max_batch_size=2)
+    m(torch.randn(2, 3, m.d_model, dtype=torch.float64), inference_params=params)
+    params.seqlen_offset = 3
+    with pytest.raises(ValueError, match=r"\(batch, 1, d_model\)"):
+        m(torch.randn(2, 0, m.d_model, dtype=torch.float64), inference_params=params)
+
+
 def test_step_with_allocated_cache_from_zero():
     """step from an empty cache is the forward from token 0."""
     m = make("mlp-Dp-groups-bias-limit")

@@ -249,6 +249,14 @@ def test_bad_arguments_name_the_argument(over, exc, name):
         _call(**over)
 
 
+def test_eps_of_any_real_type():
+    """eps as a numpy scalar (a config read with numpy) is a number like any other."""
+    import numpy as np
+    ref = _call(eps=1e-5)
+    for eps in (np.float32(1e-5), np.float64(1e-5)):
+        torch.testing.assert_close(_call(eps=eps), ref, rtol=1e-7, atol=0)
+
+
 def test_config_validates_itself(monkeypatch):
     from mamba2_cutile.norm import NormConfig, norm_config
     with pytest.raises(ValueError, match="block_m"):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from . import custom_ops
-from ..checks import (FLOATS, INTS, check_gpu_dtypes, check_same_device, check_tensor,
-                      expect_shape, shape_of, value_checks_enabled)
+from ..checks import (FLOATS, INTS, check_gpu_dtypes, check_not_expanded, check_same_device,
+                      check_tensor, expect_shape, shape_of, value_checks_enabled)
 from .plan import MAX_WIDTH
 from ..runtime import seq_ids_int32
 
@@ -100,6 +100,7 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None,
                      "(batch, dim, width - 1)")
     if final_states_out is not None and return_final_states:
         check_tensor("final_states_out", final_states_out, 3, FLOATS)
+        check_not_expanded("final_states_out", final_states_out)
         expect_shape("final_states_out", final_states_out, (b, d, width - 1),
                      "(batch, dim, width - 1)")
     tensors = dict(x=x, weight=weight, bias=bias, seq_idx=seq_idx,
@@ -146,6 +147,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
                          f"{shape_of(x)}")
     width = _check_weight(weight, bias, d)
     check_tensor("conv_state", conv_state, 3, FLOATS)
+    check_not_expanded("conv_state", conv_state)
     nslots, sd, state_len = conv_state.shape
     if sd != d or state_len < width - 1:
         raise ValueError(f"conv_state must have shape (nslots, dim, state_len) with dim={d} "

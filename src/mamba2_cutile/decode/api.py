@@ -32,17 +32,11 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import (FLOATS, INTS, check_gpu_dtypes, check_same_device, check_tensor,
-                      expect_shape, plain_flag, shape_of, value_checks_enabled)
+from ..checks import (FLOATS, INTS, check_gpu_dtypes, check_not_expanded, check_same_device,
+                      check_tensor, expect_shape, plain_flag, shape_of, value_checks_enabled)
 from ..runtime import launch_calls
 from .cpu import update_torch
 from .plan import MAX_DSTATE, decode_plan, layout_signature
-
-
-def _no_zero_strides(name, t):
-    if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
-        raise ValueError(f"{name} is written in place and must not be an expanded (stride-0) "
-                         f"view, got strides {t.stride()} for shape {shape_of(t)}")
 
 
 def _validate(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, out_states):
@@ -99,8 +93,8 @@ def _validate(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, out_states
         else:
             expect_shape("out_states", out_states, (b, k, h, p, n),
                     "(batch, k, nheads, headdim, dstate)")
-        _no_zero_strides("out_states", out_states)
-    _no_zero_strides("state", state)
+        check_not_expanded("out_states", out_states)
+    check_not_expanded("state", state)
 
     tensors = {"state": state, "x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z,
                "dt_bias": dt_bias, "state_batch_indices": idx, "out_states": out_states}
@@ -137,7 +131,8 @@ def _check_indices(idx, nslots):
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                            dt_softplus=False, state_batch_indices=None, out_states=None):
-    """One decode step (or k steps) of Mamba-2, updating `state` in place; returns y.
+    """One decode step (or k steps) of Mamba-2, updating `state` in place (no autograd);
+    returns y.
 
     state (nslots, h, p, n) float32/bf16/fp16, updated in place; x, dt, z (batch, h, p) or
     (batch, k, h, p); A (h, p, n); B, C (batch, [k,] g, n); D, dt_bias (h, p) or (h,);
@@ -168,12 +163,15 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     else:
         _validate_values(state, x, state_batch_indices)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.is_cuda:
-        update_cuda(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
-                     out_states, y, layout_key=key)
-    else:
-        update_torch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
-                      out_states, y)
+    # a decode step has no gradient: on the CPU path autograd would otherwise record the
+    # in-place writes and chain every step's graph onto the state's
+    with torch.no_grad():
+        if x.is_cuda:
+            update_cuda(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
+                        out_states, y, layout_key=key)
+        else:
+            update_torch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                         state_batch_indices, out_states, y)
     return y
 
 

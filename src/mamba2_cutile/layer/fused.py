@@ -10,6 +10,7 @@ op's body and autograd without its dispatch (`custom_ops.split_conv1d_scan_call`
 from __future__ import annotations
 
 import math
+import numbers
 
 from ..checks import (FLOATS, GPU_FLOATS, INTS, check_gpu_dtypes, check_same_device,
                       check_tensor, expect_shape, plain_int, shape_of, value_checks_enabled)
@@ -109,7 +110,7 @@ def _validate(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, ini
             what = "ngroups" if norm_groups == ngroups else "norm_groups"
             raise ValueError(f"the gated norm's group (dim // {what} = {group_size}) must be "
                              f"at most {MAX_GROUP_SIZE} on the GPU: use more groups")
-    if not isinstance(rmsnorm_eps, (int, float)) or isinstance(rmsnorm_eps, bool) or \
+    if not isinstance(rmsnorm_eps, numbers.Real) or isinstance(rmsnorm_eps, bool) or \
             not rmsnorm_eps >= 0:
         raise ValueError(f"rmsnorm_eps must be a number >= 0, got {rmsnorm_eps!r}")
     check_tensor("outproj_weight", outproj_weight, 2, FLOATS, optional=True)

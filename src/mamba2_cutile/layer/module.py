@@ -221,7 +221,8 @@ class Mamba2(nn.Module):
             cache_batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else batch
             conv_state, ssm_state = self._get_states_from_cache(inference_params, cache_batch)
             if inference_params.seqlen_offset > 0:
-                out, _, _ = self.step(u.view(batch, seqlen, -1), conv_state, ssm_state)
+                out, _, _ = self.step(u.view(batch, seqlen, u.shape[-1]), conv_state,
+                                      ssm_state)
                 return out.view(u.shape[0], -1) if seqlen_og is not None else out
         zxbcdt = self.in_proj(u)
         if seqlen_og is not None:

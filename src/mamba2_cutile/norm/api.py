@@ -10,6 +10,7 @@ eager call runs its body and autograd without the dispatch: `custom_ops.rmsnorm_
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -38,7 +39,7 @@ def _validate(x, weight, bias, z, eps, group_size, norm_before_gate):
     if z is not None:
         check_tensor("z", z, x.dim(), FLOATS)
         expect_shape("z", z, x.shape, "x's shape")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a number, got {type(eps).__name__}")
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
