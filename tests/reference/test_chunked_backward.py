@@ -277,6 +277,35 @@ def test_bad_value_stays_where_the_recurrence_has_it(what, value, at, packed):
         assert not extra.any(), (name, extra.nonzero()[:5].tolist())
 
 
+@pytest.mark.parametrize("at", [0, 12, 27])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("what, init", [("x", True), ("B", True), ("B", False), ("C", True),
+                                        ("C", False), ("dout", True), ("dout", False)])
+def test_bad_value_at_a_sequence_start_keeps_the_head_gradients(what, init, value, at):
+    """A NaN / Inf at a packed sequence's first token (or the row's, without an initial
+    state): the recurrence decays no state there, so A, D and the initial state get finite
+    gradients wherever its autograd gives them, equal here (the chunked decay gradient's
+    carry and state terms, an Inf times that sequence's zero entering state, are selected
+    away rather than multiplied)."""
+    args, kw, dout, dfinal = _bad_problem(what, value, at, packed=True)
+    if not init:
+        args["initial_states"] = None
+    ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, dfinal, dtype=F64)
+    got = explicit_grads(args, kw, 16, dout, dfinal)
+    checked = 0
+    for name in ("A", "D", "initial_states"):
+        if ref.get(name) is None:
+            continue
+        r, g = ref[name], got[name]
+        fin = r.isfinite()
+        if not fin.any():
+            continue
+        checked += int(fin.sum())
+        assert g[fin].isfinite().all(), (name, r, g)
+        assert (g[fin] - r[fin]).abs().max() <= 1e-12 * r[fin].abs().max(), (name, r, g)
+    assert checked > 0      # (a bad x without an initial state leaves none finite)
+
+
 def test_minus_inf_A_head_gradients_follow_the_recurrence():
     """A = -inf for one head (decay exactly 0): dx, dB, dC, dz, dD and dinitial_states equal
     the recurrence's autograd (the step clamp keeps G finite); the other head's dt and A too."""

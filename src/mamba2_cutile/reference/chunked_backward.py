@@ -367,7 +367,7 @@ def _reverse_cumsum(t):
     return torch.flip(torch.cumsum(torch.flip(t, (-1,)), dim=-1), (-1,))
 
 
-def stage4_ddecay(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, entry, dS):
+def stage4_ddecay(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, entry, dS, zero_start=False):
     """Kernel (parallel over chunks; P and N reductions inside): the gradient of the per-token
     decays a_s = A dt'_s, already reduced through the within-chunk cumsum G_i = sum_{s<=i} a_s,
     i.e. da_s = sum_{i >= s} dG_i. Reads dY, X (Q x P), B, C (Q x N), dt', G, seq, h_c and dS_c
@@ -385,6 +385,9 @@ def stage4_ddecay(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, entry, dS):
 
     (The unstable equivalent: dG = rowsum(C o dC) - rowsum(B o dB) + carry at the last token,
     then a reverse cumsum: the intra part subtracts nearly equal sums in fp32.)
+    `zero_start`: no initial state, so the first chunk's carry and state terms are absent
+    (selected away: an Inf in dY or dS_c there times the zero h_c is NaN, where the
+    recurrence, which decays no state at a sequence's first token, has no such term).
     Returns da (b, h, nc, Q); the entries at padding tokens are unused.
     """
     state_w, exit_w, carry_w = _weights(G, masks)
@@ -395,9 +398,12 @@ def stage4_ddecay(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, entry, dS):
     da = _kept(row_ge, _exclusive_cumsum(W)).sum(dim=-2)
     V = exit_w * dtp_c * ((x_c @ dS) * B_c).sum(dim=-1)
     da = da + _exclusive_cumsum(V)
-    da = da + (carry_w * (dS * entry).sum(dim=(-1, -2)))[..., None]
+    carry = (carry_w * (dS * entry).sum(dim=(-1, -2)))[..., None]
     dG_state = state_w * (dy_c * (C_c @ entry.transpose(-1, -2))).sum(dim=-1)
-    return da + _reverse_cumsum(dG_state)
+    if zero_start:
+        has_entry = (torch.arange(G.shape[-2], device=G.device) > 0)[:, None]
+        carry, dG_state = _kept(has_entry, carry), _kept(has_entry, dG_state)
+    return da + carry + _reverse_cumsum(dG_state)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -496,7 +502,8 @@ def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D
     dx_c, ddt_direct = stage4_dx(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, dS)
     dC_c = stage4_dC(x_c, dy_c, B_c, dtp_c, G, L, masks, entry)
     dB_c = stage4_dB(x_c, dy_c, C_c, dtp_c, G, L, masks, dS)
-    da = stage4_ddecay(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, entry, dS)
+    da = stage4_ddecay(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, entry, dS,
+                       zero_start=h0 is None)
 
     # stages 5, 6 (da selected to 0 on the last chunk's padding, where 0 * NaN may have
     # reached it: dA sums dt' da over every position)
