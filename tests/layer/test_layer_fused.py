@@ -205,6 +205,7 @@ BAD = [
     ("dt_limit", lambda kw: "x", TypeError, "dt_limit"),
     ("activation", lambda kw: "relu", ValueError, "activation"),
     ("rmsnorm_eps", lambda kw: -1.0, ValueError, "rmsnorm_eps"),
+    ("rmsnorm_eps", lambda kw: float("inf"), ValueError, "rmsnorm_eps"),
     ("state_dtype", lambda kw: torch.int8, TypeError, "state_dtype"),
 ]
 

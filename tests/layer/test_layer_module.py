@@ -173,6 +173,13 @@ def test_decode_without_a_token_names_its_shape():
         m(torch.randn(2, 0, m.d_model, dtype=torch.float64), inference_params=params)
 
 
+def test_empty_flattened_input():
+    """The (batch * seqlen, d_model) form with no rows: an empty output of that form."""
+    m = make("mlp-Dp-groups-bias-limit")
+    out = m(torch.randn(0, m.d_model, dtype=torch.float64), seqlen=4)
+    assert out.shape == (0, m.d_model)
+
+
 def test_step_with_allocated_cache_from_zero():
     """step from an empty cache is the forward from token 0."""
     m = make("mlp-Dp-groups-bias-limit")

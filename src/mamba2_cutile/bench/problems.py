@@ -198,8 +198,8 @@ def select(keys="default", custom=(), seqlens=None, dstates=None, match=None, dt
            chunk=None):
     """Shapes from registry keys or shape names (comma-separated), plus custom specs, then
     filtered by sequence length, dstate and a name regex; `dtype` replaces every dtype and
-    `chunk` every chunk size (renamed with a -Q suffix where it changes; a shape it makes
-    equal to an earlier one is dropped)."""
+    `chunk` every chunk size (renamed with a -Q suffix where it changes; then a shape equal
+    to an earlier one, other than in name, is dropped)."""
     from dataclasses import replace
 
     by_name = {s.name: s for s in all_shapes()}

@@ -131,8 +131,9 @@ def _check_indices(idx, nslots):
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                            dt_softplus=False, state_batch_indices=None, out_states=None):
-    """One decode step (or k steps) of Mamba-2, updating `state` in place (no autograd);
-    returns y.
+    """One decode step (or k steps) of Mamba-2, updating `state` in place; returns y. No
+    autograd, as mamba_ssm's kernel: nothing is recorded, and a gradient taken through a
+    state that required grad before the step misses the step.
 
     state (nslots, h, p, n) float32/bf16/fp16, updated in place; x, dt, z (batch, h, p) or
     (batch, k, h, p); A (h, p, n); B, C (batch, [k,] g, n); D, dt_bias (h, p) or (h,);

@@ -111,8 +111,8 @@ def _validate(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, ini
             raise ValueError(f"the gated norm's group (dim // {what} = {group_size}) must be "
                              f"at most {MAX_GROUP_SIZE} on the GPU: use more groups")
     if not isinstance(rmsnorm_eps, numbers.Real) or isinstance(rmsnorm_eps, bool) or \
-            not rmsnorm_eps >= 0:
-        raise ValueError(f"rmsnorm_eps must be a number >= 0, got {rmsnorm_eps!r}")
+            not 0 <= rmsnorm_eps < math.inf:
+        raise ValueError(f"rmsnorm_eps must be a finite number >= 0, got {rmsnorm_eps!r}")
     check_tensor("outproj_weight", outproj_weight, 2, FLOATS, optional=True)
     if outproj_weight is not None and outproj_weight.shape[1] != d_mlp + dim:
         raise ValueError(f"outproj_weight must have shape (out_dim, d_mlp + dim) with d_mlp + "

@@ -223,10 +223,10 @@ class Mamba2(nn.Module):
             if inference_params.seqlen_offset > 0:
                 out, _, _ = self.step(u.view(batch, seqlen, u.shape[-1]), conv_state,
                                       ssm_state)
-                return out.view(u.shape[0], -1) if seqlen_og is not None else out
+                return out.view(u.shape[0], out.shape[-1]) if seqlen_og is not None else out
         zxbcdt = self.in_proj(u)
         if seqlen_og is not None:
-            zxbcdt = zxbcdt.view(batch, seqlen, -1)
+            zxbcdt = zxbcdt.view(batch, seqlen, zxbcdt.shape[-1])
         varlen_prefill = inference_params is not None and cu_seqlens is not None
         # no tokens: the fused function's empty result (the parts' convolution needs one)
         if (self.use_mem_eff_path or seqlen == 0) and not varlen_prefill:
@@ -234,7 +234,7 @@ class Mamba2(nn.Module):
         else:
             out = self._forward_parts(zxbcdt, seq_idx, cu_seqlens if varlen_prefill else None,
                                       conv_state, ssm_state)
-        return out.view(batch * seqlen, -1) if seqlen_og is not None else out
+        return out.view(batch * seqlen, out.shape[-1]) if seqlen_og is not None else out
 
     def _forward_fused(self, zxbcdt, seq_idx, conv_state, ssm_state):
         out = mamba_split_conv1d_scan_combined(

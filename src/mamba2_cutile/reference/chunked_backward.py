@@ -385,9 +385,12 @@ def stage4_ddecay(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, entry, dS, zero_start
 
     (The unstable equivalent: dG = rowsum(C o dC) - rowsum(B o dB) + carry at the last token,
     then a reverse cumsum: the intra part subtracts nearly equal sums in fp32.)
-    `zero_start`: no initial state, so the first chunk's carry and state terms are absent
-    (selected away: an Inf in dY or dS_c there times the zero h_c is NaN, where the
-    recurrence, which decays no state at a sequence's first token, has no such term).
+    The carry and state terms are selected to 0 where their mask (r_c, s_i) is off, and
+    with `zero_start` (no initial state) on the first chunk, rather than multiplied by a 0
+    weight or a zero h_c: an Inf in dY or dS_c there would make them NaN. There the true
+    term is absent: a packed sequence starts from a reset state (the recurrence selects
+    the previous one away), and the row's first chunk decays a zero state (the recurrence
+    forms decay * 0, so its autograd gives NaN where this gives the finite limit).
     Returns da (b, h, nc, Q); the entries at padding tokens are unused.
     """
     state_w, exit_w, carry_w = _weights(G, masks)
@@ -398,11 +401,12 @@ def stage4_ddecay(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, entry, dS, zero_start
     da = _kept(row_ge, _exclusive_cumsum(W)).sum(dim=-2)
     V = exit_w * dtp_c * ((x_c @ dS) * B_c).sum(dim=-1)
     da = da + _exclusive_cumsum(V)
-    carry = (carry_w * (dS * entry).sum(dim=(-1, -2)))[..., None]
-    dG_state = state_w * (dy_c * (C_c @ entry.transpose(-1, -2))).sum(dim=-1)
+    carry_on, state_on = masks["carry"][..., None], masks["carried"]
     if zero_start:
         has_entry = (torch.arange(G.shape[-2], device=G.device) > 0)[:, None]
-        carry, dG_state = _kept(has_entry, carry), _kept(has_entry, dG_state)
+        carry_on, state_on = carry_on & has_entry, state_on & has_entry
+    carry = _kept(carry_on, (carry_w * (dS * entry).sum(dim=(-1, -2)))[..., None])
+    dG_state = _kept(state_on, state_w * (dy_c * (C_c @ entry.transpose(-1, -2))).sum(dim=-1))
     return da + carry + _reverse_cumsum(dG_state)
 
 
