@@ -303,7 +303,8 @@ def test_bad_value_at_a_sequence_start_keeps_the_head_gradients(what, init, valu
             continue
         checked += int(fin.sum())
         assert g[fin].isfinite().all(), (name, r, g)
-        assert (g[fin] - r[fin]).abs().max() <= 1e-12 * r[fin].abs().max(), (name, r, g)
+        # measured 5.1e-16
+        assert (g[fin] - r[fin]).abs().max() <= 4e-15 * r[fin].abs().max(), (name, r, g)
     assert checked > 0      # (a bad x without an initial state leaves none finite)
 
 
