@@ -912,9 +912,11 @@ def test_eager_calls_equal_the_ops():
     torch.testing.assert_close(states[0], states[1], rtol=0, atol=0)
 
 
-def test_unchecked_int64_ids_past_int32_stay_apart(monkeypatch):
-    """Where values are not checked (the GPU's default, torch.compile), int64 seq_idx values
-    past int32 keep their sequences apart instead of saturating onto one id."""
+@pytest.mark.parametrize("checked", [True, False])
+def test_int64_ids_past_int32_stay_apart(monkeypatch, checked):
+    """int64 seq_idx values past int32 are taken, as the scan takes them, and keep their
+    sequences apart instead of saturating onto one id, whether values are checked (CPU) or
+    not (the GPU's default, torch.compile)."""
     from mamba2_cutile.conv1d import api
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(1, 3, 6, dtype=F64, generator=gen)
@@ -924,7 +926,8 @@ def test_unchecked_int64_ids_past_int32_stay_apart(monkeypatch):
         small = torch.tensor(small)
         want = causal_conv1d_fn(x, w, seq_idx=small.to(torch.int32))
         with monkeypatch.context() as m:
-            m.setattr(api, "value_checks_enabled", lambda on_cuda: False)
+            if not checked:
+                m.setattr(api, "value_checks_enabled", lambda on_cuda: False)
             for base in (2**31 - 1, 2**31, 2**40):
                 got = causal_conv1d_fn(x, w, seq_idx=torch.where(small >= 0, small + base, small))
                 assert torch.equal(got, want), (small.tolist(), base)

@@ -195,7 +195,6 @@ BAD = [
     ("initial_states", lambda kw: kw["initial_states"][:1], ValueError, "initial_states"),
     ("seq_idx", lambda kw: kw["seq_idx"].float(), TypeError, "seq_idx"),
     ("seq_idx", lambda kw: kw["seq_idx"].flip(1), ValueError, "non-decreasing"),
-    ("seq_idx", lambda kw: kw["seq_idx"].long() + 2**31, ValueError, "fit in int32"),
     ("rmsnorm_weight", lambda kw: kw["rmsnorm_weight"][:-1], ValueError, "rmsnorm_weight"),
     ("outproj_weight", lambda kw: kw["outproj_weight"][:, :-1], ValueError, "outproj_weight"),
     ("outproj_bias", lambda kw: kw["outproj_bias"][:-1], ValueError, "outproj_bias"),
@@ -271,16 +270,20 @@ def test_int64_seq_idx_same_result():
                                call(fused, c, t, seq, chunk_size=64), rtol=0, atol=0)
 
 
-def test_unchecked_int64_seq_idx_past_int32_same_result(monkeypatch):
-    """Where values are not checked (the GPU's default, torch.compile), ids past int32 keep
-    their sequences apart in the convolution (no saturation onto one id)."""
+@pytest.mark.parametrize("checked", [True, False])
+def test_int64_seq_idx_past_int32_same_result(monkeypatch, checked):
+    """ids past int32 are taken, as the scan alone takes them, and keep their sequences apart
+    in the convolution (no saturation onto one id), whether values are checked (CPU) or not
+    (the GPU's default, torch.compile)."""
     from mamba2_cutile.layer import fused as fused_mod
     c = CASES["z-in-scan-seq-init"]
     t, seq = make_inputs(c)
     want = call(fused, c, t, seq, chunk_size=64)
-    monkeypatch.setattr(fused_mod, "value_checks_enabled", lambda on_cuda: False)
-    got = call(fused, c, t, seq.long() + 2**40, chunk_size=64)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if not checked:
+        monkeypatch.setattr(fused_mod, "value_checks_enabled", lambda on_cuda: False)
+    for base in (2**31, 2**40):
+        got = call(fused, c, t, seq.long() + base, chunk_size=64)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("norm", [True, False])

@@ -108,8 +108,9 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None,
                    final_states_out=final_states_out if return_final_states else None)
     check_same_device(tensors)
     check_gpu_dtypes({k: v for k, v in tensors.items() if k != "seq_idx"})
-    # unchecked, ids past int32 keep which tokens share a sequence (`seq_ids_int32`)
-    seq_idx = seq_ids_int32(_check_int32("seq_idx", seq_idx, x.is_cuda))
+    # int64 ids past int32 keep which tokens share a sequence (`seq_ids_int32`: each row's
+    # ids by rank), as the scan takes them
+    seq_idx = seq_ids_int32(seq_idx)
     if seq_idx is not None:
         seq_idx = seq_idx.contiguous()
     out, final = custom_ops.conv1d_call(x, weight, bias, seq_idx, initial_states, silu,

@@ -133,10 +133,6 @@ def _validate(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, ini
     if seq_idx is not None and seq_idx.numel() and value_checks_enabled(zxbcdt.is_cuda):
         if l > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
             raise ValueError("seq_idx must be non-decreasing along each row")
-        # the convolution takes int32 ids (negative: padding); an int64 id past int32 would
-        # saturate onto its neighbour's
-        if int(seq_idx.min()) < -2**31 or int(seq_idx.max()) >= 2**31:
-            raise ValueError("seq_idx values must fit in int32")
     return headdim, lo, hi, group_size
 
 
