@@ -81,6 +81,18 @@ def test_forward_and_grads_equal_composition(name, fused):
         assert rel(a, b) < tol, f"d{k}: {rel(a, b):.2e}"
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "parts"])
+def test_seq_idx_past_int32(fused):
+    """int64 ids past int32 (as the scan takes them): the same output as small ids."""
+    m = make("default-small", use_mem_eff_path=fused)
+    u = torch.randn(2, 30, m.d_model, dtype=torch.float64)
+    seq = torch.zeros(2, 30, dtype=torch.int64)
+    seq[1, 12:] = 1
+    want = m(u, seq_idx=seq.to(torch.int32))
+    for base in (2**31, 2**40):
+        assert torch.equal(m(u, seq_idx=seq + base), want), base
+
+
 def test_flattened_input_with_seqlen():
     m = make("default-small")
     u = torch.randn(2, 9, m.d_model, dtype=torch.float64)
