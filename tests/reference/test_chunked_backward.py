@@ -249,16 +249,28 @@ def _bad_problem(what, value, at, packed, l=40):
     return args, kw, dout, dfinal
 
 
+def _branch_free(monkeypatch, on):
+    """The form taken where values cannot be read (torch.compile, GPU tensors): no split of
+    packed sequences, the masked products' non-finite rows found without a branch."""
+    if on:
+        from mamba2_cutile.reference import chunked_backward
+        monkeypatch.setattr(chunked_backward, "_readable", lambda *ts: False)
+
+
+@pytest.mark.parametrize("branch_free", [False, True], ids=["eager", "branch-free"])
 @pytest.mark.parametrize("packed", [False, True], ids=["one", "packed"])
 @pytest.mark.parametrize("at", [5, 20, 33])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("what", ["x", "B", "C", "z", "dout"])
-def test_bad_value_stays_where_the_recurrence_has_it(what, value, at, packed):
+def test_bad_value_stays_where_the_recurrence_has_it(what, value, at, packed, branch_free,
+                                                     monkeypatch):
     """A NaN or Inf in x, B, C, z or dout: every per-token gradient the recurrence's autograd
     gives finite is finite and equal here (the chunk products select their masked-out terms
-    instead of multiplying them by 0, packed sequences are taken apart), and every one it
+    instead of multiplying them by 0: other sequences' rows in the state products, a state
+    that does not carry; with values readable or not), and every one it
     gives non-finite is non-finite here, but dt at a later sequence's first token, where the
     recurrence's autograd itself forms 0 * NaN through the reset it selects away."""
+    _branch_free(monkeypatch, branch_free)
     args, kw, dout, dfinal = _bad_problem(what, value, at, packed)
     ref = autograd_grads(reference.ssd_recurrence, args, kw, dout, dfinal, dtype=F64)
     got = explicit_grads(args, kw, 16, dout, dfinal)
@@ -277,17 +289,19 @@ def test_bad_value_stays_where_the_recurrence_has_it(what, value, at, packed):
         assert not extra.any(), (name, extra.nonzero()[:5].tolist())
 
 
+@pytest.mark.parametrize("branch_free", [False, True], ids=["eager", "branch-free"])
 @pytest.mark.parametrize("at", [12, 27])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("what, init", [("x", True), ("B", True), ("C", True), ("C", False),
                                         ("z", True), ("dout", True), ("dout", False)])
-def test_bad_value_at_a_sequence_start_keeps_the_head_gradients(what, init, value, at):
+def test_bad_value_at_a_sequence_start_keeps_the_head_gradients(what, init, value, at,
+                                                                 branch_free, monkeypatch):
     """A NaN / Inf at a packed sequence's first token: the recurrence starts that sequence
     from a reset state, so A, D and the initial state get finite gradients wherever its
     autograd gives them, equal here: the chunked decay gradient's carry and state terms
     there (an Inf times a zero weight or a zero entering state) are selected away rather than
-    multiplied. (The branch-free form taken where values cannot be read, under
-    torch.compile, still forms other masked products: not covered.)"""
+    multiplied, with values readable or not (the branch-free form of torch.compile)."""
+    _branch_free(monkeypatch, branch_free)
     args, kw, dout, dfinal = _bad_problem(what, value, at, packed=True)
     if not init:
         args["initial_states"] = None

@@ -213,7 +213,11 @@ def stage1_entry_states(x_c, B_c, dtp_c, G, masks, initial_states=None):
     b, h, nc, _, p = x_c.shape
     n = B_c.shape[-1]
     _, exit_w, carry_w = _weights(G, masks)
-    wB = (exit_w * dtp_c)[..., None] * B_c                                  # (b, h, nc, Q, N)
+    # rows of tokens outside the chunk's last sequence, and a state that does not carry, are
+    # selected away, not multiplied by 0: another sequence's NaN / Inf stays out
+    last = masks["in_last"][..., None]
+    wB = _kept(last, (exit_w * dtp_c)[..., None] * B_c)                     # (b, h, nc, Q, N)
+    xs = _kept(last, x_c)
     if initial_states is None:
         state = x_c.new_zeros(b, h, p, n)
     else:
@@ -221,8 +225,9 @@ def stage1_entry_states(x_c, B_c, dtp_c, G, masks, initial_states=None):
     entry = []
     for c in range(nc):
         entry.append(state)
-        state = (carry_w[:, :, c, None, None] * state
-                 + x_c[:, :, c].transpose(-1, -2) @ wB[:, :, c])
+        state = (_kept(masks["carry"][:, :, c, None, None],
+                       carry_w[:, :, c, None, None] * state)
+                 + xs[:, :, c].transpose(-1, -2) @ wB[:, :, c])
     return torch.stack(entry, dim=2), state
 
 
@@ -238,7 +243,8 @@ def stage1_pregate_output(x_c, B_c, C_c, dtp_c, G, L, masks, entry):
     S = C_c @ B_c.transpose(-1, -2)                                         # (.., Q, Q)
     same = masks["same"]
     y = _mm_kept(_kept(same, L * S * dtp_c[..., None, :]), x_c, same)
-    return y + state_w[..., None] * (C_c @ entry.transpose(-1, -2))
+    return y + _kept(masks["carried"][..., None],
+                     state_w[..., None] * (C_c @ entry.transpose(-1, -2)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,13 +300,17 @@ def stage3_reverse_state_pass(dy_c, C_c, G, masks, dfinal_states=None):
     b, h, nc, _, p = dy_c.shape
     n = C_c.shape[-1]
     state_w, _, carry_w = _weights(G, masks)
-    wC = state_w[..., None] * C_c                                           # (b, h, nc, Q, N)
+    # (selects, as in stage1_entry_states: tokens not carried in, a state that does not carry)
+    carried = masks["carried"][..., None]
+    wC = _kept(carried, state_w[..., None] * C_c)                           # (b, h, nc, Q, N)
+    dys = _kept(carried, dy_c)
     dstate = dy_c.new_zeros(b, h, p, n) if dfinal_states is None else dfinal_states
     dS = [None] * nc
     for c in reversed(range(nc)):
         dS[c] = dstate
-        dstate = (carry_w[:, :, c, None, None] * dstate
-                  + dy_c[:, :, c].transpose(-1, -2) @ wC[:, :, c])
+        dstate = (_kept(masks["carry"][:, :, c, None, None],
+                        carry_w[:, :, c, None, None] * dstate)
+                  + dys[:, :, c].transpose(-1, -2) @ wC[:, :, c])
     return torch.stack(dS, dim=2), dstate
 
 
@@ -324,7 +334,7 @@ def stage4_dx(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, dS):
     S = C_c @ B_c.transpose(-1, -2)
     same_t = masks["same"].transpose(-1, -2)
     dXs = (_mm_kept(_kept(masks["same"], L * S).transpose(-1, -2), dy_c, same_t)
-           + exit_w[..., None] * (B_c @ dS.transpose(-1, -2)))
+           + _kept(masks["in_last"][..., None], exit_w[..., None] * (B_c @ dS.transpose(-1, -2))))
     return dtp_c[..., None] * dXs, (x_c * dXs).sum(dim=-1)
 
 
@@ -340,7 +350,7 @@ def stage4_dC(x_c, dy_c, B_c, dtp_c, G, L, masks, entry):
     dYX = dy_c @ x_c.transpose(-1, -2)                                      # (.., Q, Q)
     same = masks["same"]
     return (_mm_kept(_kept(same, dYX * L * dtp_c[..., None, :]), B_c, same)
-            + state_w[..., None] * (dy_c @ entry))
+            + _kept(masks["carried"][..., None], state_w[..., None] * (dy_c @ entry)))
 
 
 def stage4_dB(x_c, dy_c, C_c, dtp_c, G, L, masks, dS):
@@ -355,7 +365,8 @@ def stage4_dB(x_c, dy_c, C_c, dtp_c, G, L, masks, dS):
     dYX = dy_c @ x_c.transpose(-1, -2)
     same = masks["same"]
     intra = _mm_kept(_kept(same, dYX * L).transpose(-1, -2), C_c, same.transpose(-1, -2))
-    return dtp_c[..., None] * (intra + exit_w[..., None] * (x_c @ dS))
+    return dtp_c[..., None] * (intra + _kept(masks["in_last"][..., None],
+                                             exit_w[..., None] * (x_c @ dS)))
 
 
 def _exclusive_cumsum(t):
@@ -399,7 +410,7 @@ def stage4_ddecay(x_c, dy_c, B_c, C_c, dtp_c, G, L, masks, entry, dS, zero_start
     W = _kept(masks["same"], L * S * dtp_c[..., None, :] * (dy_c @ x_c.transpose(-1, -2)))
     row_ge = torch.ones(Q, Q, dtype=torch.bool, device=G.device).tril()  # [i >= s]
     da = _kept(row_ge, _exclusive_cumsum(W)).sum(dim=-2)
-    V = exit_w * dtp_c * ((x_c @ dS) * B_c).sum(dim=-1)
+    V = _kept(masks["in_last"], exit_w * dtp_c * ((x_c @ dS) * B_c).sum(dim=-1))
     da = da + _exclusive_cumsum(V)
     carry_on, state_on = masks["carry"][..., None], masks["carried"]
     if zero_start:
@@ -473,14 +484,6 @@ def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D
             torch.zeros_like(h0) if dfin is None else dfin)
         return _to_input_dtypes(grads, inputs)
 
-    if seq_idx is not None and _readable(x, seq_idx) and not _all_finite(
-            x, dt, B, C, z, dout, dfin, h0):
-        # A NaN / Inf must stay in its own packed sequence, but the chunk products below mask
-        # other sequences' terms by multiplying them by 0 (0 * NaN is NaN): take each
-        # sequence apart instead (exact: the chunked form holds for chunks that start
-        # anywhere; only the rounding moves)
-        return _to_input_dtypes(_by_sequence(x, dt, A, B, C, Q, dout, dfin, D, z, dt_bias, h0,
-                                             seq_idx, dt_softplus, dt_limit, dtype), inputs)
     nc = math.ceil(l / Q)
     masks = sequence_masks(seq_idx, b, l, Q, nc, x.device)
     x_c = to_chunks(x, Q, nc)                                               # (b, h, nc, Q, P)
@@ -524,40 +527,6 @@ def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D
                  C=sum_groups(from_chunks(dC_c, l), g), D=dD, z=dz, dt_bias=ddt_bias,
                  initial_states=None if h0 is None else dinit)
     return _to_input_dtypes(grads, inputs)
-
-
-def _by_sequence(x, dt, A, B, C, Q, dout, dfin, D, z, dt_bias, h0, seq_idx, dt_softplus,
-                 dt_limit, dtype):
-    """`ssd_chunked_backward`'s gradients with each packed sequence of each row computed on its
-    own: the row's initial state enters its first sequence and dfinal its last one (as the
-    forward's reset defines them); A, D and dt_bias gather every sequence's share."""
-    b, l = x.shape[:2]
-    grads = dict(x=torch.zeros_like(x), dt=torch.zeros_like(dt), B=torch.zeros_like(B),
-                 C=torch.zeros_like(C), z=None if z is None else torch.zeros_like(z),
-                 A=torch.zeros_like(A), D=None if D is None else torch.zeros_like(D),
-                 dt_bias=None if dt_bias is None else torch.zeros_like(dt_bias),
-                 initial_states=None if h0 is None else torch.zeros_like(h0))
-    seq = seq_idx.to(torch.int64).cpu()
-    for r in range(b):
-        cuts = [0] + (torch.nonzero(seq[r, 1:] != seq[r, :-1]).flatten() + 1).tolist() + [l]
-        for k in range(len(cuts) - 1):
-            lo, hi = cuts[k], cuts[k + 1]
-            part = lambda t: None if t is None else t[r:r + 1, lo:hi]  # noqa: E731
-            first, last = k == 0, k == len(cuts) - 2
-            g = ssd_chunked_backward(
-                part(x), part(dt), A, part(B), part(C), Q, part(dout),
-                dfin[r:r + 1] if last and dfin is not None else None, D=D, z=part(z),
-                dt_bias=dt_bias, initial_states=h0[r:r + 1] if first and h0 is not None
-                else None, dt_softplus=dt_softplus, dt_limit=dt_limit, dtype=dtype)
-            for name in ("x", "dt", "B", "C", "z"):
-                if grads[name] is not None:
-                    grads[name][r:r + 1, lo:hi] = g[name]
-            for name in ("A", "D", "dt_bias"):
-                if grads[name] is not None:
-                    grads[name] = grads[name] + g[name]
-            if first and h0 is not None:
-                grads["initial_states"][r:r + 1] = g["initial_states"]
-    return grads
 
 
 def _to_input_dtypes(grads, inputs):
