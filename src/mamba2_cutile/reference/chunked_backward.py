@@ -484,6 +484,16 @@ def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D
             torch.zeros_like(h0) if dfin is None else dfin)
         return _to_input_dtypes(grads, inputs)
 
+    if seq_idx is not None and _readable(x, seq_idx) and not _all_finite(
+            x, dt, B, C, z, dout, dfin, h0):
+        # The products below keep a NaN / Inf in its own packed sequence (selects), but a
+        # non-finite dt step counts as -MAX_LOG_STEP in the chunk's cumsum, which does not
+        # restart at a sequence change: the next sequence's decays would be differences of
+        # large sums (1e-3 of its gradients in float32 at chunk 256). Where values can be
+        # read, take each sequence apart instead (exact: the chunked form holds for chunks
+        # that start anywhere; only the rounding moves)
+        return _to_input_dtypes(_by_sequence(x, dt, A, B, C, Q, dout, dfin, D, z, dt_bias, h0,
+                                             seq_idx, dt_softplus, dt_limit, dtype), inputs)
     nc = math.ceil(l / Q)
     masks = sequence_masks(seq_idx, b, l, Q, nc, x.device)
     x_c = to_chunks(x, Q, nc)                                               # (b, h, nc, Q, P)
@@ -527,6 +537,40 @@ def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D
                  C=sum_groups(from_chunks(dC_c, l), g), D=dD, z=dz, dt_bias=ddt_bias,
                  initial_states=None if h0 is None else dinit)
     return _to_input_dtypes(grads, inputs)
+
+
+def _by_sequence(x, dt, A, B, C, Q, dout, dfin, D, z, dt_bias, h0, seq_idx, dt_softplus,
+                 dt_limit, dtype):
+    """`ssd_chunked_backward`'s gradients with each packed sequence of each row computed on its
+    own: the row's initial state enters its first sequence and dfinal its last one (as the
+    forward's reset defines them); A, D and dt_bias gather every sequence's share."""
+    b, l = x.shape[:2]
+    grads = dict(x=torch.zeros_like(x), dt=torch.zeros_like(dt), B=torch.zeros_like(B),
+                 C=torch.zeros_like(C), z=None if z is None else torch.zeros_like(z),
+                 A=torch.zeros_like(A), D=None if D is None else torch.zeros_like(D),
+                 dt_bias=None if dt_bias is None else torch.zeros_like(dt_bias),
+                 initial_states=None if h0 is None else torch.zeros_like(h0))
+    seq = seq_idx.to(torch.int64).cpu()
+    for r in range(b):
+        cuts = [0] + (torch.nonzero(seq[r, 1:] != seq[r, :-1]).flatten() + 1).tolist() + [l]
+        for k in range(len(cuts) - 1):
+            lo, hi = cuts[k], cuts[k + 1]
+            part = lambda t: None if t is None else t[r:r + 1, lo:hi]  # noqa: E731
+            first, last = k == 0, k == len(cuts) - 2
+            g = ssd_chunked_backward(
+                part(x), part(dt), A, part(B), part(C), Q, part(dout),
+                dfin[r:r + 1] if last and dfin is not None else None, D=D, z=part(z),
+                dt_bias=dt_bias, initial_states=h0[r:r + 1] if first and h0 is not None
+                else None, dt_softplus=dt_softplus, dt_limit=dt_limit, dtype=dtype)
+            for name in ("x", "dt", "B", "C", "z"):
+                if grads[name] is not None:
+                    grads[name][r:r + 1, lo:hi] = g[name]
+            for name in ("A", "D", "dt_bias"):
+                if grads[name] is not None:
+                    grads[name] = grads[name] + g[name]
+            if first and h0 is not None:
+                grads["initial_states"][r:r + 1] = g["initial_states"]
+    return grads
 
 
 def _to_input_dtypes(grads, inputs):
