@@ -230,7 +230,8 @@ def test_float32_compute_and_dtypes():
 
 def _bad_problem(what, value, at, packed, l=40):
     """One head group, z, D, an initial state; one NaN / Inf in `what` (an input or dout) at
-    token `at`; `packed`: three sequences (tokens 0-11, 12-26, 27-39) in chunks of 16."""
+    token `at` (`what` None: none); `packed`: three sequences (tokens 0-11, 12-26, 27-39) in
+    chunks of 16."""
     gen = torch.Generator().manual_seed(11)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
     h, p, n = 2, 3, 4
@@ -243,7 +244,7 @@ def _bad_problem(what, value, at, packed, l=40):
     dout, dfinal = r(1, l, h, p), r(1, h, p, n)
     if what == "dout":
         dout[0, at, 0, 0] = value
-    else:
+    elif what is not None:
         args[what] = args[what].clone()
         args[what][0, at] = value
     return args, kw, dout, dfinal
@@ -251,7 +252,8 @@ def _bad_problem(what, value, at, packed, l=40):
 
 def _branch_free(monkeypatch, on):
     """The form taken where values cannot be read (torch.compile, GPU tensors): no split of
-    packed sequences, the masked products' non-finite rows found without a branch."""
+    packed sequences at a non-finite dt, the masked products' non-finite rows found without a
+    branch."""
     if on:
         from mamba2_cutile.reference import chunked_backward
         monkeypatch.setattr(chunked_backward, "_readable", lambda *ts: False)
@@ -328,7 +330,7 @@ def test_bad_dt_run_leaves_the_next_sequence_exact(value):
     -MAX_LOG_STEP in the chunk's cumsum, which does not restart at the sequence change, so the
     eager form takes the sequences apart and the next sequence's gradients stay as exact as
     a clean run's (the branch-free form: about 7e-13, finite)."""
-    args, kw, dout, dfinal = _bad_problem("x", 0.0, 0, packed=False, l=80)
+    args, kw, dout, dfinal = _bad_problem(None, None, None, packed=False, l=80)
     args["dt"] = args["dt"].clone()
     args["dt"][0, :56] = value
     kw["seq_idx"] = torch.tensor([[0] * 56 + [1] * 24])

@@ -484,8 +484,7 @@ def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dout, dfinal_states=None, D
             torch.zeros_like(h0) if dfin is None else dfin)
         return _to_input_dtypes(grads, inputs)
 
-    if seq_idx is not None and _readable(x, seq_idx) and not _all_finite(
-            x, dt, B, C, z, dout, dfin, h0):
+    if seq_idx is not None and _readable(dt, seq_idx) and not _all_finite(dt):
         # The products below keep a NaN / Inf in its own packed sequence (selects), but a
         # non-finite dt step counts as -MAX_LOG_STEP in the chunk's cumsum, which does not
         # restart at a sequence change: the next sequence's decays would be differences of
