@@ -365,7 +365,7 @@ def test_emulated_later_sequence_nan_stays_out_of_earlier_chunks(bad, bc_fused, 
 
 @pytest.mark.parametrize("heads, bq, bp, bcq, bn", [(2, 16, 16, 16, 0), (4, 8, 32, 16, 0),
                                                     (4, 32, 16, 16, 0), (2, 16, 8, 32, 0),
-                                                    (4, 16, 16, 16, 16)])
+                                                    (4, 16, 16, 16, 16), (2, 16, 16, 16, 8)])
 @pytest.mark.parametrize("opt", ["seq_idx", "init_no_dfinal", "all_but_z", "D_head"])
 def test_emulated_dx_heads(opt, heads, bq, bp, bcq, bn):
     """dx_heads: bwd_chunk_dx_group (da_mode 3 without z) walks 2 or 4 of each group's 4 heads
@@ -373,8 +373,9 @@ def test_emulated_dx_heads(opt, heads, bq, bp, bcq, bn):
     query columns before the block masked), 2 and 1 p-tiles of 24 channels, a last chunk of 20
     tokens, seq_idx resets inside chunks, D per head and per channel, initial states, no
     dfinal; bwd_chunk_dcb's W terms in 2 slots, and in 1 against 3 p-tiles (the slots it did
-    not write are selected away, never read into da); dstate 20 as one 32-wide tile and as
-    two 16-wide ones (dx_block_n). With z the per-head kernel runs."""
+    not write are selected away, never read into da); dstate 20 as one 32-wide tile, as
+    two 16-wide ones and as three 8-wide ones (dx_block_n; the padded dstate's fourth 8-wide
+    tile lies wholly past dstate and must not be loaded). With z the per-head kernel runs."""
     Q = 32
     options = dict(OPTIONS["all"], z=False) if opt == "all_but_z" else OPTIONS[opt]
     args, kw, dout, dfinal = make_problem(options, l=84, Q=Q, seed=13, h=8, g=2, p=24, n=20)

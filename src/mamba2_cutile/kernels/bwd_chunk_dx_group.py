@@ -122,7 +122,9 @@ def bwd_chunk_dx_group_fn(
     # with one dstate tile B_t and C_t stay MMA operands across the heads; with several
     # (dstate 256: the whole-N tiles spill) each product walks the n-tiles, reloading them
     ONE_TILE = BLOCK_N == NP
-    n_tiles = NP // BLOCK_N
+    # cdiv(N, BLOCK_N), not NP // BLOCK_N: a tile wholly past dstate would be an out-of-bounds
+    # load (dstate 20 in 8-wide tiles: three, not the padded 32's four)
+    n_tiles = ct.cdiv(b.shape[3], BLOCK_N)
     if ONE_TILE:
         ct_t = mma_operand(load_rows(c, batch, t, group, 0, BLOCK_Q, NP), mm)
         bt = mma_operand(load_rows(b, batch, t, group, 0, BLOCK_Q, NP), mm)
