@@ -4,7 +4,8 @@ own source on a CPU, one program instance at a time.
 `ct.load` partitions the array into tiles of the given shape and indexes that tile space;
 out-of-bounds elements are 0 with PaddingMode.ZERO and NaN otherwise (so a reliance on undefined
 padding shows up); a tile lying entirely outside the array is an error; `ct.store` drops the
-out-of-bounds part. Every program of every grid runs in turn (the same grids and argument lists
+out-of-bounds part; with `check_bounds=False` a tile reaching past the array is an error (on the
+GPU an access outside it). Every program of every grid runs in turn (the same grids and argument lists
 the launch plans build for the GPU); `poison` fills scratch buffers with NaN (a read of
 something no program wrote poisons the result), and each array element may be written by one
 program of a launch only (two programs writing one slot would be a race on the GPU).
@@ -111,6 +112,8 @@ class FakeCT(types.SimpleNamespace):
             lo, hi = i * s, i * s + s
             a, b = max(lo, 0), min(hi, size)
             assert a < b, f"tile {index} x {shape} lies entirely outside {tuple(array.shape)}"
+            assert kw.get("check_bounds", True) or (a, b) == (lo, hi), (
+                f"unchecked load of tile {index} x {shape} reaches past {tuple(array.shape)}")
             src.append(slice(a, b))
             dst.append(slice(a - lo, b - lo))
         out[tuple(dst)] = array[tuple(src)].to(dt)
@@ -139,6 +142,8 @@ class FakeCT(types.SimpleNamespace):
             lo, hi = i * s, i * s + s
             a, b = max(lo, 0), min(hi, size)
             assert a < b, f"store {index} x {shape} lies entirely outside {tuple(array.shape)}"
+            assert kw.get("check_bounds", True) or (a, b) == (lo, hi), (
+                f"unchecked store of tile {index} x {shape} reaches past {tuple(array.shape)}")
             dst.append(slice(a, b))
             src.append(slice(a - lo, b - lo))
         own = self.owner.setdefault(id(array), torch.full(array.shape, -1, dtype=torch.int64))
