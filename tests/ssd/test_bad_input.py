@@ -268,9 +268,13 @@ def emulated_run(Q, block_q, causal=1, dstate_pad=8, **over):
             # chunk_scan's flags read "clean" unless written: a flag the first launch fails to
             # write skips its tile's fix-up, and the bad-input cases below fail (a NaN fill would
             # read "recompute" in every mode and hide it)
-            next(c for c in calls if variants.kernel_name(c) == "chunk_scan").args[-2].fill_(0.0)
-        if mode in (4, 5):               # the same for chunk_state_pass's chunk flags
-            variants.kernel_arg(calls[1], "flags").fill_(0.0)
+            for c in calls:
+                if variants.kernel_name(c) == "chunk_scan":
+                    c.args[-2].fill_(0.0)
+        if mode in (4, 5):               # the same for chunk_state_pass's chunk flags (the
+            for c in calls:              # walk's run flags)
+                if variants.kernel_name(c) in ("chunk_state_pass", "chunk_scan_walk"):
+                    variants.kernel_arg(c, "flags").fill_(0.0)
         for c in calls:                  # scan_cb's scratch: a block read unwritten is NaN
             if variants.kernel_name(c) == "chunk_cb":
                 c.args[2].fill_(NAN)
@@ -303,9 +307,10 @@ EMULATED_CAUSAL = ([pytest.param(*e, c, id=f"{e[0]}={e[1]}-{e[2]}-{'seq' if e[3]
                                   dict(scan_heads=2),
                                   dict(state_segments=3, segment_fold=1, scan_heads=2),
                                   dict(state_segments=3, state_resweep=1),
-                                  dict(state_segments=2, state_resweep=1, scan_heads=2)],
+                                  dict(state_segments=2, state_resweep=1, scan_heads=2),
+                                  dict(scan_walk=1), dict(scan_walk=1, state_segments=3)],
                          ids=["cb", "fold", "cb-fold", "heads", "heads-fold", "resweep",
-                              "heads-resweep"])
+                              "heads-resweep", "walk", "walk-segments"])
 @pytest.mark.parametrize("name, value, where, seq, Q, block_q",
                          [e for e in EMULATED if e[4] == 64][:6])
 def test_emulated_kernels_causal_with_scan_cb_and_fold(name, value, where, seq, Q, block_q,
@@ -555,6 +560,42 @@ def test_emulated_kernels_decay_limits(seq, Q, block_q, causal):
                          ids=["plain", "causal1", "causal2", "causal3", "causal4"])
 def test_emulated_kernels_dt_zero_with_A_minus_inf(causal):
     check_decay_limits(emulated_run(64, 32, causal), *dt_zero_problem(dtype=F64), EMU_TOL)
+
+
+#: the walk (scan_walk, no seq_idx): every bad input at each place, one run and flags from
+#: its own last state (causal 4); then runs from chunk_state_carry's entering states (a bad
+#: run's NaN reaching the later ones), scan_causal 5 and chunk 128
+WALK_CAUSAL = ([pytest.param(n, v, w, 64, 1, 4, id=f"{n}={v}-{w}") for n, v in BAD
+                for w in ("mid", "first", "last")]
+               + [pytest.param(n, v, w, Q, segs, causal,
+                               id=f"{n}={v}-{w}-Q{Q}-S{segs}-c{causal}")
+                  for n, v, w, Q, segs, causal in [
+                      ("x", NAN, "mid", 64, 3, 4), ("B", INF, "first", 64, 3, 4),
+                      ("dt", NAN, "last", 64, 3, 5), ("C", -INF, "mid", 128, 2, 4),
+                      ("x", -INF, "last", 128, 3, 5), ("dt_raw", INF, "mid", 128, 1, 5),
+                      ("z", NAN, "first", 64, 2, 5), ("B", NAN, "mid", 128, 3, 4)]])
+
+
+@pytest.mark.parametrize("name, value, where, Q, segments, causal", WALK_CAUSAL)
+def test_emulated_walk_causal(name, value, where, Q, segments, causal):
+    """scan_walk: the plain walk flags each run whose last state is non-finite, and its second
+    launch recomputes the flagged runs' chunks holding a bad input causally: outputs before
+    the bad token equal a clean run's bit for bit, the rest follow the recurrence. The problem
+    has 3 chunks, so 3 runs put the bad token's chunk in a run of its own."""
+    t = where_in_chunk(Q, where)
+    args, kw = make_problem(Q, t, False, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
+                            n=7)
+    run = emulated_run(Q, Q, causal, scan_walk=1, state_segments=segments)
+    check_contract(run, args, kw, name, value, t, Q, EMU_TOL, strict_nonfinite=False)
+    assert "chunk_scan_walk" in [variants.kernel_name(c) for c in run.last_calls]
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+def test_emulated_walk_decay_limits(segments):
+    run = emulated_run(64, 64, 4, scan_walk=1, state_segments=segments)
+    check_decay_limits(run, *make_problem(64, 64, False, softplus=True, dtype=F64), EMU_TOL)
+    check_decay_limits(run, *dt_zero_problem(dtype=F64), EMU_TOL)
+    assert "chunk_scan_walk" in [variants.kernel_name(c) for c in run.last_calls]
 
 
 # ----------------------------------------------------------------------------------------------

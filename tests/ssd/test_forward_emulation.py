@@ -374,3 +374,69 @@ def test_group_scan_needs_a_full_grid(batch, seqlen, nheads, ngroups, chunk, gro
     assert cfg.chunk_size == (128 if group else chunk)
     if not group:
         assert cfg.scan_block_q == 128
+
+
+#: the options without seq_idx (the walk keeps the three-kernel forward with it)
+WALK_OPTIONS = {"none": {}, "D_head": OPTIONS["D_head"], "D_chan_z": OPTIONS["D_chan_z"],
+                "limit_nosoftplus": OPTIONS["limit_nosoftplus"],
+                "all_but_seq": {k: v for k, v in OPTIONS["all"].items() if k != "seq_idx"}}
+
+
+@pytest.mark.parametrize("causal", [0, 4, 5])
+@pytest.mark.parametrize("segments", [1, 2, 3])
+@pytest.mark.parametrize("opt, Q, l, n, block_p",
+                         [("all_but_seq", 64, 150, 7, 16), ("D_chan_z", 128, 300, 20, 8),
+                          ("limit_nosoftplus", 64, 64, 33, 32), ("D_head", 64, 130, 16, 16),
+                          ("none", 32, 97, 5, 32)])
+def test_emulated_walk(opt, Q, l, n, block_p, segments, causal):
+    """scan_walk: decay_cumsum, (S > 1: chunk_state_pass for the runs' ends, chunk_state_carry
+    for their entering states and the final state,) chunk_scan_walk carrying the state through
+    each run's chunks in registers, and with scan_causal 4 / 5 its second launch over the
+    flagged runs: the recurrence's outputs and final state, with headdim 20 in p-tiles of 8 to
+    32 (a partial last one), dstate 5 to 33 (padded), partial last chunks, 1 to 3 runs
+    (clamped to the chunk count: one chunk at l = 64)."""
+    args, kw, _, _ = make_problem(WALK_OPTIONS[opt], l=l, Q=Q, n=n)
+    cfg = small_forward_config(Q, n, chunk_size=Q, scan_walk=1, scan_block_p=block_p,
+                               state_segments=segments, scan_causal=causal)
+    calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
+    names = [variants.kernel_name(c) for c in calls]
+    segs = min(segments, -(-l // Q))
+    state = ["chunk_state_pass", "chunk_state_carry"] if segs > 1 else []
+    fix = ["chunk_scan_walk"] if causal else []
+    assert names == ["decay_cumsum", *state, "chunk_scan_walk", *fix]
+    walk = calls[len(state) + 1]
+    assert tuple(walk.grid) == (2 * 4, -(-20 // block_p), segs)
+    assert (variants.kernel_arg(walk, "FLAG"), variants.kernel_arg(walk, "FIX")) == (
+        causal > 0, False)
+    if segs > 1:
+        assert variants.kernel_arg(calls[1], "SEG_MODE") == 1
+        assert variants.kernel_arg(calls[2], "ENTRY_ONLY") is True
+        assert variants.kernel_arg(walk, "seg_entry") is variants.kernel_arg(calls[2], "entry")
+    # measured at most 1.5e-15 of the largest element (out and final) over these cases
+    check(args, kw, Q, cfg, tol=5e-15)
+
+
+def test_walk_applies_only_where_it_can():
+    """The walk replaces the state pass and the output launch only without seq_idx, in causal
+    modes 0, 4 and 5, without scan_cb and at computed chunks up to 128; forward_launches turns
+    it off where varlen states read the chunk states, and allocates no chunk states under it;
+    the backward's recompute of the states never takes it."""
+    from mamba2_cutile.ssd import backward
+    args, kw, _, _ = make_problem(OPTIONS["none"], l=300, Q=64)
+    base = small_forward_config(64, 7, scan_walk=1)
+    for over, walks in [(dict(), True), (dict(scan_causal=2), False), (dict(scan_cb=1), False),
+                        (dict(scan_causal=1), False), (dict(chunk_size=256), False)]:
+        assert forward.uses_walk(replace(base, **over), False) is walks, over
+    assert not forward.uses_walk(base, True)
+    x, dt, A, B, C = (args[k] for k in ("x", "dt", "A", "B", "C"))
+    for need in (False, True):
+        calls, _, _, (_, _, states), _ = forward.forward_launches(x, dt, A, B, C, 64,
+                                                                  config=base, need_states=need)
+        names = [variants.kernel_name(c) for c in calls]
+        assert ("chunk_scan_walk" in names) is (not need)
+        assert states.shape == ((2, 4, 5, 20, 7) if need else (1, 1, 1, 1, 1))
+    seq = dict(kw, seq_idx=torch.zeros(2, 300, dtype=torch.int32))
+    calls = forward.forward_launches(x, dt, A, B, C, 64, config=base, **seq)[0]
+    assert "chunk_scan_walk" not in [variants.kernel_name(c) for c in calls]
+    bcfg = replace(backward.backward_config(2, 4, 2, 20, 7, 64, F64), dstate_pad=16)
+    assert backward.recompute_config(bcfg, x, B).scan_walk == 0

@@ -377,3 +377,35 @@ def test_heads_kernels_int64_variants_compile():
         fn = call.kernel._annotated_function.pyfunc
         assert fn.__annotations__["x"] is ct.IndexedWithInt64
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
+
+
+@pytest.mark.parametrize("dtype_name, problem, over, fix, spill_free", [
+    ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, state_segments=4), True, True),
+    ("bfloat16", dict(chunk_size=128), dict(scan_block_p=32), False, False),
+    ("float32", dict(chunk_size=64), dict(scan_block_p=32), False, False),
+    ("bfloat16", dict(chunk_size=64, int64=True), dict(scan_block_p=32), False, False),
+], ids=["bf16-q64-p64-seg4", "bf16-q128-p32", "fp32-q64-p32", "bf16-q64-p32-int64"])
+def test_scan_walk_compiles(dtype_name, problem, over, fix, spill_free):
+    """scan_walk: chunk_scan_walk (and its fix-up launch) compiles for sm_90 at the seed
+    problem with every option but seq_idx; bf16 at chunk 64 with the whole 64-channel head a
+    program holds its state without spills (sm_90, 168 registers, 384 threads)."""
+    import cuda.tile as ct
+    import torch
+
+    calls = plans.forward_problem_plan(
+        dtype=getattr(torch, dtype_name), options=("D_chan", "z", "dt_bias", "softplus", "init"),
+        overrides=dict(scan_walk=1, **over), **problem)
+    names = [variants.kernel_name(c) for c in calls]
+    segs = over.get("state_segments", 1)
+    assert names == (["decay_cumsum"] + ["chunk_state_pass", "chunk_state_carry"] * (segs > 1)
+                     + ["chunk_scan_walk"] * 2)
+    walk = calls[-2]
+    if problem.get("int64"):
+        fn = walk.kernel._annotated_function.pyfunc
+        assert fn.__annotations__["x"] is ct.IndexedWithInt64
+    if spill_free:
+        assert resources.compile_resources(walk)["stack"] == 0
+    else:
+        assert len(cpu_compile.compile_cubin(walk, "sm_90")) > 0
+    if fix:
+        assert len(cpu_compile.compile_cubin(calls[-1], "sm_90")) > 0

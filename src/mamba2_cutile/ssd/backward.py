@@ -566,10 +566,11 @@ def _recompute_config(cfg: BackwardConfig, b, h, p, n, dtype) -> ForwardConfig:
                    cumsum_block_h=cfg.cumsum_block_h, state_block_p=cfg.state_block_p,
                    state_block_n=cfg.state_block_n, state_segments=cfg.state_segments,
                    state_occupancy=cfg.state_occupancy,
-                   # the backward's kernels read the entry states (never left local) and
-                   # no output launch runs here (no C B^T scratch, no flagged-tile pass to
-                   # feed, no chunk_scan_group: the plan's output launches are dropped below)
-                   segment_fold=0, scan_cb=0, scan_causal=0, scan_heads=1)
+                   # the backward's kernels read the entry states (never left local, never
+                   # skipped by the walk) and no output launch runs here (no C B^T scratch,
+                   # no flagged-tile pass to feed, no chunk_scan_group: the plan's output
+                   # launches are dropped below)
+                   segment_fold=0, scan_cb=0, scan_causal=0, scan_heads=1, scan_walk=0)
 
 
 def backward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,

@@ -10,6 +10,10 @@ kernels; chunk_scan twice with scan_causal 1 to 4), and the launcher.
 | 3 | `chunk_scan` (`scan_heads` > 1: `chunk_scan_group`) | the output: carried-state term, masked decayed C B^T times X, D x, z gate (with `scan_causal=1`, and per tile the count of non-finite outputs; 2 / 3: the sum / the row sums of the accumulator); `chunk_scan_group`: the plain tile for several heads of a group a program, C B^T formed once |
 | 4 | `chunk_scan` | (`scan_causal` 1 to 4 only) the tiles counted non-zero (1; same grid), summed non-finite (2, 3; a program per `FIX_SPAN` tiles) or of the heads `chunk_state_pass` flagged, their chunks holding a non-finite input (4; a program per head), again in the causal form: a NaN/Inf input never changes an earlier output |
 
+With `scan_walk` (`walk_plan`) launches 2 and 3 are one, `chunk_scan_walk`: a program per (batch,
+head, p-tile) walks its chunks with the state in registers (with `state_segments`, after 2 and
+2b for the runs' entering states), and again over the runs it flagged (scan_causal 4 and 5).
+
 A plan is built from tensors (real CUDA tensors at run time, or `meta` tensors when compiling on
 a CPU), so the CPU compile check exercises exactly the argument lists the GPU path launches.
 Nothing here reads tensor values: plans are safe under CUDA-graph capture.
@@ -26,6 +30,7 @@ from .. import config as _config
 from ..kernels.chunk_cb import chunk_cb, chunk_cb_i64
 from ..kernels.chunk_scan import FIX_SPAN, chunk_scan, chunk_scan_i64
 from ..kernels.chunk_scan_group import chunk_scan_group, chunk_scan_group_i64
+from ..kernels.chunk_scan_walk import chunk_scan_walk, chunk_scan_walk_i64
 from ..kernels.chunk_state_carry import chunk_state_carry, chunk_state_carry_i64
 from ..kernels.chunk_state_pass import chunk_state_pass, chunk_state_pass_i64
 from ..kernels.decay_cumsum import decay_cumsum, decay_cumsum_i64
@@ -123,6 +128,20 @@ class ForwardConfig:
                                     # has no head-major order, so scan_head_major does not
                                     # apply) with C B^T of the block against its chunk formed
                                     # once. 1: chunk_scan, C B^T in every head's tile
+    scan_walk: int = 0              # 1: the state and the output in one pass over chunks
+                                    # (kernels/chunk_scan_walk.py): a program per (batch,
+                                    # head, scan_block_p channels) walks its chunks with the
+                                    # state in registers, no chunk state written; with
+                                    # state_segments S > 1 the runs' entering states first
+                                    # (chunk_state_pass for the runs' ends, chunk_state_carry).
+                                    # Where it applies (`uses_walk`: no seq_idx, scan_causal 0,
+                                    # 4 or 5, not scan_cb, chunk_size <= 128; not where varlen
+                                    # states read the chunk states) it replaces
+                                    # chunk_state_pass and the output launch; scan_block_q,
+                                    # scan_heads, segment_fold and state_resweep then do not
+                                    # apply. Not timed yet
+    walk_occupancy: int = 0         # occupancy hint of chunk_scan_walk (0: compiler's choice)
+    walk_warps: int = 0             # num_worker_warps hint of chunk_scan_walk (0: compiler's)
 
     FIXED = ("dstate_pad",)     # set by the problem, never overridden
 
@@ -137,20 +156,21 @@ class ForwardConfig:
         c.check_pow2(self, "scan_block_n", allow_zero=True)
         for name in ("state_load_latency", "scan_load_latency"):
             c.check_range(self, name, 0, 10)
-        for name in ("state_occupancy", "scan_occupancy"):
+        for name in ("state_occupancy", "scan_occupancy", "walk_occupancy"):
             c.check_range(self, name, 0, 32)
         c.check_range(self, "scan_persistent", 0, 16)
         c.check_range(self, "state_segments", 1, 64)
         c.check_pow2(self, "scan_heads")
         c.check_range(self, "state_scale_x", -1, 1)
         for name in ("state_fresh_acc", "scan_lowp", "scan_head_major", "scan_cb",
-                     "segment_fold", "state_resweep"):
+                     "segment_fold", "state_resweep", "scan_walk"):
             c.check_choice(self, name, (0, 1))
         if self.state_resweep and self.segment_fold:
             raise ValueError("ForwardConfig: state_resweep=1 and segment_fold=1 are two ways "
                              "to carry the segments' entering states: choose one")
         c.check_choice(self, "scan_causal", (0, 1, 2, 3, 4, 5))
         c.check_choice(self, "scan_warps", (0, 4, 8))
+        c.check_choice(self, "walk_warps", (0, 4, 8))
         if self.scan_block_q > self.chunk_size:
             raise ValueError(f"ForwardConfig: scan_block_q={self.scan_block_q} is larger than "
                              f"chunk_size={self.chunk_size}")
@@ -378,10 +398,98 @@ def group_scan_heads(cfg: ForwardConfig, heads_per_group: int) -> int:
     return pow2_divisor(heads_per_group, cfg.scan_heads)
 
 
+def uses_walk(cfg: ForwardConfig, has_seq: bool) -> bool:
+    """Whether the plan is the walk (`ForwardConfig.scan_walk`: kernels/chunk_scan_walk.py):
+    asked for, no seq_idx, a causal mode it has (0, or 4 and 5: its own flags and fix-up
+    launch), not scan_cb, and a computed chunk of at most 128 tokens (a program holds the
+    chunk's (Q, Q) scores and (Q, dstate) C and B tiles at once)."""
+    return (bool(cfg.scan_walk) and not has_seq and cfg.scan_causal in (0, 4, 5)
+            and not cfg.scan_cb and cfg.chunk_size <= 128)
+
+
+def walk_scale_x(cfg: ForwardConfig) -> bool:
+    """Whether chunk_scan_walk's update puts the decay weights on X (its state tile is
+    scan_block_p x dstate_pad): `state_scale_x` if set, else on the smaller operand."""
+    if cfg.state_scale_x >= 0:
+        return bool(cfg.state_scale_x)
+    return cfg.dstate_pad > cfg.scan_block_p
+
+
+def _decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, seq_idx, seq_arg, seq_start,
+                       dt_buf, cum_buf, nchunks, cfg, int64):
+    """Launch 1: dt' and the chunk cumsums of A dt' (and the run starts with seq_idx)."""
+    batch, nheads = dt.shape[0], dt.shape[2]
+    return KernelCall(
+        decay_cumsum_i64 if int64 else decay_cumsum,
+        (batch * nchunks, -(-nheads // cfg.cumsum_block_h), 1),
+        (dt, A, dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi),
+         dt_buf, cum_buf, seq_arg, seq_start, cfg.chunk_size, cfg.cumsum_block_h,
+         dt_bias is not None, bool(dt_softplus), seq_idx is not None),
+    )
+
+
+def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt_buf, cum_buf,
+              states, final, out, cfg: ForwardConfig):
+    """The launches of the walk (`uses_walk`): decay_cumsum; with S = state_segments > 1
+    (clamped to the chunks) chunk_state_pass for the runs' end states (SEG_MODE=1: `states`
+    is never written, a stand-in will do) and chunk_state_carry for the states entering them
+    and the final state; chunk_scan_walk; with scan_causal 4 or 5 chunk_scan_walk again over
+    the flagged runs (FIX)."""
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    Q = cfg.chunk_size
+    nchunks = cum_buf.shape[2] // Q
+    seq_arg = seq_start = torch.empty((1, 1), dtype=torch.int32, device=x.device)
+    segs, (seg_final, seg_factor, chunk_factor) = segment_buffers(
+        cfg.state_segments, nchunks, final, cum_buf)
+    seg_entry = torch.empty(seg_final.shape if segs > 1 else (1, 1, 1, 1, 1),
+                            dtype=final.dtype, device=x.device)
+    p_tiles = -(-headdim // cfg.scan_block_p)
+    flag = cfg.scan_causal in (4, 5)
+    flags = torch.empty((batch * nheads, p_tiles * segs) if flag else (1, 1),
+                        dtype=torch.float32, device=x.device)
+    int64 = needs_int64(x, dt, B, C, z, init, dt_buf, cum_buf, out, seg_final, seg_entry,
+                        flags)
+    calls = [_decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, None, seq_arg,
+                                seq_start, dt_buf, cum_buf, nchunks, cfg, int64)]
+    if segs > 1:
+        state_grid = (batch * nheads, -(-headdim // cfg.state_block_p),
+                      -(-dstate // cfg.state_block_n) * segs)
+        calls.append(KernelCall(
+            with_hints(chunk_state_pass_i64 if int64 else chunk_state_pass,
+                       cfg.state_occupancy),
+            state_grid,
+            (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
+             Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups, init is not None,
+             False, cfg.state_load_latency, scale_x(cfg), bool(cfg.state_fresh_acc), segs,
+             seg_final, seg_factor, chunk_factor, flags, False, seg_entry, 1)))
+        calls.append(KernelCall(
+            chunk_state_carry_i64 if int64 else chunk_state_carry, state_grid,
+            (seg_final, seg_factor, chunk_factor, states, final, seg_entry, cfg.state_block_p,
+             cfg.state_block_n, segs, cfg.state_load_latency, False, True, True)))
+    walk_args = (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
+                 init if init is not None else final, seg_entry, final, out, flags, Q,
+                 cfg.scan_block_p, cfg.dstate_pad, nheads // ngroups,
+                 0 if D is None else D.dim(), z is not None, init is not None,
+                 cfg.scan_load_latency, bool(cfg.scan_lowp) and x.dtype != torch.float32,
+                 walk_scale_x(cfg), segs, flag)
+    walk = chunk_scan_walk_i64 if int64 else chunk_scan_walk
+    grid = (batch * nheads, p_tiles, segs)
+    calls.append(KernelCall(with_hints(walk, cfg.walk_occupancy, cfg.walk_warps), grid,
+                            walk_args + (False,)))
+    if flag:
+        # the flagged runs again, their bad chunks causally (no hints: a different program)
+        calls.append(KernelCall(walk, grid, walk_args + (True,)))
+    return calls
+
+
 def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, seq_idx,
                  dt_buf, cum_buf, states, final, out, cfg: ForwardConfig):
-    """The launches of the forward pass (module docstring). Unused optional inputs must be
-    None."""
+    """The launches of the forward pass (module docstring; `walk_plan` where `uses_walk`).
+    Unused optional inputs must be None."""
+    if uses_walk(cfg, seq_idx is not None):
+        return walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
+                         dt_buf, cum_buf, states, final, out, cfg)
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
@@ -434,13 +542,8 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
     n_state_tiles = -(-dstate // cfg.state_block_n)
     state_grid = (batch * nheads, -(-headdim // cfg.state_block_p), n_state_tiles * segs)
     calls = [
-        KernelCall(
-            decay_cumsum_i64 if int64 else decay_cumsum,
-            (batch * nchunks, -(-nheads // cfg.cumsum_block_h), 1),
-            (dt, A, dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi),
-             dt_buf, cum_buf, seq_arg, seq_start, Q, cfg.cumsum_block_h, dt_bias is not None,
-             bool(dt_softplus), seq_idx is not None),
-        ),
+        _decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, seq_idx, seq_arg,
+                           seq_start, dt_buf, cum_buf, nchunks, cfg, int64),
         KernelCall(
             with_hints(chunk_state_pass_i64 if int64 else chunk_state_pass, cfg.state_occupancy),
             state_grid,
@@ -564,7 +667,7 @@ def forward_launches(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     which may differ from `chunk_size`).
     `calls` is empty when there is nothing to launch (l = 0 or b * h = 0). `need_states`:
     `states` must hold the chunks' entry states afterwards (varlen states read them), so
-    segment_fold, which leaves them local, is off."""
+    segment_fold, which leaves them local, and the walk, which writes none, are off."""
     b, l, h, p = x.shape
     n = B.shape[3]
     Q = chunk_size
@@ -589,16 +692,20 @@ def forward_launches(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                                        device_index=dev.index or 0, has_seq=seq_idx is not None,
                                        ngroups=B.shape[2])
         Q = cfg.chunk_size          # the chunk the kernels compute with
+        if need_states and (cfg.segment_fold or cfg.scan_walk):
+            cfg = replace(cfg, segment_fold=0, scan_walk=0)
     nchunks = -(-l // Q)
     dt_buf = torch.empty((b, h, nchunks * Q), dtype=torch.float32, device=dev)
     cum_buf = torch.empty((b, h, nchunks * Q), dtype=torch.float32, device=dev)
-    states = torch.empty((b, h, nchunks, p, n), dtype=state_dtype, device=dev)
+    # the walk writes no chunk state: a stand-in, so the forward holds no (B, H, C, P, N)
+    # buffer (its only other reader, varlen states, turned the walk off above)
+    walk = cfg is not None and uses_walk(cfg, seq_idx is not None)
+    states = torch.empty((1, 1, 1, 1, 1) if walk else (b, h, nchunks, p, n), dtype=state_dtype,
+                         device=dev)
     bufs = (dt_buf, cum_buf, states)
     if cfg is None:              # a zero-sized grid is a launch error
         return [], out, final, bufs, (x, B, init)
     lo, hi = dt_clamp_bounds(dt_limit)
-    if need_states and cfg.segment_fold:
-        cfg = replace(cfg, segment_fold=0)
     calls = forward_plan(x, dt, A, B, C, z, D, dt_bias, lo, hi, dt_softplus, init, seq_idx,
                          dt_buf, cum_buf, states, final, out, cfg)
     return calls, out, final, bufs, (x, B, init)
