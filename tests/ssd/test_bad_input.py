@@ -715,6 +715,35 @@ def test_gpu_group_launch_causal_two_p_tiles(name, value, p):
     log_result(f"headdim {p}: out err {e_y:.2e}, final-state err {e_h:.2e} (finite "
                f"entries), tol {forward_tol(torch.bfloat16):.0e}")
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("Q, extra", [(64, "scan_block_p=64,state_segments=4"),
+                                      (128, "scan_block_p=32"),
+                                      (64, "scan_block_p=16,state_segments=2")],
+                         ids=["q64-p64-seg4", "q128-p32", "q64-p16-seg2"])
+@pytest.mark.parametrize("name, value, where", [("x", NAN, "mid"), ("x", INF, "first"),
+                                                ("B", INF, "mid"), ("B", NAN, "last"),
+                                                ("C", NAN, "mid"), ("z", INF, "mid"),
+                                                ("dt", NAN, "first"), ("dt_raw", INF, "last")],
+                         ids=["x=nan-mid", "x=inf-first", "B=inf-mid", "B=nan-last",
+                              "C=nan-mid", "z=inf-mid", "dt=nan-first", "dt_raw=inf-last"])
+def test_gpu_walk_causal(name, value, where, Q, extra):
+    """The walk (scan_walk, bf16, headdim 64, dstate 128) under the default causal form (4:
+    its runs' flags and the fix-up walk): the contract of the module docstring."""
+    from support.gpu import log_result
+    from support.tolerances import forward_tol
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    t = where_in_chunk(Q, where)
+    args, kw = make_problem(Q, t, False, name != "dt_raw", dtype=torch.bfloat16, b=2, h=8,
+                            g=1, p=64, n=128, device="cuda")
+    e_y, e_h = check_contract(gpu_run(Q, None, f"chunk_size={Q},scan_walk=1,{extra}"), args,
+                              kw, name, value, t, Q, forward_tol(torch.bfloat16),
+                              strict_nonfinite=False)
+    log_result(f"walk {extra}: out err {e_y:.2e}, final-state err {e_h:.2e} (finite "
+               f"entries), tol {forward_tol(torch.bfloat16):.0e}")
+
+
 MODES = pytest.mark.parametrize("causal", [0, 1, 2, 3, 4],
                                 ids=["plain", "causal1", "causal2", "causal3", "causal4"])
 

@@ -417,6 +417,49 @@ def test_scan_heads_dstate256(Q, opt):
                        chunk_size=128, scan_block_q=64, scan_heads=16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("opt", ["none", "D_head", "all_but_seq"])
+@pytest.mark.parametrize("Q, caller_q, over", [
+    (64, 64, dict(scan_block_p=64, state_segments=4)),
+    (128, 256, dict(scan_block_p=32)),
+    (64, 128, dict(scan_block_p=16, state_segments=3, walk_occupancy=2)),
+], ids=["q64-p64-seg4", "q128-of-256-p32", "q64-of-128-p16-seg3-occ2"])
+def test_scan_walk(Q, caller_q, over, opt, dtype):
+    """chunk_scan_walk (scan_walk: the state carried through the chunks in registers; with
+    state_segments, runs from their entering states) against the float64 recurrence and
+    against the three-kernel forward at the same computed chunk: headdim 80 and dstate 96
+    (not multiples of the tiles), a partial last chunk, every option but seq_idx."""
+    from dataclasses import replace
+
+    from mamba2_cutile.ssd import forward
+    from mamba2_cutile.ssd.forward import ssd_forward_cuda
+
+    b, l, h, g, p, n = 2, 700, 8, 2, 80, 96
+    opts = {k: v for k, v in OPTS["all"].items() if k != "seq_idx"} if opt == "all_but_seq" \
+        else OPTS[opt]
+    inp, kw = make_problem(b, l, h, g, p, n, dtype, opts, seed=11)
+    cfg = replace(forward.forward_config(b, h, p, n, caller_q, dtype), chunk_size=Q,
+                  scan_walk=1, **over)
+    y_ref, h_ref, _ = reference.ssd_recurrence(**inp, **kw)
+    dt_limit = kw.pop("dt_limit", (0.0, float("inf")))
+    calls = forward.forward_launches(**inp, chunk_size=caller_q, dt_limit=dt_limit,
+                                     config=cfg, **kw)[0]
+    assert "chunk_scan_walk" in [c.kernel._annotated_function.pyfunc.__name__[:-3]
+                                 for c in calls]
+    y, hf, _ = ssd_forward_cuda(**inp, chunk_size=caller_q, dt_limit=dt_limit, config=cfg, **kw)
+    y3, h3, _ = ssd_forward_cuda(**inp, chunk_size=caller_q, dt_limit=dt_limit,
+                                 config=replace(cfg, scan_walk=0, scan_heads=1,
+                                                scan_block_q=min(cfg.scan_block_q, Q)), **kw)
+    assert torch.isfinite(y).all() and torch.isfinite(hf).all()
+    e_y, e_h, e_3 = rel_err(y, y_ref), rel_err(hf, h_ref), rel_err(y, y3)
+    tol = forward_tol(dtype)
+    msg = (f"walk {over} Q={Q} caller {caller_q} {opt}: out err {e_y:.2e}, final-state err "
+           f"{e_h:.2e}, tol {tol:.0e}; against the three-kernel forward {e_3:.2e}")
+    log_result(msg)
+    assert e_y <= tol and e_h <= tol, msg
+
+
 def test_more_than_65535_batch_heads():
     """batch * heads above CUDA's 65535 limit of grid axes y and z."""
     inp, kw = make_problem(600, 3, 128, 1, 4, 16, torch.bfloat16, {"D": "h", "init": True})

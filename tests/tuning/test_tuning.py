@@ -482,6 +482,8 @@ def test_split_space_per_kernel():
             search.split_space({name: (0, 1)})
     with pytest.raises(ValueError, match="cannot tune 'scan_heads': it replaces chunk_scan"):
         search.split_space({"scan_heads": (1, 8)})
+    with pytest.raises(ValueError, match="cannot tune .scan_walk.: it replaces chunk_scan"):
+        search.split_space({"scan_walk": (0, 1)})
 
 
 def test_launch_of_finds_kernels_by_name():

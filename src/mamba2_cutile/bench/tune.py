@@ -73,9 +73,10 @@ def split_space(space: dict) -> dict:
             # alone would not time
             raise ValueError(f"cannot tune {name!r}: it changes two launches; time it "
                              "with scripts/sweep.py")
-        if name == "scan_heads":
+        if name in ("scan_heads", "scan_walk", "walk_occupancy", "walk_warps"):
             # another kernel (chunk_scan_group) in chunk_scan's place: the search looks the
             # output launch up by chunk_scan's name, and would find the fix-up launch
+            # (scan_walk: chunk_scan_walk in place of the state pass and chunk_scan)
             raise ValueError(f"cannot tune {name!r}: it replaces chunk_scan by another "
                              "kernel; time it with scripts/sweep.py")
         k = next((k for prefix, k, _ in KERNELS if name.startswith(prefix)), None)
