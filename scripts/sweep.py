@@ -7,6 +7,8 @@ CONFIG: MAMBA2_CUTILE_CONFIG strings ("default",
 "scan_block_n=32,scan_lowp=1", ...). Each config is checked against mamba_ssm's output, then
 timed (CUDA graph, L2 flushed), whole forward and per kernel. One JSON line per (shape, config).
 --ours-only: no mamba_ssm (no baseline time and no output check: "diff" is null).
+--check-each: mamba_ssm runs beside every config, not only the first, so that each config's
+"diff" is its output against mamba_ssm's (its time is printed once).
 SWEEP_COMPILE_ONLY=1: run each config's forward once and time nothing (fills the kernel cache,
 so that several configs can compile in parallel processes before one process times them).
 """
@@ -20,7 +22,8 @@ from mamba2_cutile.bench import impls, problems, runner
 
 argv = sys.argv[1:]
 ours_only = "--ours-only" in argv
-argv = [a for a in argv if a != "--ours-only"]
+check_each = "--check-each" in argv
+argv = [a for a in argv if a not in ("--ours-only", "--check-each")]
 shapes = ([problems.parse_custom(s) for s in argv[0][len("custom="):].split(";") if s]
           if argv[0].startswith("custom=") else problems.select(argv[0]))
 for shape in shapes:
@@ -37,7 +40,8 @@ for shape in shapes:
                                   "status": f"error: {type(e).__name__}: {str(e)[:300]}"}),
                       flush=True)
             continue
-        names = ["mamba_ssm", "mamba2-cutile"] if i == 0 and not ours_only else ["mamba2-cutile"]
+        names = (["mamba_ssm", "mamba2-cutile"] if (i == 0 or check_each) and not ours_only
+                 else ["mamba2-cutile"])
         try:
             rows = runner.run_case(shape, names, mode="fwd")
             ours = rows[-1]
