@@ -440,3 +440,27 @@ def test_walk_applies_only_where_it_can():
     assert "chunk_scan_walk" not in [variants.kernel_name(c) for c in calls]
     bcfg = replace(backward.backward_config(2, 4, 2, 20, 7, 64, F64), dstate_pad=16)
     assert backward.recompute_config(bcfg, x, B).scan_walk == 0
+
+
+@pytest.mark.parametrize("segments, block_n", [(3, 8), (2, 16)])
+def test_emulated_walk_through_forward_launches(segments, block_n):
+    """The walk as forward_launches plans it: with its stand-in for the chunk states (no
+    (B, H, C, P, N) buffer), the segmented pass and chunk_state_carry take their sizes from
+    the segment scratch (dstate 20 in state tiles of 8 or 16: several n-tiles per run). The
+    decay buffers forward_launches allocates are float32: 4.3e-5 of the largest output
+    measured, as in `test_computed_chunk_shorter_than_the_callers`."""
+    args, kw, _, _ = make_problem(WALK_OPTIONS["all_but_seq"], l=300, Q=64, n=20)
+    cfg = small_forward_config(64, 20, scan_walk=1, state_segments=segments,
+                               state_block_n=block_n)
+    x, dt, A, B, C = (args[k] for k in ("x", "dt", "A", "B", "C"))
+    calls, out, final, (dt_buf, cum_buf, states), _ = forward.forward_launches(
+        x, dt, A, B, C, 64, config=cfg, **kw)
+    assert states.shape == (1, 1, 1, 1, 1)
+    assert "chunk_state_carry" in [variants.kernel_name(c) for c in calls]
+    for t in (out, final, dt_buf, cum_buf):
+        t.fill_(float("nan"))
+    emulate_launch(calls)
+    ref_out, ref_final, _ = ssd_recurrence(**args, **kw)
+    for name, got, ref in (("out", out, ref_out), ("final", final, ref_final)):
+        err = (got - ref).abs().max().item()
+        assert err <= 1.5e-4 * ref.abs().max().item(), f"{name}: error {err:.3e}"

@@ -52,11 +52,13 @@ def chunk_state_carry_fn(
     ENTRY_ONLY: ct.Constant[bool],
 ):
     bh, p_tile = ct.bid(0), ct.bid(1)
-    nheads = states.shape[1]
+    # the sizes from the segment scratch, not from `states`: with ENTRY_ONLY the walk
+    # (kernels/chunk_scan_walk.py) passes a stand-in it never writes
+    nheads = seg_final.shape[1]
     batch = bh // nheads
     head = bh % nheads
-    n_tile, seg, c_begin, c_end = state_segment(states.shape[4], BLOCK_N, states.shape[2],
-                                                SEGMENTS)
+    n_tile, seg, c_begin, c_end = state_segment(seg_final.shape[4], BLOCK_N,
+                                                chunk_factor.shape[2], SEGMENTS)
     tile = (1, 1, 1, BLOCK_P, BLOCK_N)
     lat = None if LOAD_LATENCY == 0 else LOAD_LATENCY
     carry = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
