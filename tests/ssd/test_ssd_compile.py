@@ -31,13 +31,13 @@ def test_launch_compiles(arch, family, name, index):
     assert cpu_compile.compile_call(variants.launch_of(family, name, index), arch) > 0
 
 
-def _rule_heads(problem):
-    """The heads a chunk_scan_group program walks in `problem`'s plan (1: chunk_scan), from
-    the config forward_problem_plan builds."""
+def _rule_config(problem):
+    """The config forward_problem_plan builds for `problem`, whether it has seq_idx, and the
+    problem's parameters with the builder's defaults."""
     import inspect
     from dataclasses import replace
 
-    from mamba2_cutile.ssd.forward import forward_config, group_scan_heads
+    from mamba2_cutile.ssd.forward import forward_config
 
     kw = {k: v.default for k, v in inspect.signature(plans.forward_problem_plan).parameters.items()
           if v.default is not inspect.Parameter.empty}
@@ -47,6 +47,15 @@ def _rule_heads(problem):
     cfg = replace(forward_config(b, h, p, kw["dstate"], kw["chunk_size"], kw["dtype"],
                                  seqlen=seqlen, has_seq="seq_idx" in kw["options"],
                                  ngroups=kw["ngroups"]), **(kw["overrides"] or {}))
+    return cfg, "seq_idx" in kw["options"], kw
+
+
+def _rule_heads(problem):
+    """The heads a chunk_scan_group program walks in `problem`'s plan (1: chunk_scan), from
+    the config forward_problem_plan builds."""
+    from mamba2_cutile.ssd.forward import group_scan_heads
+
+    cfg, _, kw = _rule_config(problem)
     return group_scan_heads(cfg, kw["nheads"] // kw["ngroups"])
 
 
@@ -58,8 +67,21 @@ def test_plans_have_their_launches():
     dB/dC in two launches, through the groups' C B^T gradient)."""
     from mamba2_cutile.kernels.chunk_scan import FIX_SPAN, chunk_scan, chunk_scan_i64
 
+    from mamba2_cutile.ssd.forward import uses_walk
+
     for name, problem in variants.forward_variants():
         default = plans.forward_problem_plan(**problem)
+        cfg, has_seq, _ = _rule_config(problem)
+        if uses_walk(cfg, has_seq):
+            # the walk rule's problems (`walk_segments`): the walk and its fix-up launch (with
+            # runs, the segmented pass for their ends and chunk_state_carry first); the
+            # three-kernel plans are checked on the other problems
+            runs = ["chunk_state_pass", "chunk_state_carry"] * (cfg.state_segments > 1)
+            assert [variants.kernel_name(c) for c in default] == [
+                "decay_cumsum", *runs, "chunk_scan_walk", "chunk_scan_walk"], name
+            assert variants.kernel_arg(default[-2], "FLAG") is True, name
+            assert variants.kernel_arg(default[-1], "FIX") is True, name
+            continue
         # the output launch: chunk_scan_group where the shape rule sets scan_heads (chunk
         # 128) and the heads per group allow it, chunk_scan otherwise
         out = variants.kernel_name(default[2])

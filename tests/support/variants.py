@@ -29,8 +29,14 @@ def forward_variants():
                                                            seqlen=1000)))
     for (h, p, n) in ((8, 16, 16), (8, 32, 32), (64, 80, 64), (2, 256, 256), (128, 64, 96)):
         items.append((f"bf16-h{h}-p{p}-n{n}", dict(dtype=bf, nheads=h, headdim=p, dstate=n)))
+    # without seq_idx the seed problem runs the walk (`walk_segments`); 80 heads (320
+    # programs, a part wave) keep the three-kernel forward without options
     items.append(("bf16-no-options", dict(dtype=bf, options=())))
     items.append(("bf16-D-head", dict(dtype=bf, options=("D_head",))))
+    items.append(("bf16-no-options-h80", dict(dtype=bf, nheads=80, options=())))
+    items.append(("bf16-D-head-h80", dict(dtype=bf, nheads=80, options=("D_head",))))
+    items.append(("bf16-walk-whole-waves", dict(dtype=bf, batch=2, seqlen=8192, nheads=128,
+                                                ngroups=8, options=("D_head", "z"))))
     items.append(("bf16-int64", dict(dtype=bf, int64=True)))
     items.append(("bf16-fp32-states-fp16-dt",
                   dict(dtype=bf, state_dtype=torch.float32, dt_dtype=torch.float16)))

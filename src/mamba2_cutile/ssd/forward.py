@@ -353,11 +353,58 @@ def _shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms,
     return cfg
 
 
+#: the shortest sequence the walk rule takes (both shapes it was timed at have 8192+ tokens a
+#: sequence; at 512 and 2048 tokens other walk configs were slower or even)
+WALK_MIN_SEQLEN = 8192
+
+
+def walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS) -> int:
+    """The shape rule's walk (`ForwardConfig.scan_walk`, computed at chunk 64, a program per
+    (batch, head) holding the whole head: headdim <= 64, dstate <= 128, 16-bit inputs,
+    sequences of WALK_MIN_SEQLEN+ tokens): its run count S, or 0 for the three-kernel
+    forward. A walk program is one sequential chain of chunks, so the grid must fill whole
+    waves of the SMs (one program per SM: 168 registers at 384 threads):
+
+    - B * H >= SMs: S = 1 where the last wave is at least 90% full (B * H mod SMs);
+    - else S = 4 where 4 B * H is 90-100% of the SMs (the runs' entering states first: the
+      segmented state pass over whole 128-wide states, then chunk_state_carry).
+
+    On the H100 (bf16, 2026-12-07, benchmarks/results/2026-12-07-h100-forward-sweep-walk*.jsonl):
+    B=2 T=8K H=128 G=8 (256 programs, 97% of a second wave) 0.624 -> 0.499 ms at chunk 256
+    and 0.621 -> 0.497 at chunk 128 (mamba_ssm 1.239 and 1.318); the seed problem (B=4 T=16K
+    H=8, S=4: 128 programs) 0.229 -> 0.216 ms (mamba_ssm 0.437). Left out, as measured: 80
+    heads at B=2 (160 programs, a 21% second wave) 0.414 -> 0.463 ms, 48 heads at B=4 (192,
+    45%) 0.943 -> 0.923 (2%, not taken); at the seed problem S=8 0.227 and 64-wide
+    state tiles in the segmented pass 0.282 (it reads x once per tile). Shapes matching these
+    conditions but not timed (for example B=4 H=64, B=1 H=32 or B=2 H=16; dstate 64; longer
+    sequences; z or dt_bias) follow the rule untimed."""
+    if (dtype not in (torch.bfloat16, torch.float16) or headdim > 64 or dstate > 128
+            or seqlen is None or seqlen < WALK_MIN_SEQLEN):
+        return 0
+    programs = batch * nheads
+    if programs >= sms:
+        return 1 if programs % sms == 0 or programs % sms >= 0.9 * sms else 0
+    return 4 if 0.9 * sms <= 4 * programs <= sms else 0
+
+
+def walk_config(cfg: ForwardConfig, segments: int) -> ForwardConfig:
+    """`cfg` as the walk rule runs it (`walk_segments`): chunk 64, the whole 64-channel head a
+    program, and with S > 1 runs whose entering states the segmented pass forms over whole
+    128-wide state tiles."""
+    over = dict(scan_walk=1, chunk_size=64, scan_block_q=64, scan_block_p=64,
+                state_segments=segments)
+    if segments > 1:
+        over.update(state_block_p=64, state_block_n=cfg.dstate_pad, state_occupancy=0)
+    return replace(cfg, **over)
+
+
 def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=DEFAULT_SMS, seqlen=None,
-                   device_index=None, has_seq=False, ngroups=1) -> ForwardConfig:
+                   device_index=None, has_seq=False, ngroups=1, walk_ok=True) -> ForwardConfig:
     """The config a forward launch uses, in the precedence of `mamba2_cutile.config`: the shape
     rule, then the tuning table's overrides for the shape's bucket on this GPU when `seqlen`
-    and `device_index` are given, then the seq_idx rule below, then MAMBA2_CUTILE_CONFIG.
+    and `device_index` are given, then the seq_idx rule below, then the walk rule
+    (`walk_segments`; not with seq_idx, nor where `walk_ok` is False: varlen states read the
+    chunk states), then MAMBA2_CUTILE_CONFIG.
     `has_seq`: seq_idx is given (its same-sequence mask changes the best chunk_scan tile).
     `seqlen` and `ngroups` size the output grid for the rule (`uses_group_scan`)."""
     cfg = forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms, seqlen,
@@ -372,6 +419,9 @@ def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=DEFAUL
         # run-start mask: 0.335 against 0.306 ms at B=2 T=8K H=24 chunk 256 with z, dt_bias and
         # seq_idx; benchmarks/results/2026-11-30-h200-forward-sweep-options.jsonl)
         cfg = replace(cfg, scan_block_q=64, scan_occupancy=2)
+    segments = walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms)
+    if walk_ok and not has_seq and segments:
+        cfg = walk_config(cfg, segments)
     return _config.with_env(cfg, _config.ENV_FORWARD)
 
 
@@ -690,7 +740,7 @@ def forward_launches(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     if l > 0 and b * h > 0:
         cfg = config or forward_config(b, h, p, n, Q, x.dtype, num_sms(dev), seqlen=l,
                                        device_index=dev.index or 0, has_seq=seq_idx is not None,
-                                       ngroups=B.shape[2])
+                                       ngroups=B.shape[2], walk_ok=not need_states)
         Q = cfg.chunk_size          # the chunk the kernels compute with
         if need_states and (cfg.segment_fold or cfg.scan_walk):
             cfg = replace(cfg, segment_fold=0, scan_walk=0)
