@@ -46,7 +46,8 @@ def _rule_config(problem):
     seqlen = max(kw["seqlen"], -(-(2**31) // (b * h * p)) + 1) if kw["int64"] else kw["seqlen"]
     cfg = replace(forward_config(b, h, p, kw["dstate"], kw["chunk_size"], kw["dtype"],
                                  seqlen=seqlen, has_seq="seq_idx" in kw["options"],
-                                 ngroups=kw["ngroups"]), **(kw["overrides"] or {}))
+                                 ngroups=kw["ngroups"], walk_ok=not kw["overrides"]),
+                  **(kw["overrides"] or {}))
     return cfg, "seq_idx" in kw["options"], kw
 
 

@@ -19,7 +19,9 @@ FORWARD_OPTIONS = ("D_chan", "z", "dt_bias", "softplus", "init", "seq_idx")
 def forward_problem_plan(dtype=torch.bfloat16, chunk_size=128, batch=4, seqlen=16384, nheads=8,
                      ngroups=1, headdim=64, dstate=128, options=FORWARD_OPTIONS, int64=False,
                      state_dtype=None, dt_dtype=torch.float32, device="meta", overrides=None):
-    """The forward plan for a problem, on `meta` tensors by default (for compiling)."""
+    """The forward plan for a problem, on `meta` tensors by default (for compiling). The
+    `overrides` apply to the three-kernel rule's config: the walk rule
+    (`forward.walk_segments`) only runs without them (set `scan_walk=1` to compile a walk)."""
     b, l, h, g, p, n, Q = batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size
     if int64:
         l = max(l, -(-(2**31) // (b * h * p)) + 1)
@@ -28,7 +30,7 @@ def forward_problem_plan(dtype=torch.bfloat16, chunk_size=128, batch=4, seqlen=1
     f32 = torch.float32
     D = e(h, p, dt=f32) if "D_chan" in options else e(h, dt=f32) if "D_head" in options else None
     cfg = replace(forward_config(b, h, p, n, Q, dtype, seqlen=l, has_seq="seq_idx" in options,
-                                 ngroups=g), **(overrides or {}))
+                                 ngroups=g, walk_ok=not overrides), **(overrides or {}))
     Q = cfg.chunk_size          # the chunk the forward computes with
     nc = -(-l // Q)
     return forward_plan(
