@@ -716,19 +716,22 @@ def test_gpu_group_launch_causal_two_p_tiles(name, value, p):
                f"entries), tol {forward_tol(torch.bfloat16):.0e}")
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("Q, extra", [(64, "scan_block_p=64,state_segments=4"),
-                                      (128, "scan_block_p=32"),
-                                      (64, "scan_block_p=16,state_segments=2")],
-                         ids=["q64-p64-seg4", "q128-p32", "q64-p16-seg2"])
+@pytest.mark.parametrize("Q, extra, n", [(64, "scan_block_p=64,state_segments=4", 128),
+                                         (128, "scan_block_p=32", 128),
+                                         (64, "scan_block_p=16,state_segments=2", 128),
+                                         (64, "scan_block_p=64,state_segments=2", 128),
+                                         (64, "scan_block_p=32", 256)],
+                         ids=["q64-p64-seg4", "q128-p32", "q64-p16-seg2", "q64-p64-seg2",
+                              "q64-p32-n256"])
 @pytest.mark.parametrize("name, value, where", [("x", NAN, "mid"), ("x", INF, "first"),
                                                 ("B", INF, "mid"), ("B", NAN, "last"),
                                                 ("C", NAN, "mid"), ("z", INF, "mid"),
                                                 ("dt", NAN, "first"), ("dt_raw", INF, "last")],
                          ids=["x=nan-mid", "x=inf-first", "B=inf-mid", "B=nan-last",
                               "C=nan-mid", "z=inf-mid", "dt=nan-first", "dt_raw=inf-last"])
-def test_gpu_walk_causal(name, value, where, Q, extra):
-    """The walk (scan_walk, bf16, headdim 64, dstate 128) under the default causal form (4:
-    its runs' flags and the fix-up walk): the contract of the module docstring."""
+def test_gpu_walk_causal(name, value, where, Q, extra, n):
+    """The walk (scan_walk, bf16, headdim 64, dstate 128 or 256) under the default causal
+    form (4: its runs' flags and the fix-up walk): the contract of the module docstring."""
     from support.gpu import log_result
     from support.tolerances import forward_tol
 
@@ -736,7 +739,7 @@ def test_gpu_walk_causal(name, value, where, Q, extra):
         pytest.skip("needs a CUDA GPU")
     t = where_in_chunk(Q, where)
     args, kw = make_problem(Q, t, False, name != "dt_raw", dtype=torch.bfloat16, b=2, h=8,
-                            g=1, p=64, n=128, device="cuda")
+                            g=1, p=64, n=n, device="cuda")
     e_y, e_h = check_contract(gpu_run(Q, None, f"chunk_size={Q},scan_walk=1,{extra}"), args,
                               kw, name, value, t, Q, forward_tol(torch.bfloat16),
                               strict_nonfinite=False)

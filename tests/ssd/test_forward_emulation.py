@@ -468,19 +468,25 @@ def test_emulated_walk_through_forward_launches(segments, block_n):
 
 @pytest.mark.parametrize("batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segments", [
     (2, 8192, 128, 8, 64, 128, torch.bfloat16, 1),     # 256 programs: 97% of a second wave
+    (2, 8192, 64, 1, 64, 128, torch.float16, 1),       # 128: one wave, 97%
+    (2, 8192, 48, 1, 64, 128, torch.bfloat16, 1),      # 96: one wave, 73%
     (4, 16384, 8, 1, 64, 128, torch.bfloat16, 4),      # the seed problem: 4 x 32 runs
+    (1, 2048, 64, 1, 64, 128, torch.bfloat16, 2),      # 2 x 64 runs
+    (1, 16384, 32, 1, 32, 64, torch.float16, 4),       # 4 x 32 runs (untimed)
+    (2, 8192, 32, 1, 64, 256, torch.bfloat16, 1),      # dstate 256: 2 x 64 programs of 32 ch.
     (2, 8192, 80, 1, 64, 128, torch.bfloat16, 0),      # 160: a 21% second wave (timed slower)
     (4, 16384, 48, 1, 64, 128, torch.bfloat16, 0),     # 192: 45% (timed 2% faster only)
-    (2, 8192, 64, 1, 64, 128, torch.float16, 0),       # 128: neither a full wave nor 4 x 32
-    (1, 16384, 32, 1, 32, 64, torch.float16, 4),       # 4 x 32 runs (untimed)
-    (2, 4096, 128, 8, 64, 128, torch.bfloat16, 0),     # short sequences stay
+    (2, 8192, 24, 1, 64, 128, torch.bfloat16, 0),      # 48: 2 x 48 runs fill 73% (slower)
+    (1, 8192, 16, 1, 64, 256, torch.bfloat16, 0),      # dstate 256: 32 programs, no runs
+    (2, 8192, 128, 8, 64, 256, torch.bfloat16, 0),     # 512 programs: an 88% last wave
+    (1, 512, 24, 1, 64, 128, torch.bfloat16, 0),       # short sequences stay
     (2, 8192, 128, 8, 64, 128, torch.float32, 0),      # 16-bit inputs only
     (2, 8192, 128, 8, 128, 128, torch.bfloat16, 0),    # a program holds the whole head
-    (2, 8192, 128, 8, 64, 256, torch.bfloat16, 0)])
+    (2, 4096, 64, 1, 64, 200, torch.bfloat16, 1)])     # 200 pads to 256: 2 x 128 programs
 def test_walk_rule(batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segments):
     """forward_config takes the walk where `walk_segments` fills whole waves of the 132 SMs,
-    computed at chunk 64 with the whole head a program; never with seq_idx or where varlen
-    states read the chunk states (walk_ok False)."""
+    computed at chunk 64 with `walk_block_p` channels a program; never with seq_idx or where
+    varlen states read the chunk states (walk_ok False)."""
     def cfg(**kw):
         return forward.forward_config(batch, nheads, headdim, dstate, 256, dtype, 132,
                                       seqlen=seqlen, ngroups=ngroups, **kw)
@@ -488,7 +494,8 @@ def test_walk_rule(batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segme
     walk = cfg()
     assert forward.uses_walk(walk, False) is bool(segments)
     if segments:
-        assert (walk.chunk_size, walk.scan_block_p, walk.state_segments) == (64, 64, segments)
+        assert (walk.chunk_size, walk.scan_block_p, walk.state_segments) == (
+            64, forward.walk_block_p(walk.dstate_pad), segments)
         if segments > 1:
             assert (walk.state_block_p, walk.state_block_n) == (64, walk.dstate_pad)
     off = cfg(walk_ok=False)

@@ -420,22 +420,26 @@ def test_scan_heads_dstate256(Q, opt):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
                          ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("opt", ["none", "D_head", "all_but_seq"])
-@pytest.mark.parametrize("Q, caller_q, over", [
-    (64, 64, dict(scan_block_p=64, state_segments=4)),
-    (128, 256, dict(scan_block_p=32)),
-    (64, 128, dict(scan_block_p=16, state_segments=3, walk_occupancy=2)),
-], ids=["q64-p64-seg4", "q128-of-256-p32", "q64-of-128-p16-seg3-occ2"])
-def test_scan_walk(Q, caller_q, over, opt, dtype):
+@pytest.mark.parametrize("Q, caller_q, over, n", [
+    (64, 64, dict(scan_block_p=64, state_segments=4), 96),
+    (128, 256, dict(scan_block_p=32), 96),
+    (64, 128, dict(scan_block_p=16, state_segments=3, walk_occupancy=2), 96),
+    (64, 256, dict(scan_block_p=64, state_segments=2), 96),
+    (64, 256, dict(scan_block_p=32), 200),
+], ids=["q64-p64-seg4", "q128-of-256-p32", "q64-of-128-p16-seg3-occ2", "q64-of-256-p64-seg2",
+        "q64-of-256-p32-n200"])
+def test_scan_walk(Q, caller_q, over, n, opt, dtype):
     """chunk_scan_walk (scan_walk: the state carried through the chunks in registers; with
     state_segments, runs from their entering states) against the float64 recurrence and
-    against the three-kernel forward at the same computed chunk: headdim 80 and dstate 96
-    (not multiples of the tiles), a partial last chunk, every option but seq_idx."""
+    against the three-kernel forward at the same computed chunk: headdim 80 and dstate 96 or
+    200 (not multiples of the tiles; 200 pads to 256), a partial last chunk, every option but
+    seq_idx."""
     from dataclasses import replace
 
     from mamba2_cutile.ssd import forward
     from mamba2_cutile.ssd.forward import ssd_forward_cuda
 
-    b, l, h, g, p, n = 2, 700, 8, 2, 80, 96
+    b, l, h, g, p = 2, 700, 8, 2, 80
     opts = {k: v for k, v in OPTS["all"].items() if k != "seq_idx"} if opt == "all_but_seq" \
         else OPTS[opt]
     inp, kw = make_problem(b, l, h, g, p, n, dtype, opts, seed=11)
@@ -461,16 +465,20 @@ def test_scan_walk(Q, caller_q, over, opt, dtype):
 
 
 @pytest.mark.parametrize("caller_q", [128, 256])
-def test_walk_against_mamba_ssm(caller_q, monkeypatch):
-    """The walk as the rule runs it at the seed problem (chunk 64, the whole head a program,
-    4 runs of 32 programs; here B=2 T=8192 H=16): its error against the float64 recurrence
-    within 1.5x mamba_ssm's at the caller's chunk (the walk computes at 64). Not run yet."""
-    from mamba2_cutile.config import ENV_FORWARD
+@pytest.mark.parametrize("dims, segments", [
+    ((2, 8192, 16, 1, 64, 128), 4), ((1, 4096, 64, 1, 64, 128), 2),
+    ((2, 4096, 48, 1, 64, 128), 1), ((2, 4096, 32, 1, 64, 256), 1)],
+    ids=["seg4", "seg2", "one-wave", "dstate256-p32"])
+def test_walk_against_mamba_ssm(dims, segments, caller_q):
+    """The walk as the shape rule runs it (chunk 64; S runs; 32-channel programs at dstate
+    256): its error against the float64 recurrence within 1.5x mamba_ssm's at the caller's
+    chunk (the walk computes at 64)."""
+    from mamba2_cutile.ssd import forward
 
-    monkeypatch.setenv(ENV_FORWARD, "scan_walk=1,chunk_size=64,scan_block_q=64,"
-                                    "scan_block_p=64,state_segments=4,state_block_p=64,"
-                                    "state_block_n=128")
-    inp, kw = make_problem(2, 8192, 16, 1, 64, 128, torch.bfloat16, OPTS["D_head"], seed=5)
+    b, l, h, g, p, n = dims
+    cfg = forward.forward_config(b, h, p, n, caller_q, torch.bfloat16, seqlen=l, ngroups=g)
+    assert forward.uses_walk(cfg, False) and cfg.state_segments == segments, cfg
+    inp, kw = make_problem(b, l, h, g, p, n, torch.bfloat16, OPTS["D_head"], seed=5)
     compare_with_mamba(inp, kw, caller_q, torch.bfloat16)
 
 

@@ -363,14 +363,23 @@ def test_dx_64_channel_compiles(problem, options, ctas, max_stack):
 
 
 def test_wide_state_dispatch_compiles():
-    """At dstate 256 (B=2 T=8K H=32, chunk 256): the dispatcher's forward is the group launch
-    computed at chunk 128 (with D per head 16 bytes of spills per thread in tileiras 13.4;
+    """At dstate 256 (B=2 T=8K H=32, chunk 256): the dispatcher's forward is the walk in
+    32-channel programs (spilling at most 8 bytes per thread, its fix-up launch 176 here);
+    its three-kernel rule, where the walk does not apply, the group launch computed at chunk
+    128 (with D per head 16 bytes of spills per thread in tileiras 13.4;
     benchmarks/results/2026-12-06-h100-forward-sweep-group-dstate256.jsonl); its backward:
     the reverse state pass in 32 x 256 tiles (spilling 80 bytes per thread here, timed so:
     benchmarks/results/2026-12-06-h100-backward-sweep-wide-tiles.jsonl) and the dS launch in
     64-token blocks at two CTAs per SM."""
     problem = dict(batch=2, seqlen=8192, nheads=32, dstate=256, chunk_size=256)
-    fwd = plans.forward_problem_plan(options=("D_head",), **problem)
+    walk = plans.forward_problem_plan(options=("D_head",), **problem)
+    assert [variants.kernel_name(c) for c in walk] == [
+        "decay_cumsum", "chunk_scan_walk", "chunk_scan_walk"]
+    assert variants.kernel_arg(walk[1], "BLOCK_P") == 32
+    assert resources.compile_resources(walk[1])["stack"] <= 8
+    assert resources.compile_resources(walk[2])["stack"] <= 176
+    fwd = plans.forward_problem_plan(options=("D_head",), overrides=dict(scan_walk=0),
+                                     **problem)
     names = [variants.kernel_name(c) for c in fwd]
     assert names == ["decay_cumsum", "chunk_state_pass", "chunk_scan_group", "chunk_scan"]
     assert variants.kernel_arg(fwd[2], "Q") == 128

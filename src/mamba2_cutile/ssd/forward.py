@@ -174,6 +174,13 @@ class ForwardConfig:
         if self.scan_block_q > self.chunk_size:
             raise ValueError(f"ForwardConfig: scan_block_q={self.scan_block_q} is larger than "
                              f"chunk_size={self.chunk_size}")
+        if self.scan_walk and self.scan_block_p * self.dstate_pad > 64 * 128:
+            # the walk holds a (scan_block_p, dstate_pad) float32 state in registers: at 64 x
+            # 256 its fix-up launch fails to compile for sm_90 (tileiras exit status 5)
+            raise ValueError(f"ForwardConfig: scan_walk=1 holds a scan_block_p x dstate_pad "
+                             f"state of at most 64 x 128; scan_block_p={self.scan_block_p} "
+                             f"at dstate_pad={self.dstate_pad} is larger (use "
+                             f"scan_block_p={max(1, 64 * 128 // self.dstate_pad)})")
         if self.state_block_n > self.dstate_pad:
             raise ValueError(f"ForwardConfig: state_block_n={self.state_block_n} is larger than "
                              f"dstate_pad={self.dstate_pad}")
@@ -353,46 +360,70 @@ def _shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms,
     return cfg
 
 
-#: the shortest sequence the walk rule takes (both shapes it was timed at have 8192+ tokens a
-#: sequence; at 512 and 2048 tokens other walk configs were slower or even)
-WALK_MIN_SEQLEN = 8192
+#: the shortest sequence the walk rule takes (timed from 2048 tokens a sequence up; at 512
+#: tokens the walk configs tried were slower or even)
+WALK_MIN_SEQLEN = 2048
+
+
+def walk_block_p(dstate_pad: int) -> int:
+    """The channels a walk program of the rule holds (`scan_block_p`): the whole 64-channel
+    head, or 32 channels at a state padded to 256 (a (64, 256) float32 state tile does not
+    compile in the fix-up walk; `ForwardConfig` refuses it)."""
+    return 32 if dstate_pad > 128 else 64
 
 
 def walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS) -> int:
     """The shape rule's walk (`ForwardConfig.scan_walk`, computed at chunk 64, a program per
-    (batch, head) holding the whole head: headdim <= 64, dstate <= 128, 16-bit inputs,
+    (batch, head, `walk_block_p` channels): headdim <= 64, dstate <= 256, 16-bit inputs,
     sequences of WALK_MIN_SEQLEN+ tokens): its run count S, or 0 for the three-kernel
-    forward. A walk program is one sequential chain of chunks, so the grid must fill whole
-    waves of the SMs (one program per SM: 168 registers at 384 threads):
+    forward. A walk program is one sequential chain of chunks, so the grid of n programs
+    (B * H * channel tiles) must fill the SMs' waves (one program per SM: 168 registers at
+    384 threads):
 
-    - B * H >= SMs: S = 1 where the last wave is at least 90% full (B * H mod SMs);
-    - else S = 4 where 4 B * H is 90-100% of the SMs (the runs' entering states first: the
-      segmented state pass over whole 128-wide states, then chunk_state_carry).
+    - n >= SMs: S = 1 where the last wave is at least 90% full (n mod SMs);
+    - 70% of the SMs <= n < SMs: S = 1 (one wave, at most 30% of it idle);
+    - else, dstate <= 128 only: S = 2 or 4 where S n is 90-100% of the SMs (the runs'
+      entering states first: the segmented state pass over whole 128-wide states, then
+      chunk_state_carry).
 
-    On the H100 (bf16, 2026-12-07, benchmarks/results/2026-12-07-h100-forward-sweep-walk*.jsonl):
-    B=2 T=8K H=128 G=8 (256 programs, 97% of a second wave) 0.624 -> 0.499 ms at chunk 256
-    and 0.621 -> 0.497 at chunk 128 (mamba_ssm 1.239 and 1.318); the seed problem (B=4 T=16K
-    H=8, S=4: 128 programs) 0.229 -> 0.216 ms (mamba_ssm 0.437). Left out, as measured: 80
-    heads at B=2 (160 programs, a 21% second wave) 0.414 -> 0.463 ms, 48 heads at B=4 (192,
-    45%) 0.943 -> 0.923 (2%, not taken); at the seed problem S=8 0.227 and 64-wide
-    state tiles in the segmented pass 0.282 (it reads x once per tile). Shapes matching these
-    conditions but not timed (for example B=4 H=64, B=1 H=32 or B=2 H=16; dstate 64; longer
-    sequences; z or dt_bias) follow the rule untimed."""
-    if (dtype not in (torch.bfloat16, torch.float16) or headdim > 64 or dstate > 128
+    On the H100 (bf16, D per head, chunk 256 unless named; three-kernel forward -> walk, ms;
+    benchmarks/results/2026-12-07-h100-forward-sweep-walk*.jsonl):
+
+    - S = 1: B=2 T=8K H=128 G=8 (256 programs) 0.624 -> 0.499, and 0.621 -> 0.497 at chunk
+      128 (mamba_ssm 1.239 and 1.318); H=64 (128) 0.326 -> 0.248 (mamba_ssm 0.597); H=48 (96)
+      0.271 -> 0.239 (0.453); dstate 256 at H=32 (2 x 64 programs of 32 channels) 0.271 ->
+      0.235 (0.436);
+    - S = 2: B=1 H=64 (2 x 64 runs) at T=2048 0.0904 -> 0.0742 (mamba_ssm 0.0884), at
+      T=65536 1.558 -> 1.479 (2.687); B=2 T=8K H=32 0.2120 -> 0.2113;
+    - S = 4: the seed problem (B=4 T=16K H=8: 4 x 32 runs) 0.229 -> 0.216 (0.437).
+
+    Left out, as measured: 80 heads at B=2 (160 programs, a 21% second wave) 0.414 -> 0.463,
+    48 heads at B=4 (192, 45%) 0.943 -> 0.923 (2%), headdim 128 in 64-channel programs (192)
+    0.477 -> 0.466 (2%), B=2 H=24 at S = 2 (96 runs, 73%) 0.180 -> 0.203, B=1 T=512 H=24
+    (every walk config tried 0.0298-0.0367 against 0.0328); at the seed problem S=8 0.227 and
+    64-wide state tiles in the segmented pass 0.282 (it reads x once per tile). Shapes
+    matching these conditions but not timed (dstate 64, z or dt_bias, other sequence
+    lengths) follow the rule untimed."""
+    if (dtype not in (torch.bfloat16, torch.float16) or headdim > 64 or dstate > 256
             or seqlen is None or seqlen < WALK_MIN_SEQLEN):
         return 0
-    programs = batch * nheads
+    np_ = max(16, next_pow2(dstate))
+    programs = batch * nheads * -(-headdim // walk_block_p(np_))
     if programs >= sms:
         return 1 if programs % sms == 0 or programs % sms >= 0.9 * sms else 0
-    return 4 if 0.9 * sms <= 4 * programs <= sms else 0
+    if programs >= 0.7 * sms:
+        return 1
+    if np_ > 128:
+        return 0
+    return next((s for s in (2, 4) if 0.9 * sms <= s * programs <= sms), 0)
 
 
 def walk_config(cfg: ForwardConfig, segments: int) -> ForwardConfig:
-    """`cfg` as the walk rule runs it (`walk_segments`): chunk 64, the whole 64-channel head a
+    """`cfg` as the walk rule runs it (`walk_segments`): chunk 64, `walk_block_p` channels a
     program, and with S > 1 runs whose entering states the segmented pass forms over whole
     128-wide state tiles."""
-    over = dict(scan_walk=1, chunk_size=64, scan_block_q=64, scan_block_p=64,
-                state_segments=segments)
+    over = dict(scan_walk=1, chunk_size=64, scan_block_q=64,
+                scan_block_p=walk_block_p(cfg.dstate_pad), state_segments=segments)
     if segments > 1:
         over.update(state_block_p=64, state_block_n=cfg.dstate_pad, state_occupancy=0)
     return replace(cfg, **over)
