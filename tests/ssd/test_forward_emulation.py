@@ -471,7 +471,9 @@ def test_emulated_walk_through_forward_launches(segments, block_n):
     (2, 8192, 64, 1, 64, 128, torch.float16, 1),       # 128: one wave, 97%
     (2, 8192, 48, 1, 64, 128, torch.bfloat16, 1),      # 96: one wave, 73%
     (4, 16384, 8, 1, 64, 128, torch.bfloat16, 4),      # the seed problem: 4 x 32 runs
-    (1, 2048, 64, 1, 64, 128, torch.bfloat16, 2),      # 2 x 64 runs
+    (1, 2048, 64, 1, 64, 128, torch.bfloat16, 2),      # 2 x 64 runs, from 2048 tokens
+    (4, 4096, 8, 1, 64, 128, torch.bfloat16, 0),       # 4 x 32 runs only from 8192 (slower)
+    (2, 4096, 64, 1, 64, 128, torch.bfloat16, 0),      # one wave only from 8192 (untimed)
     (1, 16384, 32, 1, 32, 64, torch.float16, 4),       # 4 x 32 runs (untimed)
     (2, 8192, 32, 1, 64, 256, torch.bfloat16, 1),      # dstate 256: 2 x 64 programs of 32 ch.
     (2, 8192, 80, 1, 64, 128, torch.bfloat16, 0),      # 160: a 21% second wave (timed slower)
@@ -482,7 +484,7 @@ def test_emulated_walk_through_forward_launches(segments, block_n):
     (1, 512, 24, 1, 64, 128, torch.bfloat16, 0),       # short sequences stay
     (2, 8192, 128, 8, 64, 128, torch.float32, 0),      # 16-bit inputs only
     (2, 8192, 128, 8, 128, 128, torch.bfloat16, 0),    # a program holds the whole head
-    (2, 4096, 64, 1, 64, 200, torch.bfloat16, 1)])     # 200 pads to 256: 2 x 128 programs
+    (2, 8192, 64, 1, 64, 200, torch.bfloat16, 1)])     # 200 pads to 256: 2 x 128 programs
 def test_walk_rule(batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segments):
     """forward_config takes the walk where `walk_segments` fills whole waves of the 132 SMs,
     computed at chunk 64 with `walk_block_p` channels a program; never with seq_idx or where

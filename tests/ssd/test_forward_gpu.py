@@ -467,7 +467,7 @@ def test_scan_walk(Q, caller_q, over, n, opt, dtype):
 @pytest.mark.parametrize("caller_q", [128, 256])
 @pytest.mark.parametrize("dims, segments", [
     ((2, 8192, 16, 1, 64, 128), 4), ((1, 4096, 64, 1, 64, 128), 2),
-    ((2, 4096, 48, 1, 64, 128), 1), ((2, 4096, 32, 1, 64, 256), 1)],
+    ((2, 8192, 48, 1, 64, 128), 1), ((2, 8192, 32, 1, 64, 256), 1)],
     ids=["seg4", "seg2", "one-wave", "dstate256-p32"])
 def test_walk_against_mamba_ssm(dims, segments, caller_q):
     """The walk as the shape rule runs it (chunk 64; S runs; 32-channel programs at dstate

@@ -360,9 +360,9 @@ def _shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms,
     return cfg
 
 
-#: the shortest sequence the walk rule takes (timed from 2048 tokens a sequence up; at 512
-#: tokens the walk configs tried were slower or even)
-WALK_MIN_SEQLEN = 2048
+#: the shortest sequence the walk rule takes: 8192 tokens, 2048 in two runs (`walk_segments`)
+WALK_MIN_SEQLEN = 8192
+WALK_MIN_SEQLEN_TWO_RUNS = 2048
 
 
 def walk_block_p(dstate_pad: int) -> int:
@@ -375,8 +375,8 @@ def walk_block_p(dstate_pad: int) -> int:
 def walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS) -> int:
     """The shape rule's walk (`ForwardConfig.scan_walk`, computed at chunk 64, a program per
     (batch, head, `walk_block_p` channels): headdim <= 64, dstate <= 256, 16-bit inputs,
-    sequences of WALK_MIN_SEQLEN+ tokens): its run count S, or 0 for the three-kernel
-    forward. A walk program is one sequential chain of chunks, so the grid of n programs
+    sequences of WALK_MIN_SEQLEN+ tokens, WALK_MIN_SEQLEN_TWO_RUNS+ with S = 2): its run
+    count S, or 0 for the three-kernel forward. A walk program is one sequential chain of chunks, so the grid of n programs
     (B * H * channel tiles) must fill the SMs' waves (one program per SM: 168 registers at
     384 threads):
 
@@ -395,7 +395,9 @@ def walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS
       0.235 (0.436);
     - S = 2: B=1 H=64 (2 x 64 runs) at T=2048 0.0904 -> 0.0742 (mamba_ssm 0.0884), at
       T=65536 1.558 -> 1.479 (2.687); B=2 T=8K H=32 0.2120 -> 0.2113;
-    - S = 4: the seed problem (B=4 T=16K H=8: 4 x 32 runs) 0.229 -> 0.216 (0.437).
+    - S = 4: the seed problem (B=4 T=16K H=8: 4 x 32 runs) 0.229 -> 0.216 (0.437); at
+      T=4096 slower, 0.0681 -> 0.0780 (0.1116), so S = 4 and S = 1 keep 8192+ tokens (S = 1
+      untimed below that).
 
     Left out, as measured: 80 heads at B=2 (160 programs, a 21% second wave) 0.414 -> 0.463,
     48 heads at B=4 (192, 45%) 0.943 -> 0.923 (2%), headdim 128 in 64-channel programs (192)
@@ -405,17 +407,19 @@ def walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS
     matching these conditions but not timed (dstate 64, z or dt_bias, other sequence
     lengths) follow the rule untimed."""
     if (dtype not in (torch.bfloat16, torch.float16) or headdim > 64 or dstate > 256
-            or seqlen is None or seqlen < WALK_MIN_SEQLEN):
+            or seqlen is None or seqlen < WALK_MIN_SEQLEN_TWO_RUNS):
         return 0
     np_ = max(16, next_pow2(dstate))
     programs = batch * nheads * -(-headdim // walk_block_p(np_))
     if programs >= sms:
-        return 1 if programs % sms == 0 or programs % sms >= 0.9 * sms else 0
-    if programs >= 0.7 * sms:
-        return 1
-    if np_ > 128:
-        return 0
-    return next((s for s in (2, 4) if 0.9 * sms <= s * programs <= sms), 0)
+        segments = 1 if programs % sms == 0 or programs % sms >= 0.9 * sms else 0
+    elif programs >= 0.7 * sms:
+        segments = 1
+    elif np_ > 128:
+        segments = 0
+    else:
+        segments = next((s for s in (2, 4) if 0.9 * sms <= s * programs <= sms), 0)
+    return segments if segments == 2 or seqlen >= WALK_MIN_SEQLEN else 0
 
 
 def walk_config(cfg: ForwardConfig, segments: int) -> ForwardConfig:
