@@ -273,6 +273,26 @@ def _tile_acc(
     return acc
 
 
+def _skip(acc, xq, D, head, p_tile, BLOCK_P: ct.Constant[int], D_MODE: ct.Constant[int]):
+    """Y + D x, D per head (D_MODE 1) or per (head, channel) (2); `xq` the float32 x tile. The
+    one home of the skip term of every output launch (chunk_scan, chunk_scan_group,
+    chunk_scan_walk)."""
+    if D_MODE == 1:
+        return acc + ct.load(D, index=(head,), shape=(1,)).reshape((1, 1)) * xq
+    return acc + ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P),
+                         padding_mode=ct.PaddingMode.ZERO) * xq
+
+
+def _gate(acc, z, batch, qblk, head, p_tile, BLOCK_Q: ct.Constant[int],
+          BLOCK_P: ct.Constant[int], LAT: ct.Constant[int]):
+    """Y * silu(z) over the (BLOCK_Q, BLOCK_P) tile at query block `qblk`: the z gate of every
+    output launch."""
+    zq = ct.load(z, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
+                 padding_mode=ct.PaddingMode.ZERO, latency=LAT).reshape(
+                     (BLOCK_Q, BLOCK_P)).astype(ct.float32)
+    return acc * (zq / (1.0 + ct.exp(-zq)))
+
+
 def _finite(t):
     """Whether the sum of the fp32 tile `t` is finite (False for NaN too)."""
     return ct.abs(ct.sum(t)) < float("inf")
@@ -323,18 +343,12 @@ def _scan_tile(
         else:
             ct.store(flags, index=(tile_id, 0), tile=rows.reshape((1, BLOCK_Q)))
 
-    xq = ct.load(x, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
-                 padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P)).astype(ct.float32)
-    if D_MODE == 1:
-        acc = acc + ct.load(D, index=(head,), shape=(1,)).reshape((1, 1)) * xq
-    if D_MODE == 2:
-        dp = ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P), padding_mode=ZERO)
-        acc = acc + dp * xq
+    if D_MODE != 0:
+        xq = ct.load(x, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
+                     padding_mode=ZERO).reshape((BLOCK_Q, BLOCK_P)).astype(ct.float32)
+        acc = _skip(acc, xq, D, head, p_tile, BLOCK_P, D_MODE)
     if HAS_Z:
-        zq = ct.load(z, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
-                     padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_P))
-        zq = zq.astype(ct.float32)
-        acc = acc * (zq / (1.0 + ct.exp(-zq)))
+        acc = _gate(acc, z, batch, qblk, head, p_tile, BLOCK_Q, BLOCK_P, LAT)
     ct.store(out, index=(batch, qblk, head, p_tile),
              tile=acc.reshape((1, BLOCK_Q, 1, BLOCK_P)).astype(out.dtype))
     if CHECK == 1:

@@ -46,7 +46,7 @@ fastest.
 import cuda.tile as ct
 
 from ._common import int64_variant, mma_operand
-from .chunk_scan import _carried, _entry_state, _mma_x
+from .chunk_scan import _carried, _entry_state, _gate, _mma_x, _skip
 
 
 def chunk_scan_group_fn(
@@ -170,16 +170,9 @@ def chunk_scan_group_fn(
             xq = ct.load(x, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
                          padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_P)).astype(
                              ct.float32)
-            if D_MODE == 1:
-                acc = acc + ct.load(D, index=(head,), shape=(1,)).reshape((1, 1)) * xq
-            else:
-                acc = acc + ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P),
-                                    padding_mode=ZERO) * xq
+            acc = _skip(acc, xq, D, head, p_tile, BLOCK_P, D_MODE)
         if HAS_Z:
-            zq = ct.load(z, index=(batch, qblk, head, p_tile), shape=(1, BLOCK_Q, 1, BLOCK_P),
-                         padding_mode=ZERO, latency=LAT).reshape((BLOCK_Q, BLOCK_P)).astype(
-                             ct.float32)
-            acc = acc * (zq / (1.0 + ct.exp(-zq)))
+            acc = _gate(acc, z, batch, qblk, head, p_tile, BLOCK_Q, BLOCK_P, LAT)
         ct.store(out, index=(batch, qblk, head, p_tile),
                  tile=acc.reshape((1, BLOCK_Q, 1, BLOCK_P)).astype(out.dtype))
 

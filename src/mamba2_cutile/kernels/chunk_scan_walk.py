@@ -46,7 +46,7 @@ read, and C B^T from chunk_cb; the plan keeps the three-kernel forward for those
 import cuda.tile as ct
 
 from ._common import int64_variant, mma_operand
-from .chunk_scan import _add_key_block, _chunk_is_bad, _mma_x
+from .chunk_scan import _add_key_block, _chunk_is_bad, _gate, _mma_x, _skip
 from .chunk_state_pass import _nonfinite, _update
 
 
@@ -81,16 +81,9 @@ def _chunk_output(x, b, c, z, D, dt, cum, out, h, batch, head, group, chunk, p_t
         expo = ct.where(keep, g[:, None] - g[None, :], -float("inf"))
         acc = _mma_x(acc, cb * ct.exp2(expo) * dtt[None, :], xt, LOWP, x.dtype)
     if D_MODE != 0:
-        xq = xt.astype(ct.float32)
-        if D_MODE == 1:
-            acc = acc + ct.load(D, index=(head,), shape=(1,)).reshape((1, 1)) * xq
-        else:
-            acc = acc + ct.load(D, index=(head, p_tile), shape=(1, BLOCK_P),
-                                padding_mode=ZERO) * xq
+        acc = _skip(acc, xt.astype(ct.float32), D, head, p_tile, BLOCK_P, D_MODE)
     if HAS_Z:
-        zq = ct.load(z, index=(batch, chunk, head, p_tile), shape=(1, Q, 1, BLOCK_P),
-                     padding_mode=ZERO, latency=LAT).reshape((Q, BLOCK_P)).astype(ct.float32)
-        acc = acc * (zq / (1.0 + ct.exp(-zq)))
+        acc = _gate(acc, z, batch, chunk, head, p_tile, Q, BLOCK_P, LAT)
     ct.store(out, index=(batch, chunk, head, p_tile),
              tile=acc.reshape((1, Q, 1, BLOCK_P)).astype(out.dtype))
     return xt, bt, dtt, g
