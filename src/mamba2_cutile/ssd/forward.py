@@ -376,9 +376,9 @@ def walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS
     """The shape rule's walk (`ForwardConfig.scan_walk`, computed at chunk 64, a program per
     (batch, head, `walk_block_p` channels): headdim <= 64, dstate <= 256, 16-bit inputs,
     sequences of WALK_MIN_SEQLEN+ tokens, WALK_MIN_SEQLEN_TWO_RUNS+ with S = 2): its run
-    count S, or 0 for the three-kernel forward. A walk program is one sequential chain of chunks, so the grid of n programs
-    (B * H * channel tiles) must fill the SMs' waves (one program per SM: 168 registers at
-    384 threads):
+    count S, or 0 for the three-kernel forward. A walk program is one sequential chain of
+    chunks, so the grid of n programs (B * H * channel tiles) must fill the SMs' waves (one
+    program per SM: 168 registers at 384 threads):
 
     - n >= SMs: S = 1 where the last wave is at least 90% full (n mod SMs);
     - 70% of the SMs <= n < SMs: S = 1 (one wave, at most 30% of it idle);
