@@ -25,7 +25,6 @@ def bwd():
 @pytest.mark.parametrize("make, bad", [
     (fwd, dict(state_block_n=48)), (fwd, dict(scan_block_q=256)), (fwd, dict(scan_warps=2)),
     (fwd, dict(state_load_latency=11)), (fwd, dict(scan_lowp=2)),
-    (lambda: forward_shape_config(2, 32, 64, 256, 256, BF), dict(scan_walk=1, scan_block_p=64)),
     (bwd, dict(dx_block_q=48)), (bwd, dict(da_mode=2, bc_fused=0)), (bwd, dict(dx_warps=2)),
     (bwd, dict(bc_load_latency=-1)), (bwd, dict(dx_block_q=256)),
     (lambda: decode_config(4, 8, 64, 128), dict(block_p=48)),

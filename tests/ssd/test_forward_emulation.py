@@ -428,6 +428,11 @@ def test_walk_applies_only_where_it_can():
                         (dict(scan_causal=1), False), (dict(chunk_size=256), False)]:
         assert forward.uses_walk(replace(base, **over), False) is walks, over
     assert not forward.uses_walk(base, True)
+    # a state tile above WALK_MAX_STATE (64 x 256: does not build) keeps the three-kernel plan
+    wide = replace(forward.forward_config(2, 32, 64, 256, 256, torch.bfloat16, 132,
+                                          seqlen=8192), scan_block_p=64)
+    assert wide.scan_walk == 1 and not forward.uses_walk(wide, False)
+    assert forward.uses_walk(replace(wide, scan_block_p=32), False)
     x, dt, A, B, C = (args[k] for k in ("x", "dt", "A", "B", "C"))
     for need in (False, True):
         calls, _, _, (_, _, states), _ = forward.forward_launches(x, dt, A, B, C, 64,
@@ -483,7 +488,7 @@ def test_emulated_walk_through_forward_launches(segments, block_n):
     (2, 8192, 128, 8, 64, 256, torch.bfloat16, 0),     # 512 programs: an 88% last wave
     (1, 512, 24, 1, 64, 128, torch.bfloat16, 0),       # short sequences stay
     (2, 8192, 128, 8, 64, 128, torch.float32, 0),      # 16-bit inputs only
-    (2, 8192, 128, 8, 128, 128, torch.bfloat16, 0),    # a program holds the whole head
+    (2, 8192, 128, 8, 128, 128, torch.bfloat16, 0),    # headdim 128 (timed 2% faster only)
     (2, 8192, 64, 1, 64, 200, torch.bfloat16, 1)])     # 200 pads to 256: 2 x 128 programs
 def test_walk_rule(batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segments):
     """forward_config takes the walk where `walk_segments` fills whole waves of the 132 SMs,

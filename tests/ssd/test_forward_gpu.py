@@ -476,9 +476,12 @@ def test_walk_against_mamba_ssm(dims, segments, caller_q):
     from mamba2_cutile.ssd import forward
 
     b, l, h, g, p, n = dims
-    cfg = forward.forward_config(b, h, p, n, caller_q, torch.bfloat16, seqlen=l, ngroups=g)
-    assert forward.uses_walk(cfg, False) and cfg.state_segments == segments, cfg
     inp, kw = make_problem(b, l, h, g, p, n, torch.bfloat16, OPTS["D_head"], seed=5)
+    # the plan the public function runs on this GPU (its SM count and tuning table)
+    names = [c.kernel._annotated_function.pyfunc.__name__[:-3]
+             for c in forward.forward_launches(**inp, chunk_size=caller_q, **kw)[0]]
+    assert "chunk_scan_walk" in names and ("chunk_state_carry" in names) == (segments > 1), (
+        names, "the rule did not walk here: another SM count than 132?")
     compare_with_mamba(inp, kw, caller_q, torch.bfloat16)
 
 

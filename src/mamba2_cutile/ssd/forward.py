@@ -139,7 +139,7 @@ class ForwardConfig:
                                     # states read the chunk states) it replaces
                                     # chunk_state_pass and the output launch; scan_block_q,
                                     # scan_heads, segment_fold and state_resweep then do not
-                                    # apply. Not timed yet
+                                    # apply. The rule's choice: `walk_segments`
     walk_occupancy: int = 0         # occupancy hint of chunk_scan_walk (0: compiler's choice)
     walk_warps: int = 0             # num_worker_warps hint of chunk_scan_walk (0: compiler's)
 
@@ -174,13 +174,6 @@ class ForwardConfig:
         if self.scan_block_q > self.chunk_size:
             raise ValueError(f"ForwardConfig: scan_block_q={self.scan_block_q} is larger than "
                              f"chunk_size={self.chunk_size}")
-        if self.scan_walk and self.scan_block_p * self.dstate_pad > 64 * 128:
-            # the walk holds a (scan_block_p, dstate_pad) float32 state in registers: at 64 x
-            # 256 its fix-up launch fails to compile for sm_90 (tileiras exit status 5)
-            raise ValueError(f"ForwardConfig: scan_walk=1 holds a scan_block_p x dstate_pad "
-                             f"state of at most 64 x 128; scan_block_p={self.scan_block_p} "
-                             f"at dstate_pad={self.dstate_pad} is larger (use "
-                             f"scan_block_p={max(1, 64 * 128 // self.dstate_pad)})")
         if self.state_block_n > self.dstate_pad:
             raise ValueError(f"ForwardConfig: state_block_n={self.state_block_n} is larger than "
                              f"dstate_pad={self.dstate_pad}")
@@ -368,7 +361,7 @@ WALK_MIN_SEQLEN_TWO_RUNS = 2048
 def walk_block_p(dstate_pad: int) -> int:
     """The channels a walk program of the rule holds (`scan_block_p`): the whole 64-channel
     head, or 32 channels at a state padded to 256 (a (64, 256) float32 state tile does not
-    compile in the fix-up walk; `ForwardConfig` refuses it)."""
+    compile in the fix-up walk: WALK_MAX_STATE)."""
     return 32 if dstate_pad > 128 else 64
 
 
@@ -396,13 +389,14 @@ def walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS
     - S = 2: B=1 H=64 (2 x 64 runs) at T=2048 0.0904 -> 0.0742 (mamba_ssm 0.0884), at
       T=65536 1.558 -> 1.479 (2.687); B=2 T=8K H=32 0.2120 -> 0.2113;
     - S = 4: the seed problem (B=4 T=16K H=8: 4 x 32 runs) 0.229 -> 0.216 (0.437); at
-      T=4096 slower, 0.0681 -> 0.0780 (0.1116), so S = 4 and S = 1 keep 8192+ tokens (S = 1
-      untimed below that).
+      T=4096 slower, 0.0681 -> 0.0780 (0.1116; two runs on two H100s), so S = 4 and S = 1
+      keep 8192+ tokens (S = 1 untimed below that).
 
     Left out, as measured: 80 heads at B=2 (160 programs, a 21% second wave) 0.414 -> 0.463,
     48 heads at B=4 (192, 45%) 0.943 -> 0.923 (2%), headdim 128 in 64-channel programs (192)
     0.477 -> 0.466 (2%), B=2 H=24 at S = 2 (96 runs, 73%) 0.180 -> 0.203, B=1 T=512 H=24
-    (every walk config tried 0.0298-0.0367 against 0.0328); at the seed problem S=8 0.227 and
+    (0.0328: 4 runs 0.0338, 32 channels in 2 runs 0.0367; chunk 128 in 16-channel programs
+    0.0298, a form this rule does not make); at the seed problem S=8 0.227 and
     64-wide state tiles in the segmented pass 0.282 (it reads x once per tile). Shapes
     matching these conditions but not timed (dstate 64, z or dt_bias, other sequence
     lengths) follow the rule untimed."""
@@ -483,13 +477,21 @@ def group_scan_heads(cfg: ForwardConfig, heads_per_group: int) -> int:
     return pow2_divisor(heads_per_group, cfg.scan_heads)
 
 
+#: the largest state tile (scan_block_p x dstate_pad, float32) a walk program holds: at 64 x
+#: 256 its fix-up launch fails to compile for sm_90 (tileiras exit status 5, 2026-12-07)
+WALK_MAX_STATE = 64 * 128
+
+
 def uses_walk(cfg: ForwardConfig, has_seq: bool) -> bool:
     """Whether the plan is the walk (`ForwardConfig.scan_walk`: kernels/chunk_scan_walk.py):
     asked for, no seq_idx, a causal mode it has (0, or 4 and 5: its own flags and fix-up
-    launch), not scan_cb, and a computed chunk of at most 128 tokens (a program holds the
-    chunk's (Q, Q) scores and (Q, dstate) C and B tiles at once)."""
+    launch), not scan_cb, a computed chunk of at most 128 tokens (a program holds the
+    chunk's (Q, Q) scores and (Q, dstate) C and B tiles at once) and a state tile of at most
+    WALK_MAX_STATE (so that an override of `scan_block_p` at dstate 256, meant for the
+    three-kernel forward, takes that forward rather than a walk that does not build)."""
     return (bool(cfg.scan_walk) and not has_seq and cfg.scan_causal in (0, 4, 5)
-            and not cfg.scan_cb and cfg.chunk_size <= 128)
+            and not cfg.scan_cb and cfg.chunk_size <= 128
+            and cfg.scan_block_p * cfg.dstate_pad <= WALK_MAX_STATE)
 
 
 def walk_scale_x(cfg: ForwardConfig) -> bool:
