@@ -17,7 +17,9 @@ so; the dispatchers follow it):
 2. forward only: the tuning table's overrides for the shape's bucket on this GPU (the user
    cache written by `mamba2-cutile tune`, then the table shipped with the package;
    `MAMBA2_CUTILE_TUNING=0` skips both); then, with seq_idx, chunk_scan's query block is cut
-   to 64 (`forward_config`), because the table's entries are measured without seq_idx;
+   to 64 (`forward_config`), because the table's entries are measured without seq_idx; then,
+   without seq_idx, the walk rule (`ssd.forward.walk_segments`: the state carried through
+   the chunks in registers where its grid fills the SMs' waves);
 3. the environment, one variable per family: `MAMBA2_CUTILE_CONFIG` (forward),
    `MAMBA2_CUTILE_BWD_CONFIG` (backward), `MAMBA2_CUTILE_DECODE_CONFIG` (decode), as
    "field=value,field=value";
