@@ -362,7 +362,7 @@ def walk_block_p(dstate_pad: int) -> int:
     """The channels a walk program of the rule holds (`scan_block_p`): the whole 64-channel
     head, or 32 channels at a state padded to 256 (a (64, 256) float32 state tile does not
     compile in the fix-up walk: WALK_MAX_STATE)."""
-    return 32 if dstate_pad > 128 else 64
+    return min(64, WALK_MAX_STATE // dstate_pad)
 
 
 def walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS) -> int:
