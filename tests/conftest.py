@@ -62,6 +62,44 @@ def _xdist_group(item):
     return None
 
 
+#: test functions with many parametrized cases whose default run keeps a covering subset:
+#: the cases, in collection order, that bring a parameter value not yet seen, so every value
+#: of every parameter runs at least once; the whole cross product runs with
+#: MAMBA2_TEST_SLOW=1 (the rest are marked slow). Each is a float64 emulation or CPU compile
+#: of the same kernels over options, tiles and segment counts (seconds a case on 2 cores).
+COVERED = {
+    "tests/ssd/test_backward_emulation.py": (
+        "test_emulated_side_streams", "test_emulated_group_dcb", "test_emulated_dx_heads",
+        "test_emulated_segmented_state_passes", "test_emulated_dcb_head_split",
+        "test_emulated_dbc_fused_options", "test_emulated_reverse_pass_forms",
+        "test_emulated_head_split"),
+    "tests/ssd/test_forward_emulation.py": (
+        "test_emulated_segment_fold", "test_emulated_state_resweep", "test_emulated_walk",
+        "test_emulated_scan_heads", "test_emulated_segmented_state_pass"),
+    "tests/ssd/test_bad_input.py": (
+        "test_emulated_kernels_causal_with_scan_cb_and_fold", "test_emulated_kernels_causal",
+        "test_emulated_walk_causal"),
+    "tests/ssd/test_ssd_compile.py": (
+        "test_dx_heads_compiles", "test_scan_heads_compiles",
+        "test_segmented_state_pass_compiles"),
+}
+
+
+def _mark_beyond_cover(items):
+    """Marks slow the cases of each COVERED function that add no new parameter value."""
+    seen = {}
+    for item in items:
+        path, _, name = item.nodeid.partition("::")
+        func = name.split("[")[0]
+        if func not in COVERED.get(path, ()) or not hasattr(item, "callspec"):
+            continue
+        values = {(k, repr(v)) for k, v in item.callspec.params.items()}
+        covered = seen.setdefault((path, func), set())
+        if values <= covered:
+            item.add_marker(pytest.mark.slow)
+        covered |= values
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     # first: xdist's worker hook turns xdist_group marks into node-id suffixes (--dist
@@ -70,6 +108,7 @@ def pytest_collection_modifyitems(config, items):
         group = _xdist_group(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+    _mark_beyond_cover(items)
     if os.environ.get("MAMBA2_TEST_SLOW", "") in ("", "0"):
         skip_slow = pytest.mark.skip(reason="slow: set MAMBA2_TEST_SLOW=1 to run")
         for item in items:

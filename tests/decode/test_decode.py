@@ -334,10 +334,9 @@ def test_device_mismatch_error():
 @pytest.mark.compile
 @pytest.mark.parametrize("arch, family, name, index", [
     pytest.param(arch, fam, name, i, id=f"{arch}-{tid}",
-                 marks=() if arch == "sm_90" or variants.SM100_DEFAULT[fam](name)
-                 else (pytest.mark.slow,))
+                 marks=(pytest.mark.slow,) if slow else ())
     for arch in ("sm_90", "sm_100")
-    for tid, fam, name, i in variants.distinct_launches(("decode",), arch)])
+    for tid, fam, name, i, slow in variants.distinct_launches(("decode",), arch)])
 def test_variant_compiles(arch, family, name, index):
     pytest.importorskip("cuda.tile")
     from mamba2_cutile.bench import compile as cpu_compile

@@ -1,5 +1,6 @@
 """CPU: every forward and backward kernel variant the dispatchers pick compiles for sm_90 (and the
-all-options variants for sm_100; the rest of sm_100 is marked slow).
+all-options variants for sm_100; the rest of sm_100, and the sm_90 variants of
+`support.variants.SLOW_VARIANTS`, are marked slow).
 
 Kernels are compiled from the same plans the GPU path launches, on `meta` tensors, so a compile
 error shows here before any GPU time is spent. A launch whose machine code an earlier one
@@ -20,10 +21,9 @@ pytestmark = pytest.mark.compile
 
 FAMILIES = ("forward", "backward")
 CASES = [pytest.param(arch, fam, name, i, id=f"{arch}-{tid}",
-                      marks=() if arch == "sm_90" or variants.SM100_DEFAULT[fam](name)
-                      else (pytest.mark.slow,))
+                      marks=(pytest.mark.slow,) if slow else ())
          for arch in ("sm_90", "sm_100")
-         for tid, fam, name, i in variants.distinct_launches(FAMILIES, arch)]
+         for tid, fam, name, i, slow in variants.distinct_launches(FAMILIES, arch)]
 
 
 @pytest.mark.parametrize("arch, family, name, index", CASES)

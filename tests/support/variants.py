@@ -238,20 +238,54 @@ SM100_DEFAULT = {"forward": lambda name: name == "bfloat16-Q256-all",
                  "decode": lambda name: name == "mamba2-bf16-idx"}
 
 
+#: sm_90 variants compiled only in the slow run (MAMBA2_TEST_SLOW=1): the other 16-bit dtype
+#: and float32 at the chunks the default run compiles in bf16, and the tuning options no
+#: rule picks (5-45 s a variant on 2 cores without a cache). The default run compiles every
+#: variant the dispatchers pick at bf16 / float32 (each chunk, int64, the walk, the odd
+#: headdim / dstate buckets, the short-sequence and head-split backward).
+SLOW_VARIANTS = {
+    "forward": {
+        "float16-Q64-all", "float16-Q256-all", "float16-Q256-short", "float32-Q64-all",
+        "float32-Q256-all", "bf16-fp32-states-fp16-dt", "bf16-persistent",
+        "bf16-persistent-head-major", "bf16-lowp-head-major", "fp16-lowp-Q256",
+        "bf16-8-warps-occupancy-2", "fp32-scale-x-Q256", "bf16-state-fresh-acc-p32",
+        "bf16-scan-occupancy-2-p32", "bf16-Q256-scan-occupancy-2", "bf16-scan-block-n32",
+        "bf16-scan-block-n64", "fp16-Q256-scan-block-n32-n96"},
+    "backward": {
+        "float16-Q64-all", "float16-Q256-all", "float32-Q64-all", "float32-Q256-all",
+        "bf16-lowp", "bf16-fp32-operands", "bf16-unfused-stable-da", "bf16-split-da-latency",
+        "bf16-fp16-dt-bf16-states", "bf16-int64-head-split", "bf16-fused-dbc",
+        "bf16-group-dcb", "bf16-int64-group-dcb", "bf16-group-dcb-da3-no-z"},
+    "decode": set(),
+}
+
+
+def is_slow_variant(family, name, arch) -> bool:
+    """Whether the default run skips compiling `family`'s variant `name` for `arch`."""
+    if arch != "sm_90":
+        return not SM100_DEFAULT[family](name)
+    return name in SLOW_VARIANTS[family]
+
+
 def distinct_launches(families, arch):
-    """[(test id, family, variant name, launch index)] of every launch of `families`' variants
-    whose machine code is not already covered by an earlier one (same `signature_key`): the
-    backward's recompute launches are the forward's kernels, many variants share kernels."""
+    """[(test id, family, variant name, launch index, slow)] of every launch of `families`'
+    variants whose machine code is not already covered by an earlier one (same
+    `signature_key`): the backward's recompute launches are the forward's kernels, many
+    variants share kernels. The default run's variants come first, so that a launch they
+    share with a slow variant is compiled by default."""
     seen, out = set(), []
-    for family in families:
-        variants, plan = PROVIDERS[family]
-        for name, problem in variants():
-            for i, call in enumerate(plan(**problem)):
-                key = signature_key(call, arch)
-                if key in seen:
+    for slow in (False, True):
+        for family in families:
+            variants, plan = PROVIDERS[family]
+            for name, problem in variants():
+                if is_slow_variant(family, name, arch) != slow:
                     continue
-                seen.add(key)
-                out.append((f"{family}-{name}-{kernel_name(call)}", family, name, i))
+                for i, call in enumerate(plan(**problem)):
+                    key = signature_key(call, arch)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    out.append((f"{family}-{name}-{kernel_name(call)}", family, name, i, slow))
     return out
 
 
