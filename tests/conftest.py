@@ -75,10 +75,15 @@ COVERED = {
         "test_emulated_head_split"),
     "tests/ssd/test_forward_emulation.py": (
         "test_emulated_segment_fold", "test_emulated_state_resweep", "test_emulated_walk",
-        "test_emulated_scan_heads", "test_emulated_segmented_state_pass"),
+        "test_emulated_scan_heads", "test_emulated_segmented_state_pass",
+        "test_emulated_scan_heads_other_causal_modes",
+        "test_emulated_forward_matches_recurrence"),
     "tests/ssd/test_bad_input.py": (
         "test_emulated_kernels_causal_with_scan_cb_and_fold", "test_emulated_kernels_causal",
-        "test_emulated_walk_causal"),
+        "test_emulated_walk_causal", "test_emulated_kernels_causal_with_scan_heads",
+        "test_emulated_head_flags_many_heads", "test_cpu_path_causal"),
+    "tests/conv1d/test_conv1d.py": (
+        "test_kernels_emulated_forward_backward", "test_kernels_emulated_row_streaming"),
     "tests/ssd/test_ssd_compile.py": (
         "test_dx_heads_compiles", "test_scan_heads_compiles",
         "test_segmented_state_pass_compiles"),

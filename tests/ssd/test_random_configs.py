@@ -130,7 +130,7 @@ def test_random_forward(seed):
 
 
 #: draws emulated by default (5-8 s each on 2 cores); all 40 with MAMBA2_TEST_SLOW=1
-DEFAULT_BACKWARD_DRAWS = 16
+DEFAULT_BACKWARD_DRAWS = 8
 
 
 @pytest.mark.parametrize("seed", [pytest.param(s, marks=() if s < DEFAULT_BACKWARD_DRAWS

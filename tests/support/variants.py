@@ -238,15 +238,16 @@ SM100_DEFAULT = {"forward": lambda name: name == "bfloat16-Q256-all",
                  "decode": lambda name: name == "mamba2-bf16-idx"}
 
 
-#: sm_90 variants compiled only in the slow run (MAMBA2_TEST_SLOW=1): the other 16-bit dtype
-#: and float32 at the chunks the default run compiles in bf16, and the tuning options no
-#: rule picks (5-45 s a variant on 2 cores without a cache). The default run compiles every
-#: variant the dispatchers pick at bf16 / float32 (each chunk, int64, the walk, the odd
-#: headdim / dstate buckets, the short-sequence and head-split backward).
+#: sm_90 variants compiled only in the slow run (MAMBA2_TEST_SLOW=1): fp16, float32 but at
+#: chunk 128, the small power-of-two headdim / dstate buckets, and the tuning options no
+#: rule picks (5-50 s a variant on 2 cores without a cache). The default run compiles the
+#: variants the dispatchers pick in bf16 (each chunk, int64, the walk, headdim 80 / dstate
+#: 64 and 96, 256 / 256, the short-sequence and head-split backward) and float32 at 128.
 SLOW_VARIANTS = {
     "forward": {
-        "float16-Q64-all", "float16-Q256-all", "float16-Q256-short", "float32-Q64-all",
-        "float32-Q256-all", "bf16-fp32-states-fp16-dt", "bf16-persistent",
+        "float16-Q64-all", "float16-Q128-all", "float16-Q256-all", "float16-Q256-short",
+        "float32-Q64-all", "float32-Q256-all", "bf16-h8-p16-n16", "bf16-h8-p32-n32",
+        "bf16-h128-p64-n96", "bf16-fp32-states-fp16-dt", "bf16-persistent",
         "bf16-persistent-head-major", "bf16-lowp-head-major", "fp16-lowp-Q256",
         "bf16-8-warps-occupancy-2", "fp32-scale-x-Q256", "bf16-state-fresh-acc-p32",
         "bf16-scan-occupancy-2-p32", "bf16-Q256-scan-occupancy-2", "bf16-scan-block-n32",
