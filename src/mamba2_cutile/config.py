@@ -18,7 +18,7 @@ so; the dispatchers follow it):
    cache written by `mamba2-cutile tune`, then the table shipped with the package;
    `MAMBA2_CUTILE_TUNING=0` skips both); then, with seq_idx, chunk_scan's query block is cut
    to 64 (`forward_config`), because the table's entries are measured without seq_idx; then,
-   without seq_idx, the walk rule (`ssd.forward.walk_segments`: the state carried through
+   without seq_idx, the walk rule (`ssd.forward.walk_form`: the state carried through
    the chunks in registers where its grid fills the SMs' waves);
 3. the environment, one variable per family: `MAMBA2_CUTILE_CONFIG` (forward),
    `MAMBA2_CUTILE_BWD_CONFIG` (backward), `MAMBA2_CUTILE_DECODE_CONFIG` (decode), as

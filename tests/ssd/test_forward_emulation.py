@@ -471,43 +471,56 @@ def test_emulated_walk_through_forward_launches(segments, block_n):
         assert err <= 1.5e-4 * ref.abs().max().item(), f"{name}: error {err:.3e}"
 
 
-@pytest.mark.parametrize("batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segments", [
-    (2, 8192, 128, 8, 64, 128, torch.bfloat16, 1),     # 256 programs: 97% of a second wave
-    (2, 8192, 64, 1, 64, 128, torch.float16, 1),       # 128: one wave, 97%
-    (2, 8192, 48, 1, 64, 128, torch.bfloat16, 1),      # 96: one wave, 73%
-    (4, 16384, 8, 1, 64, 128, torch.bfloat16, 4),      # the seed problem: 4 x 32 runs
-    (1, 2048, 64, 1, 64, 128, torch.bfloat16, 2),      # 2 x 64 runs, from 2048 tokens
-    (4, 4096, 8, 1, 64, 128, torch.bfloat16, 0),       # 4 x 32 runs only from 8192 (slower)
-    (2, 4096, 64, 1, 64, 128, torch.bfloat16, 0),      # one wave only from 8192 (untimed)
-    (1, 16384, 32, 1, 32, 64, torch.float16, 4),       # 4 x 32 runs (untimed)
-    (2, 8192, 32, 1, 64, 256, torch.bfloat16, 1),      # dstate 256: 2 x 64 programs of 32 ch.
-    (2, 8192, 80, 1, 64, 128, torch.bfloat16, 0),      # 160: a 21% second wave (timed slower)
-    (4, 16384, 48, 1, 64, 128, torch.bfloat16, 0),     # 192: 45% (timed 2% faster only)
-    (2, 8192, 24, 1, 64, 128, torch.bfloat16, 0),      # 48: 2 x 48 runs fill 73% (slower)
-    (1, 8192, 16, 1, 64, 256, torch.bfloat16, 0),      # dstate 256: 32 programs, no runs
-    (2, 8192, 128, 8, 64, 256, torch.bfloat16, 0),     # 512 programs: an 88% last wave
-    (1, 512, 24, 1, 64, 128, torch.bfloat16, 0),       # short sequences stay
-    (2, 8192, 128, 8, 64, 128, torch.float32, 0),      # 16-bit inputs only
-    (2, 8192, 128, 8, 128, 128, torch.bfloat16, 0),    # headdim 128 (timed 2% faster only)
-    (2, 8192, 64, 1, 64, 200, torch.bfloat16, 1)])     # 200 pads to 256: 2 x 128 programs
-def test_walk_rule(batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segments):
-    """forward_config takes the walk where `walk_segments` fills whole waves of the 132 SMs,
-    computed at chunk 64 with `walk_block_p` channels a program; never with seq_idx or where
-    varlen states read the chunk states (walk_ok False)."""
+@pytest.mark.parametrize(
+    "batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segments, occupancy", [
+        (2, 8192, 128, 8, 64, 128, torch.bfloat16, 1, 2),   # 256 programs, two per SM
+        (2, 8192, 80, 1, 64, 128, torch.bfloat16, 1, 2),    # 160, two per SM
+        (4, 16384, 48, 1, 64, 128, torch.bfloat16, 1, 2),   # 192, two per SM (untimed)
+        (3, 8192, 88, 1, 64, 128, torch.bfloat16, 1, 2),    # 264: two per SM, every SM
+        (4, 8192, 128, 8, 64, 128, torch.bfloat16, 0, 0),   # 512: an 88% last wave of one
+        (2, 8192, 64, 1, 64, 128, torch.float16, 1, 0),     # 128: one wave, 97%
+        (2, 8192, 48, 1, 64, 128, torch.bfloat16, 1, 0),    # 96: one wave, 73%
+        (4, 16384, 8, 1, 64, 128, torch.bfloat16, 8, 2),    # the seed problem: 8 x 32 runs
+        (2, 8192, 24, 1, 64, 128, torch.bfloat16, 5, 2),    # 5 x 48 runs: 91% of 2 SMs
+        (2, 8192, 32, 1, 64, 128, torch.bfloat16, 4, 2),    # 4 x 64 runs
+        (1, 8192, 80, 1, 64, 128, torch.bfloat16, 3, 2),    # 3 x 80 runs (untimed)
+        (1, 16384, 32, 1, 32, 64, torch.float16, 8, 2),     # 8 x 32 runs (untimed)
+        (1, 2048, 64, 1, 64, 128, torch.bfloat16, 2, 0),    # 2 x 64 runs, from 2048 tokens
+        (4, 4096, 8, 1, 64, 128, torch.bfloat16, 0, 0),     # other runs only from 8192
+        (1, 4096, 80, 1, 64, 128, torch.bfloat16, 0, 0),    # (3 x 80 at 8192 above)
+        (2, 4096, 64, 1, 64, 128, torch.bfloat16, 0, 0),    # one wave only from 8192
+        (2, 8192, 32, 1, 64, 256, torch.bfloat16, 1, 0),    # dstate 256: 2 x 64 of 32 ch.
+        (1, 8192, 16, 1, 64, 256, torch.bfloat16, 0, 0),    # dstate 256: 32 programs, no runs
+        (2, 8192, 128, 8, 64, 256, torch.bfloat16, 0, 0),   # 512 programs: an 88% last wave
+        (2, 8192, 64, 1, 64, 200, torch.bfloat16, 1, 0),    # 200 pads to 256: 2 x 128 ...
+        (1, 8192, 136, 1, 64, 256, torch.bfloat16, 0, 0),   # 272 at dstate 256: one per SM
+        (1, 8192, 48, 1, 64, 256, torch.bfloat16, 1, 0),    # 96 of 32 channels: one wave
+        (1, 512, 24, 1, 64, 128, torch.bfloat16, 0, 0),     # short sequences stay
+        (1, 8192, 16, 1, 64, 128, torch.bfloat16, 0, 0),    # 16 programs: 8 runs fill 48%
+        (2, 8192, 128, 8, 64, 128, torch.float32, 0, 0),    # 16-bit inputs only
+        (2, 8192, 128, 8, 128, 128, torch.bfloat16, 0, 0)])  # headdim 128 (2% faster only)
+def test_walk_rule(batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segments,
+                   occupancy):
+    """forward_config takes the walk where `walk_form` fills the 132 SMs, one or two
+    programs each, computed at chunk 64 with `walk_block_p` channels a program; never with
+    seq_idx or where varlen states read the chunk states (walk_ok False)."""
     def cfg(**kw):
         return forward.forward_config(batch, nheads, headdim, dstate, 256, dtype, 132,
                                       seqlen=seqlen, ngroups=ngroups, **kw)
+    assert forward.walk_form(batch, nheads, headdim, dstate, dtype, seqlen, 132) == (
+        segments, occupancy)
     assert forward.walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, 132) == segments
     walk = cfg()
     assert forward.uses_walk(walk, False) is bool(segments)
     if segments:
-        assert (walk.chunk_size, walk.scan_block_p, walk.state_segments) == (
-            64, forward.walk_block_p(walk.dstate_pad), segments)
+        assert (walk.chunk_size, walk.scan_block_p, walk.state_segments,
+                walk.walk_occupancy) == (64, forward.walk_block_p(walk.dstate_pad), segments,
+                                         occupancy)
         if segments > 1:
             assert (walk.state_block_p, walk.state_block_n) == (64, walk.dstate_pad)
     off = cfg(walk_ok=False)
     assert off.scan_walk == 0 and cfg(has_seq=True).scan_walk == 0
     if segments:                         # the walk's fields replace only the rule's
-        assert walk == forward.walk_config(off, segments)
+        assert walk == forward.walk_config(off, segments, occupancy)
     else:
         assert walk == off

@@ -466,13 +466,14 @@ def test_scan_walk(Q, caller_q, over, n, opt, dtype):
 
 @pytest.mark.parametrize("caller_q", [128, 256])
 @pytest.mark.parametrize("dims, segments", [
-    ((2, 8192, 16, 1, 64, 128), 4), ((1, 4096, 64, 1, 64, 128), 2),
-    ((2, 8192, 48, 1, 64, 128), 1), ((2, 8192, 32, 1, 64, 256), 1)],
-    ids=["seg4", "seg2", "one-wave", "dstate256-p32"])
+    ((2, 8192, 16, 1, 64, 128), 8), ((1, 4096, 64, 1, 64, 128), 2),
+    ((2, 8192, 48, 1, 64, 128), 1), ((2, 8192, 32, 1, 64, 256), 1),
+    ((2, 8192, 80, 1, 64, 128), 1)],
+    ids=["seg8-two-per-sm", "seg2", "one-wave", "dstate256-p32", "two-per-sm"])
 def test_walk_against_mamba_ssm(dims, segments, caller_q):
-    """The walk as the shape rule runs it (chunk 64; S runs; 32-channel programs at dstate
-    256): its error against the float64 recurrence within 1.5x mamba_ssm's at the caller's
-    chunk (the walk computes at 64)."""
+    """The walk as the shape rule runs it (`forward.walk_form`: chunk 64; S runs; one or two
+    programs per SM; 32-channel programs at dstate 256): its error against the float64
+    recurrence within 1.5x mamba_ssm's at the caller's chunk (the walk computes at 64)."""
     from mamba2_cutile.ssd import forward
 
     b, l, h, g, p, n = dims

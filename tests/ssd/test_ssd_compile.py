@@ -74,7 +74,7 @@ def test_plans_have_their_launches():
         default = plans.forward_problem_plan(**problem)
         cfg, has_seq, _ = _rule_config(problem)
         if uses_walk(cfg, has_seq):
-            # the walk rule's problems (`walk_segments`): the walk and its fix-up launch (with
+            # the walk rule's problems (`walk_form`): the walk and its fix-up launch (with
             # runs, the segmented pass for their ends and chunk_state_carry first); the
             # three-kernel plans are checked on the other problems
             runs = ["chunk_state_pass", "chunk_state_carry"] * (cfg.state_segments > 1)
@@ -411,16 +411,22 @@ def test_heads_kernels_int64_variants_compile():
         assert len(cpu_compile.compile_cubin(call, "sm_90")) > 0
 
 
-@pytest.mark.parametrize("dtype_name, problem, over, fix, spill_free", [
-    ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, state_segments=4), True, True),
-    ("bfloat16", dict(chunk_size=128), dict(scan_block_p=32), False, False),
-    ("float32", dict(chunk_size=64), dict(scan_block_p=32), False, False),
-    ("bfloat16", dict(chunk_size=64, int64=True), dict(scan_block_p=32), False, False),
-], ids=["bf16-q64-p64-seg4", "bf16-q128-p32", "fp32-q64-p32", "bf16-q64-p32-int64"])
-def test_scan_walk_compiles(dtype_name, problem, over, fix, spill_free):
+@pytest.mark.parametrize("dtype_name, problem, over, fix, max_stack", [
+    ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, state_segments=4), True, 0),
+    ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, state_segments=8,
+                                           walk_occupancy=2), False, 8),
+    ("bfloat16", dict(chunk_size=128), dict(scan_block_p=32), False, None),
+    ("float32", dict(chunk_size=64), dict(scan_block_p=32), False, None),
+    ("bfloat16", dict(chunk_size=64, int64=True), dict(scan_block_p=32), False, None),
+], ids=["bf16-q64-p64-seg4", "bf16-q64-p64-seg8-occ2", "bf16-q128-p32", "fp32-q64-p32",
+        "bf16-q64-p32-int64"])
+def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     """scan_walk: chunk_scan_walk (and its fix-up launch) compiles for sm_90 at the seed
     problem with every option but seq_idx; bf16 at chunk 64 with the whole 64-channel head a
-    program holds its state without spills (sm_90, 168 registers, 384 threads)."""
+    program holds its state without spills (sm_90, 168 registers, 384 threads; under the
+    rule's two-per-SM hint, `walk_occupancy=2`, 128 registers at 256 threads, two CTAs an
+    SM, with 8 B of stack when z, a per-channel D and dt_bias are all given; none with D
+    alone)."""
     import cuda.tile as ct
     import torch
 
@@ -435,8 +441,10 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, spill_free):
     if problem.get("int64"):
         fn = walk.kernel._annotated_function.pyfunc
         assert fn.__annotations__["x"] is ct.IndexedWithInt64
-    if spill_free:
-        assert resources.compile_resources(walk)["stack"] == 0
+    if max_stack is not None:
+        res = resources.compile_resources(walk)
+        assert res["stack"] <= max_stack, res
+        assert res["ctas_per_sm"] >= max(1, over.get("walk_occupancy", 0)), res
     else:
         assert len(cpu_compile.compile_cubin(walk, "sm_90")) > 0
     if fix:

@@ -29,7 +29,7 @@ def forward_variants():
                                                            seqlen=1000)))
     for (h, p, n) in ((8, 16, 16), (8, 32, 32), (64, 80, 64), (2, 256, 256), (128, 64, 96)):
         items.append((f"bf16-h{h}-p{p}-n{n}", dict(dtype=bf, nheads=h, headdim=p, dstate=n)))
-    # without seq_idx the seed problem runs the walk (`walk_segments`); 80 heads (320
+    # without seq_idx the seed problem runs the walk (`walk_form`); 80 heads (320
     # programs, a part wave) keep the three-kernel forward without options
     items.append(("bf16-no-options", dict(dtype=bf, options=())))
     items.append(("bf16-D-head", dict(dtype=bf, options=("D_head",))))

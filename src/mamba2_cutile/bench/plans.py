@@ -21,7 +21,7 @@ def forward_problem_plan(dtype=torch.bfloat16, chunk_size=128, batch=4, seqlen=1
                      state_dtype=None, dt_dtype=torch.float32, device="meta", overrides=None):
     """The forward plan for a problem, on `meta` tensors by default (for compiling). The
     `overrides` apply to the three-kernel rule's config: the walk rule
-    (`forward.walk_segments`) only runs without them (set `scan_walk=1` to compile a walk)."""
+    (`forward.walk_form`) only runs without them (set `scan_walk=1` to compile a walk)."""
     b, l, h, g, p, n, Q = batch, seqlen, nheads, ngroups, headdim, dstate, chunk_size
     if int64:
         l = max(l, -(-(2**31) // (b * h * p)) + 1)

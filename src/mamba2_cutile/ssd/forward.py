@@ -139,8 +139,9 @@ class ForwardConfig:
                                     # states read the chunk states) it replaces
                                     # chunk_state_pass and the output launch; scan_block_q,
                                     # scan_heads, segment_fold and state_resweep then do not
-                                    # apply. The rule's choice: `walk_segments`
-    walk_occupancy: int = 0         # occupancy hint of chunk_scan_walk (0: compiler's choice)
+                                    # apply. The rule's choice: `walk_form`
+    walk_occupancy: int = 0         # occupancy hint of chunk_scan_walk (0: compiler's choice,
+                                    # one per SM; the rule sets 2 where its grid needs two)
     walk_warps: int = 0             # num_worker_warps hint of chunk_scan_walk (0: compiler's)
 
     FIXED = ("dstate_pad",)     # set by the problem, never overridden
@@ -353,7 +354,7 @@ def _shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms,
     return cfg
 
 
-#: the shortest sequence the walk rule takes: 8192 tokens, 2048 in two runs (`walk_segments`)
+#: the shortest sequence the walk rule takes: 8192 tokens, 2048 in two runs (`walk_form`)
 WALK_MIN_SEQLEN = 8192
 WALK_MIN_SEQLEN_TWO_RUNS = 2048
 
@@ -365,63 +366,86 @@ def walk_block_p(dstate_pad: int) -> int:
     return min(64, WALK_MAX_STATE // dstate_pad)
 
 
-def walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS) -> int:
+#: the most runs the two-per-SM walk takes (`walk_form`; 8 timed at the seed problem)
+WALK_MAX_RUNS = 8
+
+
+def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     """The shape rule's walk (`ForwardConfig.scan_walk`, computed at chunk 64, a program per
     (batch, head, `walk_block_p` channels): headdim <= 64, dstate <= 256, 16-bit inputs,
-    sequences of WALK_MIN_SEQLEN+ tokens, WALK_MIN_SEQLEN_TWO_RUNS+ with S = 2): its run
-    count S, or 0 for the three-kernel forward. A walk program is one sequential chain of
-    chunks, so the grid of n programs (B * H * channel tiles) must fill the SMs' waves (one
-    program per SM: 168 registers at 384 threads):
+    sequences of WALK_MIN_SEQLEN+ tokens, WALK_MIN_SEQLEN_TWO_RUNS+ with S = 2) as (S, O):
+    its run count S (0 for the three-kernel forward) and its occupancy hint O
+    (`ForwardConfig.walk_occupancy`; 0 leaves the compiler's one program per SM, 168
+    registers at 384 threads; 2 gives two per SM, 128 registers at 256 threads). A walk
+    program is one sequential chain of chunks, so its grid of S n programs (n = B * H *
+    channel tiles) must fill the SMs:
 
-    - n >= SMs: S = 1 where the last wave is at least 90% full (n mod SMs);
-    - 70% of the SMs <= n < SMs: S = 1 (one wave, at most 30% of it idle);
-    - else, dstate <= 128 only: S = 2 or 4 where S n is 90-100% of the SMs (the runs'
-      entering states first: the segmented state pass over whole 128-wide states, then
-      chunk_state_carry).
+    - SMs < n <= 2 SMs at dstate <= 128: S = 1, two per SM (one wave);
+    - 70% of the SMs <= n <= SMs: S = 1, one per SM (at most 30% of them idle);
+    - fewer, at dstate <= 128: the largest S <= WALK_MAX_RUNS with S n at 90-100% of
+      2 SMs, two per SM (the runs' entering states first: the segmented state pass over
+      whole 128-wide states, then chunk_state_carry); else S = 2 or 4 with S n at 90-100%
+      of the SMs, one per SM;
+    - n > 2 SMs (or n > SMs at dstate 129-256): S = 1, one per SM, where the last wave is at
+      least 90% full.
 
-    On the H100 (bf16, D per head, chunk 256 unless named; three-kernel forward -> walk, ms;
+    On the H100 (bf16, D per head, chunk 256 unless named; three-kernel forward or the
+    earlier walk -> this rule, ms, ours only in the same run unless named;
     benchmarks/results/2026-12-07-h100-forward-sweep-walk*.jsonl):
 
-    - S = 1: B=2 T=8K H=128 G=8 (256 programs) 0.624 -> 0.499, and 0.621 -> 0.497 at chunk
-      128 (mamba_ssm 1.239 and 1.318); H=64 (128) 0.326 -> 0.248 (mamba_ssm 0.597); H=48 (96)
-      0.271 -> 0.239 (0.453); dstate 256 at H=32 (2 x 64 programs of 32 channels) 0.271 ->
-      0.235 (0.436);
-    - S = 2: B=1 H=64 (2 x 64 runs) at T=2048 0.0904 -> 0.0742 (mamba_ssm 0.0884), at
-      T=65536 1.558 -> 1.479 (2.687); B=2 T=8K H=32 0.2120 -> 0.2113;
-    - S = 4: the seed problem (B=4 T=16K H=8: 4 x 32 runs) 0.229 -> 0.216 (0.437); at
-      T=4096 slower, 0.0681 -> 0.0780 (0.1116; two runs on two H100s), so S = 4 and S = 1
-      keep 8192+ tokens (S = 1 untimed below that).
+    - two per SM, 2026-12-07 (`...-sweep-walk-occupancy.jsonl`): B=2 T=8K H=128 G=8 (256
+      programs; one per SM in two waves) 0.497 -> 0.366; H=80 (160; three-kernel) 0.414 ->
+      0.339 (one per SM in two waves: 0.463; 8 warps at two per SM 0.826); the seed problem
+      (B=4 T=16K H=8, 8 x 32 runs; 4 x 32 one per SM) 0.216 -> 0.186, at T=64K 0.762 ->
+      0.616; H=32 (4 x 64 runs; 2 x 64) 0.209 -> 0.178; H=24 (5 x 48 runs; three-kernel)
+      0.176 -> 0.151. Where one wave holds the grid already it lost: H=48 (96 programs)
+      0.236 -> 0.280, in 2 x 96 runs 0.313; H=64 (128) 0.248 -> 0.293, in 2 x 128 runs
+      0.319; 8 warps at two per SM lost everywhere (seed 0.208, H=24 0.171, H=32 0.204).
+    - one per SM, beside mamba_ssm: B=2 T=8K H=64 (128 programs) 0.326 -> 0.248 (mamba_ssm
+      0.597); H=48 (96) 0.271 -> 0.239 (0.453); dstate 256 at H=32 (2 x 64 programs of 32
+      channels) 0.271 -> 0.235 (0.436); B=1 H=64 in 2 x 64 runs at T=2048 0.0904 -> 0.0742
+      (0.0884).
 
-    Left out, as measured: 80 heads at B=2 (160 programs, a 21% second wave) 0.414 -> 0.463,
-    48 heads at B=4 (192, 45%) 0.943 -> 0.923 (2%), headdim 128 in 64-channel programs (192)
-    0.477 -> 0.466 (2%), B=2 H=24 at S = 2 (96 runs, 73%) 0.180 -> 0.203, B=1 T=512 H=24
-    (0.0328: 4 runs 0.0338, 32 channels in 2 runs 0.0367; chunk 128 in 16-channel programs
-    0.0298, a form this rule does not make); at the seed problem S=8 0.227 and
-    64-wide state tiles in the segmented pass 0.282 (it reads x once per tile). Shapes
-    matching these conditions but not timed (dstate 64, z or dt_bias, other sequence
-    lengths) follow the rule untimed."""
+    Left out, as measured: headdim 128 in 64-channel programs one per SM (192) 0.477 ->
+    0.466 (2%); B=1 T=512 H=24 (0.0328: 4 runs 0.0338, chunk 128 in 16-channel programs
+    0.0298, a form this rule does not make); the seed problem at T=4096 in 4 runs 0.0681 ->
+    0.0780, so runs other than 2 keep 8192+ tokens. Shapes matching these conditions but not
+    timed (n > 2 SMs at two per SM, dstate 64, z or dt_bias, other sequence lengths) follow
+    the rule untimed."""
     if (dtype not in (torch.bfloat16, torch.float16) or headdim > 64 or dstate > 256
             or seqlen is None or seqlen < WALK_MIN_SEQLEN_TWO_RUNS):
-        return 0
+        return 0, 0
     np_ = max(16, next_pow2(dstate))
     programs = batch * nheads * -(-headdim // walk_block_p(np_))
-    if programs >= sms:
-        segments = 1 if programs % sms == 0 or programs % sms >= 0.9 * sms else 0
-    elif programs >= 0.7 * sms:
-        segments = 1
-    elif np_ > 128:
-        segments = 0
-    else:
-        segments = next((s for s in (2, 4) if 0.9 * sms <= s * programs <= sms), 0)
-    return segments if segments == 2 or seqlen >= WALK_MIN_SEQLEN else 0
+    long_enough = seqlen >= WALK_MIN_SEQLEN
+    if programs > 2 * sms or (programs > sms and np_ > 128):
+        full = programs % sms == 0 or programs % sms >= 0.9 * sms
+        return (1, 0) if full and long_enough else (0, 0)
+    if programs > sms:
+        return (1, 2) if long_enough else (0, 0)
+    if programs >= 0.7 * sms:
+        return (1, 0) if long_enough else (0, 0)
+    if np_ > 128:
+        return 0, 0
+    runs = min(WALK_MAX_RUNS, 2 * sms // programs)
+    if long_enough and runs >= 2 and runs * programs >= 0.9 * 2 * sms:
+        return runs, 2
+    segments = next((s for s in (2, 4) if 0.9 * sms <= s * programs <= sms), 0)
+    return (segments, 0) if segments == 2 or (segments and long_enough) else (0, 0)
 
 
-def walk_config(cfg: ForwardConfig, segments: int) -> ForwardConfig:
-    """`cfg` as the walk rule runs it (`walk_segments`): chunk 64, `walk_block_p` channels a
-    program, and with S > 1 runs whose entering states the segmented pass forms over whole
-    128-wide state tiles."""
+def walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS) -> int:
+    """The run count S of the rule's walk (`walk_form`), 0 for the three-kernel forward."""
+    return walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms)[0]
+
+
+def walk_config(cfg: ForwardConfig, segments: int, occupancy: int = 0) -> ForwardConfig:
+    """`cfg` as the walk rule runs it (`walk_form`): chunk 64, `walk_block_p` channels a
+    program, the occupancy hint, and with S > 1 runs whose entering states the segmented
+    pass forms over whole 128-wide state tiles."""
     over = dict(scan_walk=1, chunk_size=64, scan_block_q=64,
-                scan_block_p=walk_block_p(cfg.dstate_pad), state_segments=segments)
+                scan_block_p=walk_block_p(cfg.dstate_pad), state_segments=segments,
+                walk_occupancy=occupancy)
     if segments > 1:
         over.update(state_block_p=64, state_block_n=cfg.dstate_pad, state_occupancy=0)
     return replace(cfg, **over)
@@ -432,7 +456,7 @@ def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=DEFAUL
     """The config a forward launch uses, in the precedence of `mamba2_cutile.config`: the shape
     rule, then the tuning table's overrides for the shape's bucket on this GPU when `seqlen`
     and `device_index` are given, then the seq_idx rule below, then the walk rule
-    (`walk_segments`; not with seq_idx, nor where `walk_ok` is False: varlen states read the
+    (`walk_form`; not with seq_idx, nor where `walk_ok` is False: varlen states read the
     chunk states), then MAMBA2_CUTILE_CONFIG.
     `has_seq`: seq_idx is given (its same-sequence mask changes the best chunk_scan tile).
     `seqlen` and `ngroups` size the output grid for the rule (`uses_group_scan`)."""
@@ -448,9 +472,9 @@ def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=DEFAUL
         # run-start mask: 0.335 against 0.306 ms at B=2 T=8K H=24 chunk 256 with z, dt_bias and
         # seq_idx; benchmarks/results/2026-11-30-h200-forward-sweep-options.jsonl)
         cfg = replace(cfg, scan_block_q=64, scan_occupancy=2)
-    segments = walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms)
+    segments, occupancy = walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms)
     if walk_ok and not has_seq and segments:
-        cfg = walk_config(cfg, segments)
+        cfg = walk_config(cfg, segments, occupancy)
     return _config.with_env(cfg, _config.ENV_FORWARD)
 
 
