@@ -471,6 +471,12 @@ def test_emulated_walk_through_forward_launches(segments, block_n):
         assert err <= 1.5e-4 * ref.abs().max().item(), f"{name}: error {err:.3e}"
 
 
+def test_walk_rule_empty_grid():
+    """No programs (a zero batch, head count or headdim), no walk: nothing to divide by."""
+    for dims in ((0, 8, 64), (4, 0, 64), (4, 8, 0)):
+        assert forward.walk_form(*dims, 128, torch.bfloat16, 16384, 132) == (0, 0)
+
+
 @pytest.mark.parametrize(
     "batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segments, occupancy", [
         (2, 8192, 128, 8, 64, 128, torch.bfloat16, 1, 2),   # 256 programs, two per SM
@@ -493,7 +499,14 @@ def test_emulated_walk_through_forward_launches(segments, block_n):
         (1, 8192, 16, 1, 64, 256, torch.bfloat16, 0, 0),    # dstate 256: 32 programs, no runs
         (2, 8192, 128, 8, 64, 256, torch.bfloat16, 0, 0),   # 512 programs: an 88% last wave
         (2, 8192, 64, 1, 64, 200, torch.bfloat16, 1, 0),    # 200 pads to 256: 2 x 128 ...
-        (1, 8192, 136, 1, 64, 256, torch.bfloat16, 0, 0),   # 272 at dstate 256: one per SM
+        (1, 8192, 136, 1, 64, 256, torch.bfloat16, 0, 0),   # 272 at dstate 256: a 6% wave
+        (1, 8192, 80, 1, 64, 256, torch.bfloat16, 0, 0),    # 160 at dstate 256: never two
+        (1, 8192, 132, 1, 64, 128, torch.bfloat16, 1, 0),   # 132: one per SM, every SM
+        (1, 8192, 133, 1, 64, 128, torch.bfloat16, 1, 2),   # 133: two per SM (untimed)
+        (1, 8192, 265, 1, 64, 128, torch.bfloat16, 0, 0),   # 265: a 1-program last wave
+        (2, 4096, 80, 1, 64, 128, torch.bfloat16, 0, 0),    # 160 below 8192 tokens
+        (1, 8192, 44, 1, 64, 128, torch.bfloat16, 6, 2),    # 6 x 44 runs (untimed)
+        (1, 8192, 36, 1, 64, 128, torch.bfloat16, 7, 2),    # 7 x 36 runs (untimed)
         (1, 8192, 48, 1, 64, 256, torch.bfloat16, 1, 0),    # 96 of 32 channels: one wave
         (1, 512, 24, 1, 64, 128, torch.bfloat16, 0, 0),     # short sequences stay
         (1, 8192, 16, 1, 64, 128, torch.bfloat16, 0, 0),    # 16 programs: 8 runs fill 48%

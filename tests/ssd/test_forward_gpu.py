@@ -465,12 +465,12 @@ def test_scan_walk(Q, caller_q, over, n, opt, dtype):
 
 
 @pytest.mark.parametrize("caller_q", [128, 256])
-@pytest.mark.parametrize("dims, segments", [
-    ((2, 8192, 16, 1, 64, 128), 8), ((1, 4096, 64, 1, 64, 128), 2),
-    ((2, 8192, 48, 1, 64, 128), 1), ((2, 8192, 32, 1, 64, 256), 1),
-    ((2, 8192, 80, 1, 64, 128), 1)],
+@pytest.mark.parametrize("dims, segments, occupancy", [
+    ((2, 8192, 16, 1, 64, 128), 8, 2), ((1, 4096, 64, 1, 64, 128), 2, 0),
+    ((2, 8192, 48, 1, 64, 128), 1, 0), ((2, 8192, 32, 1, 64, 256), 1, 0),
+    ((2, 8192, 80, 1, 64, 128), 1, 2)],
     ids=["seg8-two-per-sm", "seg2", "one-wave", "dstate256-p32", "two-per-sm"])
-def test_walk_against_mamba_ssm(dims, segments, caller_q):
+def test_walk_against_mamba_ssm(dims, segments, occupancy, caller_q):
     """The walk as the shape rule runs it (`forward.walk_form`: chunk 64; S runs; one or two
     programs per SM; 32-channel programs at dstate 256): its error against the float64
     recurrence within 1.5x mamba_ssm's at the caller's chunk (the walk computes at 64)."""
@@ -479,10 +479,14 @@ def test_walk_against_mamba_ssm(dims, segments, caller_q):
     b, l, h, g, p, n = dims
     inp, kw = make_problem(b, l, h, g, p, n, torch.bfloat16, OPTS["D_head"], seed=5)
     # the plan the public function runs on this GPU (its SM count and tuning table)
-    names = [c.kernel._annotated_function.pyfunc.__name__[:-3]
-             for c in forward.forward_launches(**inp, chunk_size=caller_q, **kw)[0]]
-    assert "chunk_scan_walk" in names and ("chunk_state_carry" in names) == (segments > 1), (
-        names, "the rule did not walk here: another SM count than 132?")
+    calls = forward.forward_launches(**inp, chunk_size=caller_q, **kw)[0]
+    names = [c.kernel._annotated_function.pyfunc.__name__[:-3] for c in calls]
+    sms = torch.cuda.get_device_properties(inp["x"].device).multi_processor_count
+    assert forward.walk_form(b, h, p, n, torch.bfloat16, l, sms) == (segments, occupancy), (
+        "another SM count than 132?")
+    walk = calls[names.index("chunk_scan_walk")]
+    assert walk.grid[2] == segments and ("chunk_state_carry" in names) == (segments > 1), (
+        names, walk.grid)
     compare_with_mamba(inp, kw, caller_q, torch.bfloat16)
 
 

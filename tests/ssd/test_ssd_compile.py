@@ -425,8 +425,7 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     problem with every option but seq_idx; bf16 at chunk 64 with the whole 64-channel head a
     program holds its state without spills (sm_90, 168 registers, 384 threads; under the
     rule's two-per-SM hint, `walk_occupancy=2`, 128 registers at 256 threads, two CTAs an
-    SM, with 8 B of stack when z, a per-channel D and dt_bias are all given; none with D
-    alone)."""
+    SM, with 8 B of stack)."""
     import cuda.tile as ct
     import torch
 

@@ -384,8 +384,8 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     - 70% of the SMs <= n <= SMs: S = 1, one per SM (at most 30% of them idle);
     - fewer, at dstate <= 128: the largest S <= WALK_MAX_RUNS with S n at 90-100% of
       2 SMs, two per SM (the runs' entering states first: the segmented state pass over
-      whole 128-wide states, then chunk_state_carry); else S = 2 or 4 with S n at 90-100%
-      of the SMs, one per SM;
+      whole 128-wide states, then chunk_state_carry); below 8192 tokens S = 2 with 2 n at
+      90-100% of the SMs, one per SM;
     - n > 2 SMs (or n > SMs at dstate 129-256): S = 1, one per SM, where the last wave is at
       least 90% full.
 
@@ -410,14 +410,16 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     0.466 (2%); B=1 T=512 H=24 (0.0328: 4 runs 0.0338, chunk 128 in 16-channel programs
     0.0298, a form this rule does not make); the seed problem at T=4096 in 4 runs 0.0681 ->
     0.0780, so runs other than 2 keep 8192+ tokens. Shapes matching these conditions but not
-    timed (n > 2 SMs at two per SM, dstate 64, z or dt_bias, other sequence lengths) follow
-    the rule untimed."""
+    timed (133-159 and 161-255 programs two per SM, S = 3, 6 and 7, dstate 64, z or
+    dt_bias, other sequence lengths) follow the rule untimed."""
     if (dtype not in (torch.bfloat16, torch.float16) or headdim > 64 or dstate > 256
             or seqlen is None or seqlen < WALK_MIN_SEQLEN_TWO_RUNS):
         return 0, 0
     np_ = max(16, next_pow2(dstate))
     programs = batch * nheads * -(-headdim // walk_block_p(np_))
     long_enough = seqlen >= WALK_MIN_SEQLEN
+    if programs <= 0:
+        return 0, 0
     if programs > 2 * sms or (programs > sms and np_ > 128):
         full = programs % sms == 0 or programs % sms >= 0.9 * sms
         return (1, 0) if full and long_enough else (0, 0)
@@ -430,8 +432,9 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     runs = min(WALK_MAX_RUNS, 2 * sms // programs)
     if long_enough and runs >= 2 and runs * programs >= 0.9 * 2 * sms:
         return runs, 2
-    segments = next((s for s in (2, 4) if 0.9 * sms <= s * programs <= sms), 0)
-    return (segments, 0) if segments == 2 or (segments and long_enough) else (0, 0)
+    # shorter sequences: two runs one per SM (from 8192 tokens the line above takes these
+    # grids, n = 60-66, in four runs two per SM)
+    return (2, 0) if 0.9 * sms <= 2 * programs <= sms else (0, 0)
 
 
 def walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS) -> int:
