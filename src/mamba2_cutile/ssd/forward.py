@@ -437,11 +437,6 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     return (2, 0) if 0.9 * sms <= 2 * programs <= sms else (0, 0)
 
 
-def walk_segments(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS) -> int:
-    """The run count S of the rule's walk (`walk_form`), 0 for the three-kernel forward."""
-    return walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms)[0]
-
-
 def walk_config(cfg: ForwardConfig, segments: int, occupancy: int = 0) -> ForwardConfig:
     """`cfg` as the walk rule runs it (`walk_form`): chunk 64, `walk_block_p` channels a
     program, the occupancy hint, and with S > 1 runs whose entering states the segmented
