@@ -511,7 +511,12 @@ def test_walk_rule_empty_grid():
         (1, 512, 24, 1, 64, 128, torch.bfloat16, 0, 0),     # short sequences stay
         (1, 8192, 16, 1, 64, 128, torch.bfloat16, 0, 0),    # 16 programs: 8 runs fill 48%
         (2, 8192, 128, 8, 64, 128, torch.float32, 0, 0),    # 16-bit inputs only
-        (2, 8192, 128, 8, 128, 128, torch.bfloat16, 0, 0)])  # headdim 128 (2% faster only)
+        (2, 8192, 48, 1, 128, 128, torch.bfloat16, 1, 2),   # headdim 128: 192, two per SM
+        (1, 8192, 48, 1, 128, 128, torch.bfloat16, 0, 0),   # 96 of headdim 128 (2% only)
+        (2, 8192, 48, 1, 96, 128, torch.bfloat16, 0, 0),    # headdim 96: padded tiles
+        (2, 8192, 40, 1, 128, 256, torch.bfloat16, 0, 0),   # headdim 128 at dstate 256
+        (2, 4096, 48, 1, 128, 128, torch.bfloat16, 0, 0),   # below 8192 tokens
+        (2, 8192, 128, 8, 128, 128, torch.bfloat16, 0, 0)])  # 512 of headdim 128
 def test_walk_rule(batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segments,
                    occupancy):
     """forward_config takes the walk where `walk_form` fills the 132 SMs, one or two

@@ -468,8 +468,9 @@ def test_scan_walk(Q, caller_q, over, n, opt, dtype):
 @pytest.mark.parametrize("dims, segments, occupancy", [
     ((2, 8192, 16, 1, 64, 128), 8, 2), ((1, 4096, 64, 1, 64, 128), 2, 0),
     ((2, 8192, 48, 1, 64, 128), 1, 0), ((2, 8192, 32, 1, 64, 256), 1, 0),
-    ((2, 8192, 80, 1, 64, 128), 1, 2)],
-    ids=["seg8-two-per-sm", "seg2", "one-wave", "dstate256-p32", "two-per-sm"])
+    ((2, 8192, 80, 1, 64, 128), 1, 2), ((2, 8192, 48, 1, 128, 128), 1, 2)],
+    ids=["seg8-two-per-sm", "seg2", "one-wave", "dstate256-p32", "two-per-sm",
+         "headdim128-two-per-sm"])
 def test_walk_against_mamba_ssm(dims, segments, occupancy, caller_q):
     """The walk as the shape rule runs it (`forward.walk_form`: chunk 64; S runs; one or two
     programs per SM; 32-channel programs at dstate 256): its error against the float64

@@ -412,7 +412,7 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     0.0780, so runs other than 2 keep 8192+ tokens. Shapes matching these conditions but not
     timed (133-159 and 161-255 programs two per SM, S = 3, 6 and 7, dstate 64, z or
     dt_bias, other sequence lengths) follow the rule untimed."""
-    if (dtype not in (torch.bfloat16, torch.float16) or headdim > 64 or dstate > 256
+    if (dtype not in (torch.bfloat16, torch.float16) or dstate > 256
             or seqlen is None or seqlen < WALK_MIN_SEQLEN_TWO_RUNS):
         return 0, 0
     np_ = max(16, next_pow2(dstate))
@@ -420,6 +420,10 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     long_enough = seqlen >= WALK_MIN_SEQLEN
     if programs <= 0:
         return 0, 0
+    if headdim > 64:
+        # whole 64-channel tiles two per SM only: the one form timed above 64 channels
+        wide_ok = headdim % 64 == 0 and np_ <= 128 and sms < programs <= 2 * sms
+        return (1, 2) if wide_ok and long_enough else (0, 0)
     if programs > 2 * sms or (programs > sms and np_ > 128):
         full = programs % sms == 0 or programs % sms >= 0.9 * sms
         return (1, 0) if full and long_enough else (0, 0)
