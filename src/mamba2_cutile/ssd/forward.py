@@ -372,7 +372,7 @@ WALK_MAX_RUNS = 8
 
 def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     """The shape rule's walk (`ForwardConfig.scan_walk`, computed at chunk 64, a program per
-    (batch, head, `walk_block_p` channels): headdim <= 64, dstate <= 256, 16-bit inputs,
+    (batch, head, `walk_block_p` channels): dstate <= 256, 16-bit inputs,
     sequences of WALK_MIN_SEQLEN+ tokens, WALK_MIN_SEQLEN_TWO_RUNS+ with S = 2) as (S, O):
     its run count S (0 for the three-kernel forward) and its occupancy hint O
     (`ForwardConfig.walk_occupancy`; 0 leaves the compiler's one program per SM, 168
@@ -387,7 +387,9 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
       whole 128-wide states, then chunk_state_carry); below 8192 tokens S = 2 with 2 n at
       90-100% of the SMs, one per SM;
     - n > 2 SMs (or n > SMs at dstate 129-256): S = 1, one per SM, where the last wave is at
-      least 90% full.
+      least 90% full;
+    - headdim above 64: only whole 64-channel tiles at SMs < n <= 2 SMs, dstate <= 128,
+      two per SM (the one such form timed).
 
     On the H100 (bf16, D per head, chunk 256 unless named; three-kernel forward or the
     earlier walk -> this rule, ms, ours only in the same run unless named;
@@ -405,12 +407,16 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
       0.597); H=48 (96) 0.271 -> 0.239 (0.453); dstate 256 at H=32 (2 x 64 programs of 32
       channels) 0.271 -> 0.235 (0.436); B=1 H=64 in 2 x 64 runs at T=2048 0.0904 -> 0.0742
       (0.0884).
+    - headdim 128 beside mamba_ssm (`...-bench-fwd-headdim128-walk.jsonl`; the three-kernel
+      time from the day's earlier run): B=2 T=8K H=48 (192 programs two per SM) 0.477 ->
+      0.343 (mamba_ssm 0.718); forward + backward 2.215 -> 2.066 (3.170).
 
     Left out, as measured: headdim 128 in 64-channel programs one per SM (192) 0.477 ->
     0.466 (2%); B=1 T=512 H=24 (0.0328: 4 runs 0.0338, chunk 128 in 16-channel programs
     0.0298, a form this rule does not make); the seed problem at T=4096 in 4 runs 0.0681 ->
-    0.0780, so runs other than 2 keep 8192+ tokens. Shapes matching these conditions but not
-    timed (133-159 and 161-255 programs two per SM, S = 3, 6 and 7, dstate 64, z or
+    0.0780, and two per SM in 8 / 4 runs 0.0792 / 0.0809 against the three-kernel 0.0668
+    (`...-forward-sweep-seed-t4k-runs.jsonl`), so runs other than 2 keep 8192+ tokens.
+    Shapes matching these conditions but not timed (133-159 and 161-255 programs two per SM, S = 3, 6 and 7, dstate 64, z or
     dt_bias, other sequence lengths) follow the rule untimed."""
     if (dtype not in (torch.bfloat16, torch.float16) or dstate > 256
             or seqlen is None or seqlen < WALK_MIN_SEQLEN_TWO_RUNS):
