@@ -574,6 +574,13 @@ WALK_CAUSAL = ([pytest.param(n, v, w, 64, 1, 4, id=f"{n}={v}-{w}") for n, v in B
                       ("dt", NAN, "last", 64, 3, 5), ("C", -INF, "mid", 128, 2, 4),
                       ("x", -INF, "last", 128, 3, 5), ("dt_raw", INF, "mid", 128, 1, 5),
                       ("z", NAN, "first", 64, 2, 5), ("B", NAN, "mid", 128, 3, 4)]])
+#: the walk forming dt' and G itself (walk_cumsum, one run): each bad decay input
+WALK_CUMSUM_CAUSAL = [pytest.param(n, v, w, Q, causal, id=f"{n}={v}-{w}-Q{Q}-c{causal}")
+                      for n, v, w, Q, causal in [
+                          ("dt", NAN, "mid", 64, 4), ("dt", INF, "first", 64, 4),
+                          ("dt", -INF, "last", 64, 4), ("dt_raw", NAN, "last", 128, 4),
+                          ("dt_raw", INF, "mid", 64, 5), ("x", NAN, "mid", 64, 4),
+                          ("B", INF, "first", 128, 5)]]
 
 
 @pytest.mark.parametrize("name, value, where, Q, segments, causal", WALK_CAUSAL)
@@ -590,12 +597,27 @@ def test_emulated_walk_causal(name, value, where, Q, segments, causal):
     assert "chunk_scan_walk" in [variants.kernel_name(c) for c in run.last_calls]
 
 
-@pytest.mark.parametrize("segments", [1, 3])
-def test_emulated_walk_decay_limits(segments):
-    run = emulated_run(64, 64, 4, scan_walk=1, state_segments=segments)
+@pytest.mark.parametrize("name, value, where, Q, causal", WALK_CUMSUM_CAUSAL)
+def test_emulated_walk_cumsum_causal(name, value, where, Q, causal):
+    """walk_cumsum: the walk's own dt' and G (no decay_cumsum launch) keep the contract, and
+    the fix-up launch reads the dt' and G the walk wrote."""
+    t = where_in_chunk(Q, where)
+    args, kw = make_problem(Q, t, False, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
+                            n=7)
+    run = emulated_run(Q, Q, causal, scan_walk=1, walk_cumsum=1)
+    check_contract(run, args, kw, name, value, t, Q, EMU_TOL, strict_nonfinite=False)
+    names = [variants.kernel_name(c) for c in run.last_calls]
+    assert names == ["chunk_scan_walk", "chunk_scan_walk"], names
+
+
+@pytest.mark.parametrize("segments, cumsum", [(1, 0), (3, 0), (1, 1)])
+def test_emulated_walk_decay_limits(segments, cumsum):
+    run = emulated_run(64, 64, 4, scan_walk=1, state_segments=segments, walk_cumsum=cumsum)
     check_decay_limits(run, *make_problem(64, 64, False, softplus=True, dtype=F64), EMU_TOL)
     check_decay_limits(run, *dt_zero_problem(dtype=F64), EMU_TOL)
-    assert "chunk_scan_walk" in [variants.kernel_name(c) for c in run.last_calls]
+    names = [variants.kernel_name(c) for c in run.last_calls]
+    assert "chunk_scan_walk" in names and ("decay_cumsum" in names) is not (
+        cumsum and segments == 1)
 
 
 # ----------------------------------------------------------------------------------------------

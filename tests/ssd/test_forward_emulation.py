@@ -382,32 +382,40 @@ WALK_OPTIONS = {"none": {}, "D_head": OPTIONS["D_head"], "D_chan_z": OPTIONS["D_
                 "all_but_seq": {k: v for k, v in OPTIONS["all"].items() if k != "seq_idx"}}
 
 
+@pytest.mark.parametrize("cumsum", [0, 1])
 @pytest.mark.parametrize("causal", [0, 4, 5])
 @pytest.mark.parametrize("segments", [1, 2, 3])
 @pytest.mark.parametrize("opt, Q, l, n, block_p",
                          [("all_but_seq", 64, 150, 7, 16), ("D_chan_z", 128, 300, 20, 8),
                           ("limit_nosoftplus", 64, 64, 33, 32), ("D_head", 64, 130, 16, 16),
                           ("none", 32, 97, 5, 32)])
-def test_emulated_walk(opt, Q, l, n, block_p, segments, causal):
+def test_emulated_walk(opt, Q, l, n, block_p, segments, causal, cumsum):
     """scan_walk: decay_cumsum, (S > 1: chunk_state_pass for the runs' ends, chunk_state_carry
     for their entering states and the final state,) chunk_scan_walk carrying the state through
     each run's chunks in registers, and with scan_causal 4 / 5 its second launch over the
     flagged runs: the recurrence's outputs and final state, with headdim 20 in p-tiles of 8 to
     32 (a partial last one), dstate 5 to 33 (padded), partial last chunks, 1 to 3 runs
-    (clamped to the chunk count: one chunk at l = 64)."""
+    (clamped to the chunk count: one chunk at l = 64). walk_cumsum at one run: no
+    decay_cumsum, the walk forms dt' and G itself (its fix-up reads them from the buffers
+    the p-tile-0 programs wrote)."""
     args, kw, _, _ = make_problem(WALK_OPTIONS[opt], l=l, Q=Q, n=n)
     cfg = small_forward_config(Q, n, chunk_size=Q, scan_walk=1, scan_block_p=block_p,
-                               state_segments=segments, scan_causal=causal)
+                               state_segments=segments, scan_causal=causal,
+                               walk_cumsum=cumsum)
     calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
     names = [variants.kernel_name(c) for c in calls]
     segs = min(segments, -(-l // Q))
+    fused = bool(cumsum) and segs == 1
     state = ["chunk_state_pass", "chunk_state_carry"] if segs > 1 else []
     fix = ["chunk_scan_walk"] if causal else []
-    assert names == ["decay_cumsum", *state, "chunk_scan_walk", *fix]
-    walk = calls[len(state) + 1]
+    assert names == ["decay_cumsum"] * (not fused) + [*state, "chunk_scan_walk", *fix]
+    walk = calls[len(state) + (not fused)]
     assert tuple(walk.grid) == (2 * 4, -(-20 // block_p), segs)
-    assert (variants.kernel_arg(walk, "FLAG"), variants.kernel_arg(walk, "FIX")) == (
-        causal > 0, False)
+    assert (variants.kernel_arg(walk, "FLAG"), variants.kernel_arg(walk, "FIX"),
+            variants.kernel_arg(walk, "CUMSUM")) == (causal > 0, False, fused)
+    if causal:
+        assert (variants.kernel_arg(calls[-1], "FIX"),
+                variants.kernel_arg(calls[-1], "CUMSUM")) == (True, False)
     if segs > 1:
         assert variants.kernel_arg(calls[1], "SEG_MODE") == 1
         assert variants.kernel_arg(calls[2], "ENTRY_ONLY") is True
@@ -512,8 +520,9 @@ def test_walk_rule_empty_grid():
         (1, 8192, 16, 1, 64, 128, torch.bfloat16, 0, 0),    # 16 programs: 8 runs fill 48%
         (2, 8192, 128, 8, 64, 128, torch.float32, 0, 0),    # 16-bit inputs only
         (2, 8192, 48, 1, 128, 128, torch.bfloat16, 1, 2),   # headdim 128: 192, two per SM
-        (1, 8192, 48, 1, 128, 128, torch.bfloat16, 0, 0),   # 96 of headdim 128 (2% only)
+        (1, 8192, 48, 1, 128, 128, torch.bfloat16, 0, 0),   # 96 of headdim 128: one wave
         (2, 8192, 48, 1, 96, 128, torch.bfloat16, 0, 0),    # headdim 96: padded tiles
+        (1, 8192, 40, 1, 256, 128, torch.bfloat16, 0, 0),   # headdim 256: 160, untimed
         (2, 8192, 40, 1, 128, 256, torch.bfloat16, 0, 0),   # headdim 128 at dstate 256
         (2, 4096, 48, 1, 128, 128, torch.bfloat16, 0, 0),   # below 8192 tokens
         (2, 8192, 128, 8, 128, 128, torch.bfloat16, 0, 0)])  # 512 of headdim 128

@@ -418,14 +418,17 @@ def test_heads_kernels_int64_variants_compile():
     ("bfloat16", dict(chunk_size=128), dict(scan_block_p=32), False, None),
     ("float32", dict(chunk_size=64), dict(scan_block_p=32), False, None),
     ("bfloat16", dict(chunk_size=64, int64=True), dict(scan_block_p=32), False, None),
+    ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, walk_occupancy=2, walk_cumsum=1),
+     True, 32),
 ], ids=["bf16-q64-p64-seg4", "bf16-q64-p64-seg8-occ2", "bf16-q128-p32", "fp32-q64-p32",
-        "bf16-q64-p32-int64"])
+        "bf16-q64-p32-int64", "bf16-q64-p64-occ2-cumsum"])
 def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     """scan_walk: chunk_scan_walk (and its fix-up launch) compiles for sm_90 at the seed
     problem with every option but seq_idx; bf16 at chunk 64 with the whole 64-channel head a
     program holds its state without spills (sm_90, 168 registers, 384 threads; under the
     rule's two-per-SM hint, `walk_occupancy=2`, 128 registers at 256 threads, two CTAs an
-    SM, with 8 B of stack)."""
+    SM, with 8 B of stack; with `walk_cumsum` and every option 32 B, against 16 B without
+    it at S = 1: its G as masked row sums, where ct.cumsum spilled about 7 KB a thread)."""
     import cuda.tile as ct
     import torch
 
@@ -434,7 +437,9 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
         overrides=dict(scan_walk=1, **over), **problem)
     names = [variants.kernel_name(c) for c in calls]
     segs = over.get("state_segments", 1)
-    assert names == (["decay_cumsum"] + ["chunk_state_pass", "chunk_state_carry"] * (segs > 1)
+    fused = over.get("walk_cumsum", 0) and segs == 1
+    assert names == (["decay_cumsum"] * (not fused)
+                     + ["chunk_state_pass", "chunk_state_carry"] * (segs > 1)
                      + ["chunk_scan_walk"] * 2)
     walk = calls[-2]
     if problem.get("int64"):

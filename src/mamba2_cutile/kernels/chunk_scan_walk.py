@@ -27,6 +27,12 @@ end states from zero starts, no chunk state written) and chunk_state_carry (ENTR
 and the final state) form before this launch, reading x and B once more instead of writing
 and reading every chunk state.
 
+With CUMSUM (`ForwardConfig.walk_cumsum`, S = 1) the launch before it, decay_cumsum, is
+folded in: each program forms its chunk's dt' and log2 steps from the caller's dt as
+decay_cumsum does (`decay_cumsum._dt_and_step`) and sums the steps into G as masked row sums
+(the same values up to float32 rounding of the sums' order), and the p-tile-0 programs write
+dt' and G to `dt` and `cum`, where the fix-up launch reads them.
+
 Non-finite inputs (`ForwardConfig.scan_causal` 4). The intra-chunk product multiplies masked
 weights, zeros, into X, and 0 * NaN is NaN: a bad x, B or dt' at token t would reach the rows
 before t of its chunk. The plain walk (FIX=False) writes one flag per program: whether its
@@ -48,18 +54,17 @@ import cuda.tile as ct
 from ._common import int64_variant, mma_operand
 from .chunk_scan import _add_key_block, _chunk_is_bad, _gate, _mma_x, _skip
 from .chunk_state_pass import _nonfinite, _update
+from .decay_cumsum import _dt_and_step
 
 
-def _chunk_output(x, b, c, z, D, dt, cum, out, h, batch, head, group, chunk, p_tile,
-                  Q: ct.Constant[int], BLOCK_P: ct.Constant[int], NP: ct.Constant[int],
-                  D_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool],
+def _chunk_output(x, b, c, z, D, dt, cum, out, h, dtt, g, batch, head, group, chunk,
+                  p_tile, Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
+                  NP: ct.Constant[int], D_MODE: ct.Constant[int], HAS_Z: ct.Constant[bool],
                   LOWP: ct.Constant[bool], LAT, SANITIZE: ct.Constant[bool]):
-    """Stores the chunk's (Q, BLOCK_P) output tile from its entering state h (SANITIZE:
-    the intra-chunk term in chunk_scan's causal form); returns the loaded (x, B, dt', G)
-    tiles for the state update."""
+    """Stores the chunk's (Q, BLOCK_P) output tile from its entering state h and its (Q,)
+    dt' and G (SANITIZE: the intra-chunk term in chunk_scan's causal form, which reads dt'
+    and G from `dt` and `cum`); returns the loaded (x, B) tiles for the state update."""
     ZERO = ct.PaddingMode.ZERO
-    g = ct.load(cum, index=(batch, head, chunk), shape=(1, 1, Q), latency=LAT).reshape((Q,))
-    dtt = ct.load(dt, index=(batch, head, chunk), shape=(1, 1, Q), latency=LAT).reshape((Q,))
     c_op = mma_operand(ct.load(c, index=(batch, chunk, group, 0), shape=(1, Q, 1, NP),
                                padding_mode=ZERO, latency=LAT).reshape((Q, NP)), x.dtype)
     bt = ct.load(b, index=(batch, chunk, group, 0), shape=(1, Q, 1, NP), padding_mode=ZERO,
@@ -86,7 +91,40 @@ def _chunk_output(x, b, c, z, D, dt, cum, out, h, batch, head, group, chunk, p_t
         acc = _gate(acc, z, batch, chunk, head, p_tile, Q, BLOCK_P, LAT)
     ct.store(out, index=(batch, chunk, head, p_tile),
              tile=acc.reshape((1, Q, 1, BLOCK_P)).astype(out.dtype))
-    return xt, bt, dtt, g
+    return xt, bt
+
+
+def _chunk_decay(dt, cum, dt_raw, A, dt_bias, dt_lo, dt_hi, batch, head, chunk, p_tile,
+                 Q: ct.Constant[int], LAT, CUMSUM: ct.Constant[bool],
+                 HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool]):
+    """The chunk's (Q,) dt' and G: read from decay_cumsum's `dt` and `cum`, or (CUMSUM)
+    formed here from the raw (B, L, H) dt as decay_cumsum forms them, and written to `dt` and
+    `cum` by the p-tile-0 programs for the fix-up launch, which reads them there."""
+    if CUMSUM:
+        ZERO = ct.PaddingMode.ZERO
+        d = ct.load(dt_raw, index=(batch, chunk, head), shape=(1, Q, 1), padding_mode=ZERO,
+                    latency=LAT).reshape((Q, 1)).astype(ct.float32)
+        a = ct.load(A, index=(head,), shape=(1,)).astype(ct.float32)
+        bias = a
+        if HAS_BIAS:
+            bias = ct.load(dt_bias, index=(head,), shape=(1,)).astype(ct.float32)
+        pos = ct.arange(Q, dtype=ct.int32)
+        d, step = _dt_and_step(d, bias, a, chunk * Q + pos, dt_raw.shape[1], dt_lo, dt_hi,
+                               HAS_BIAS, SOFTPLUS)
+        # G_t as masked row sums, not ct.cumsum: a scan here spills about 7 KB a thread at
+        # sm_90 (the program's tiles are laid out for its MMAs), the row sums nothing. A
+        # later token's step is selected away, never multiplied, so a NaN or Inf step never
+        # reaches G of an earlier token.
+        dtt = d.reshape((Q,))
+        g = ct.sum(ct.where(pos[:, None] >= pos[None, :], step.reshape((1, Q)), 0.0), axis=1)
+        if p_tile == 0:
+            ct.store(dt, index=(batch, head, chunk), tile=dtt.reshape((1, 1, Q)))
+            ct.store(cum, index=(batch, head, chunk), tile=g.reshape((1, 1, Q)))
+    else:
+        g = ct.load(cum, index=(batch, head, chunk), shape=(1, 1, Q), latency=LAT).reshape((Q,))
+        dtt = ct.load(dt, index=(batch, head, chunk), shape=(1, 1, Q),
+                      latency=LAT).reshape((Q,))
+    return dtt, g
 
 
 def _next_state(h, xt, bt, dtt, g, in_dtype, Q: ct.Constant[int], BLOCK_P: ct.Constant[int],
@@ -99,12 +137,14 @@ def _next_state(h, xt, bt, dtt, g, in_dtype, Q: ct.Constant[int], BLOCK_P: ct.Co
     return h
 
 
-def _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, bh, p_tile, seg,
+def _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A, dt_bias,
+          dt_lo, dt_hi, bh, p_tile, seg,
           Q: ct.Constant[int], BLOCK_P: ct.Constant[int], NP: ct.Constant[int],
           HEADS_PER_GROUP: ct.Constant[int], D_MODE: ct.Constant[int],
           HAS_Z: ct.Constant[bool], HAS_INIT: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
           LOWP: ct.Constant[bool], SCALE_X: ct.Constant[bool], SEGS: ct.Constant[int],
-          FLAG: ct.Constant[bool], FIX: ct.Constant[bool]):
+          FLAG: ct.Constant[bool], FIX: ct.Constant[bool], CUMSUM: ct.Constant[bool],
+          HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool]):
     """The run of program (bh, p_tile, seg): every chunk's output (FIX: only the bad chunks',
     causally) and the state carried through them."""
     ZERO = ct.PaddingMode.ZERO
@@ -128,19 +168,21 @@ def _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, bh, p_tile
                         shape=(1, 1, 1, BLOCK_P, NP), padding_mode=ZERO).reshape((BLOCK_P, NP))
     for chunk in range(c_begin, c_end):
         if FIX:
+            dtt = ct.load(dt, index=(batch, head, chunk), shape=(1, 1, Q)).reshape((Q,))
+            g = ct.load(cum, index=(batch, head, chunk), shape=(1, 1, Q)).reshape((Q,))
             if _chunk_is_bad(x, b, dt, cum, batch, head, group, chunk, Q, BLOCK_P, NP) > 0.0:
-                _chunk_output(x, b, c, z, D, dt, cum, out, h, batch, head, group, chunk,
-                              p_tile, Q, BLOCK_P, NP, D_MODE, HAS_Z, LOWP, LAT, True)
+                _chunk_output(x, b, c, z, D, dt, cum, out, h, dtt, g, batch, head, group,
+                              chunk, p_tile, Q, BLOCK_P, NP, D_MODE, HAS_Z, LOWP, LAT, True)
             xt = ct.load(x, index=(batch, chunk, head, p_tile), shape=(1, Q, 1, BLOCK_P),
                          padding_mode=ZERO).reshape((Q, BLOCK_P))
             bt = ct.load(b, index=(batch, chunk, group, 0), shape=(1, Q, 1, NP),
                          padding_mode=ZERO).reshape((Q, NP))
-            dtt = ct.load(dt, index=(batch, head, chunk), shape=(1, 1, Q)).reshape((Q,))
-            g = ct.load(cum, index=(batch, head, chunk), shape=(1, 1, Q)).reshape((Q,))
         else:
-            xt, bt, dtt, g = _chunk_output(x, b, c, z, D, dt, cum, out, h, batch, head, group,
-                                           chunk, p_tile, Q, BLOCK_P, NP, D_MODE, HAS_Z, LOWP,
-                                           LAT, False)
+            dtt, g = _chunk_decay(dt, cum, dt_raw, A, dt_bias, dt_lo, dt_hi, batch, head,
+                                  chunk, p_tile, Q, LAT, CUMSUM, HAS_BIAS, SOFTPLUS)
+            xt, bt = _chunk_output(x, b, c, z, D, dt, cum, out, h, dtt, g, batch, head, group,
+                                   chunk, p_tile, Q, BLOCK_P, NP, D_MODE, HAS_Z, LOWP, LAT,
+                                   False)
         h = _next_state(h, xt, bt, dtt, g, x.dtype, Q, BLOCK_P, NP, SCALE_X)
     if not FIX:
         if FLAG:
@@ -164,6 +206,11 @@ def chunk_scan_walk_fn(
     out,         # (B, L, H, P)
     flags,       # (B * H, cdiv(P, BLOCK_P) * SEGS) float32: 1.0 where the run's last state
                  # is non-finite (written if FLAG, read if FIX)
+    dt_raw,      # (B, L, H) the caller's dt, any float dtype (read if CUMSUM)
+    A,           # (H,) float32 (read if CUMSUM)
+    dt_bias,     # (H,) float32 (read if CUMSUM and HAS_BIAS)
+    dt_lo: float,
+    dt_hi: float,
     Q: ct.Constant[int],
     BLOCK_P: ct.Constant[int],
     NP: ct.Constant[int],         # the padded dstate: the state tile's width
@@ -177,20 +224,26 @@ def chunk_scan_walk_fn(
     SEGS: ct.Constant[int],
     FLAG: ct.Constant[bool],      # the plain walk writes its flag (scan_causal 4)
     FIX: ct.Constant[bool],       # the second launch: flagged runs' bad chunks, causally
+    CUMSUM: ct.Constant[bool],    # dt' and G formed here from dt_raw (S = 1, not FIX), and
+                                  # written to dt and cum: no decay_cumsum launch before
+    HAS_BIAS: ct.Constant[bool],
+    SOFTPLUS: ct.Constant[bool],
 ):
     bh, p_tile, seg = ct.bid(0), ct.bid(1), ct.bid(2)
     if FIX:
         if ct.load(flags, index=(bh, p_tile * SEGS + seg), shape=(1, 1)).reshape(()) > 0.0:
-            _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, bh, p_tile, seg,
-                  Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_INIT, LOAD_LATENCY, LOWP,
-                  SCALE_X, SEGS, FLAG, True)
+            _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A,
+                  dt_bias, dt_lo, dt_hi, bh, p_tile, seg, Q, BLOCK_P, NP, HEADS_PER_GROUP,
+                  D_MODE, HAS_Z, HAS_INIT, LOAD_LATENCY, LOWP, SCALE_X, SEGS, FLAG, True,
+                  False, HAS_BIAS, SOFTPLUS)
     else:
-        _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, bh, p_tile, seg,
-              Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_INIT, LOAD_LATENCY, LOWP,
-              SCALE_X, SEGS, FLAG, False)
+        _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A, dt_bias,
+              dt_lo, dt_hi, bh, p_tile, seg, Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
+              HAS_INIT, LOAD_LATENCY, LOWP, SCALE_X, SEGS, FLAG, False, CUMSUM, HAS_BIAS,
+              SOFTPLUS)
 
 
 chunk_scan_walk = ct.kernel(chunk_scan_walk_fn)
 chunk_scan_walk_i64 = ct.kernel(int64_variant(
     chunk_scan_walk_fn, ["x", "b", "c", "z", "D", "dt", "cum", "init", "seg_entry", "final",
-                         "out", "flags"]))
+                         "out", "flags", "dt_raw", "A", "dt_bias"]))

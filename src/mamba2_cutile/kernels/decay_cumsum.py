@@ -42,6 +42,29 @@ from ._common import LOG2E, int64_variant
 MAX_LOG2_STEP = 256.0
 
 
+def _dt_and_step(d, bias, a, token, seqlen, dt_lo: float, dt_hi: float,
+                 HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool]):
+    """(dt', a') of a (Q, K) float32 tile of raw dt (K heads; `bias` and `a` their (K,)
+    dt_bias, read only with HAS_BIAS, and A; `token` the (Q,) token indices): the module
+    docstring's dt'_t and the log2 decay step a'_t it sums into G_t (0 where dt'_t = 0).
+    One home for decay_cumsum and the walk that forms them itself (chunk_scan_walk,
+    CUMSUM), which sums them another way."""
+    if HAS_BIAS:
+        d = d + bias[None, :]
+    if SOFTPLUS:
+        # softplus(v) = log1p(e^v), and v itself above 20 (torch's threshold). log1p(u) is
+        # log(w) * u / (w - 1) with w = 1 + u: exact to rounding even when u is tiny.
+        u = ct.exp(ct.minimum(d, 20.0, propagate_nan=True))
+        w = 1.0 + u
+        log1p_u = ct.where(w == 1.0, u, ct.log(w) * (u / (w - 1.0)))
+        d = ct.where(d > 20.0, d, log1p_u)
+    d = ct.minimum(ct.maximum(d, dt_lo, propagate_nan=True), dt_hi, propagate_nan=True)
+    d = ct.where((token < seqlen)[:, None], d, 0.0)
+    step = ct.minimum(ct.maximum(d * (a * LOG2E)[None, :], -MAX_LOG2_STEP), MAX_LOG2_STEP)
+    step = ct.where(ct.isnan(a)[None, :], a[None, :], step)
+    return d, ct.where(d == 0.0, 0.0, step)
+
+
 def decay_cumsum_fn(
     dt,          # (B, L, H) any float dtype, any strides
     A,           # (H,) float32
@@ -64,25 +87,15 @@ def decay_cumsum_fn(
     seqlen = dt.shape[1]
     d = ct.load(dt, index=(batch, chunk, head_tile), shape=(1, Q, BLOCK_H),
                 padding_mode=ct.PaddingMode.ZERO).reshape((Q, BLOCK_H)).astype(ct.float32)
+    a = ct.load(A, index=(head_tile,), shape=(BLOCK_H,),
+                padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
+    bias = a
     if HAS_BIAS:
         bias = ct.load(dt_bias, index=(head_tile,), shape=(BLOCK_H,),
                        padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
-        d = d + bias[None, :]
-    if SOFTPLUS:
-        # softplus(v) = log1p(e^v), and v itself above 20 (torch's threshold). log1p(u) is
-        # log(w) * u / (w - 1) with w = 1 + u: exact to rounding even when u is tiny.
-        u = ct.exp(ct.minimum(d, 20.0, propagate_nan=True))
-        w = 1.0 + u
-        log1p_u = ct.where(w == 1.0, u, ct.log(w) * (u / (w - 1.0)))
-        d = ct.where(d > 20.0, d, log1p_u)
-    d = ct.minimum(ct.maximum(d, dt_lo, propagate_nan=True), dt_hi, propagate_nan=True)
     token = chunk * Q + ct.arange(Q, dtype=ct.int32)
-    d = ct.where((token < seqlen)[:, None], d, 0.0)
-    a = ct.load(A, index=(head_tile,), shape=(BLOCK_H,),
-                padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
-    step = ct.minimum(ct.maximum(d * (a * LOG2E)[None, :], -MAX_LOG2_STEP), MAX_LOG2_STEP)
-    step = ct.where(ct.isnan(a)[None, :], a[None, :], step)
-    g = ct.cumsum(ct.where(d == 0.0, 0.0, step), axis=0)
+    d, step = _dt_and_step(d, bias, a, token, seqlen, dt_lo, dt_hi, HAS_BIAS, SOFTPLUS)
+    g = ct.cumsum(step, axis=0)
     ct.store(dt_out, index=(batch, head_tile, chunk),
              tile=d.transpose().reshape((1, BLOCK_H, Q)))
     ct.store(cum_out, index=(batch, head_tile, chunk),

@@ -143,6 +143,13 @@ class ForwardConfig:
     walk_occupancy: int = 0         # occupancy hint of chunk_scan_walk (0: compiler's choice,
                                     # one per SM; the rule sets 2 where its grid needs two)
     walk_warps: int = 0             # num_worker_warps hint of chunk_scan_walk (0: compiler's)
+    walk_cumsum: int = 0            # 1: with state_segments 1 the walk forms dt' and the
+                                    # decay cumsum itself (CUMSUM), one launch fewer (no
+                                    # decay_cumsum). Not timed yet. sm_90, the rule's walks
+                                    # with D: two per SM 128 registers and no stack (8 B
+                                    # without it); one per SM 168 registers at 384 threads
+                                    # with 40 B (255 at 256 threads, none, without it), 544 B
+                                    # at dstate 256
 
     FIXED = ("dstate_pad",)     # set by the problem, never overridden
 
@@ -164,7 +171,7 @@ class ForwardConfig:
         c.check_pow2(self, "scan_heads")
         c.check_range(self, "state_scale_x", -1, 1)
         for name in ("state_fresh_acc", "scan_lowp", "scan_head_major", "scan_cb",
-                     "segment_fold", "state_resweep", "scan_walk"):
+                     "segment_fold", "state_resweep", "scan_walk", "walk_cumsum"):
             c.check_choice(self, name, (0, 1))
         if self.state_resweep and self.segment_fold:
             raise ValueError("ForwardConfig: state_resweep=1 and segment_fold=1 are two ways "
@@ -360,8 +367,8 @@ WALK_MIN_SEQLEN_TWO_RUNS = 2048
 
 
 def walk_block_p(dstate_pad: int) -> int:
-    """The channels a walk program of the rule holds (`scan_block_p`): the whole 64-channel
-    head, or 32 channels at a state padded to 256 (a (64, 256) float32 state tile does not
+    """The channels a walk program of the rule holds (`scan_block_p`): a 64-channel tile (a
+    whole head of 64), or 32 channels at a state padded to 256 (a (64, 256) float32 state tile does not
     compile in the fix-up walk: WALK_MAX_STATE)."""
     return min(64, WALK_MAX_STATE // dstate_pad)
 
@@ -388,8 +395,8 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
       90-100% of the SMs, one per SM;
     - n > 2 SMs (or n > SMs at dstate 129-256): S = 1, one per SM, where the last wave is at
       least 90% full;
-    - headdim above 64: only whole 64-channel tiles at SMs < n <= 2 SMs, dstate <= 128,
-      two per SM (the one such form timed).
+    - headdim above 64: only headdim 128 at SMs < n <= 2 SMs, dstate <= 128, two per SM
+      (the one such form timed; 192 or 256 channels and the other grids stay three-kernel).
 
     On the H100 (bf16, D per head, chunk 256 unless named; three-kernel forward or the
     earlier walk -> this rule, ms, ours only in the same run unless named;
@@ -416,8 +423,9 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     0.0298, a form this rule does not make); the seed problem at T=4096 in 4 runs 0.0681 ->
     0.0780, and two per SM in 8 / 4 runs 0.0792 / 0.0809 against the three-kernel 0.0668
     (`...-forward-sweep-seed-t4k-runs.jsonl`), so runs other than 2 keep 8192+ tokens.
-    Shapes matching these conditions but not timed (133-159 and 161-255 programs two per SM, S = 3, 6 and 7, dstate 64, z or
-    dt_bias, other sequence lengths) follow the rule untimed."""
+    Shapes matching these conditions but not timed (133-159 and 161-255 programs two per
+    SM, S = 3, 6 and 7, dstate 64, z or dt_bias, other sequence lengths) follow the rule
+    untimed."""
     if (dtype not in (torch.bfloat16, torch.float16) or dstate > 256
             or seqlen is None or seqlen < WALK_MIN_SEQLEN_TWO_RUNS):
         return 0, 0
@@ -427,8 +435,8 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     if programs <= 0:
         return 0, 0
     if headdim > 64:
-        # whole 64-channel tiles two per SM only: the one form timed above 64 channels
-        wide_ok = headdim % 64 == 0 and np_ <= 128 and sms < programs <= 2 * sms
+        # headdim 128 (two 64-channel tiles) two per SM only: the one form timed above 64
+        wide_ok = headdim == 128 and np_ <= 128 and sms < programs <= 2 * sms
         return (1, 2) if wide_ok and long_enough else (0, 0)
     if programs > 2 * sms or (programs > sms and np_ > 128):
         full = programs % sms == 0 or programs % sms >= 0.9 * sms
@@ -549,11 +557,12 @@ def _decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, seq_idx, seq_a
 
 def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt_buf, cum_buf,
               states, final, out, cfg: ForwardConfig):
-    """The launches of the walk (`uses_walk`): decay_cumsum; with S = state_segments > 1
-    (clamped to the chunks) chunk_state_pass for the runs' end states (SEG_MODE=1: `states`
-    is never written, a stand-in will do) and chunk_state_carry for the states entering them
-    and the final state; chunk_scan_walk; with scan_causal 4 or 5 chunk_scan_walk again over
-    the flagged runs (FIX)."""
+    """The launches of the walk (`uses_walk`): decay_cumsum (not with walk_cumsum at S = 1,
+    where the walk forms dt' and G itself); with S = state_segments > 1 (clamped to the
+    chunks) chunk_state_pass for the runs' end states (SEG_MODE=1: `states` is never
+    written, a stand-in will do) and chunk_state_carry for the states entering them and the
+    final state; chunk_scan_walk; with scan_causal 4 or 5 chunk_scan_walk again over the
+    flagged runs (FIX)."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
@@ -569,8 +578,10 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
                         dtype=torch.float32, device=x.device)
     int64 = needs_int64(x, dt, B, C, z, init, dt_buf, cum_buf, out, seg_final, seg_entry,
                         flags)
-    calls = [_decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, None, seq_arg,
-                                seq_start, dt_buf, cum_buf, nchunks, cfg, int64)]
+    cumsum = bool(cfg.walk_cumsum) and segs == 1
+    calls = [] if cumsum else [_decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus,
+                                                  None, seq_arg, seq_start, dt_buf, cum_buf,
+                                                  nchunks, cfg, int64)]
     if segs > 1:
         state_grid = (batch * nheads, -(-headdim // cfg.state_block_p),
                       -(-dstate // cfg.state_block_n) * segs)
@@ -587,18 +598,21 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
             (seg_final, seg_factor, chunk_factor, states, final, seg_entry, cfg.state_block_p,
              cfg.state_block_n, segs, cfg.state_load_latency, False, True, True)))
     walk_args = (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
-                 init if init is not None else final, seg_entry, final, out, flags, Q,
+                 init if init is not None else final, seg_entry, final, out, flags, dt, A,
+                 dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi), Q,
                  cfg.scan_block_p, cfg.dstate_pad, nheads // ngroups,
                  0 if D is None else D.dim(), z is not None, init is not None,
                  cfg.scan_load_latency, bool(cfg.scan_lowp) and x.dtype != torch.float32,
                  walk_scale_x(cfg), segs, flag)
     walk = chunk_scan_walk_i64 if int64 else chunk_scan_walk
     grid = (batch * nheads, p_tiles, segs)
+    options = (dt_bias is not None, bool(dt_softplus))
     calls.append(KernelCall(with_hints(walk, cfg.walk_occupancy, cfg.walk_warps), grid,
-                            walk_args + (False,)))
+                            walk_args + (False, cumsum) + options))
     if flag:
-        # the flagged runs again, their bad chunks causally (no hints: a different program)
-        calls.append(KernelCall(walk, grid, walk_args + (True,)))
+        # the flagged runs again, their bad chunks causally (no hints: a different program;
+        # dt' and G from the buffers either way)
+        calls.append(KernelCall(walk, grid, walk_args + (True, False) + options))
     return calls
 
 
