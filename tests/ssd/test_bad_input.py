@@ -610,14 +610,42 @@ def test_emulated_walk_cumsum_causal(name, value, where, Q, causal):
     assert names == ["chunk_scan_walk", "chunk_scan_walk"], names
 
 
-@pytest.mark.parametrize("segments, cumsum", [(1, 0), (3, 0), (1, 1)])
-def test_emulated_walk_decay_limits(segments, cumsum):
-    run = emulated_run(64, 64, 4, scan_walk=1, state_segments=segments, walk_cumsum=cumsum)
+#: the walk forming its runs' entering states itself (walk_carry, 2-3 runs): a bad run's
+#: NaN reaching the later ones through them
+WALK_CARRY_CAUSAL = [pytest.param(n, v, w, Q, segs, causal,
+                                  id=f"{n}={v}-{w}-Q{Q}-S{segs}-c{causal}")
+                     for n, v, w, Q, segs, causal in [
+                         ("x", NAN, "mid", 64, 3, 4), ("B", INF, "first", 64, 3, 4),
+                         ("dt", NAN, "last", 64, 3, 5), ("C", -INF, "mid", 128, 2, 4),
+                         ("dt_raw", INF, "mid", 128, 3, 5), ("z", NAN, "first", 64, 2, 4),
+                         ("dt", -INF, "mid", 64, 3, 4)]]
+
+
+@pytest.mark.parametrize("name, value, where, Q, segments, causal", WALK_CARRY_CAUSAL)
+def test_emulated_walk_carry_causal(name, value, where, Q, segments, causal):
+    """walk_carry: each walk program's own entering state (no chunk_state_carry launch) keeps
+    the contract; the fix-up launch forms the same entering states again."""
+    t = where_in_chunk(Q, where)
+    args, kw = make_problem(Q, t, False, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
+                            n=7)
+    run = emulated_run(Q, Q, causal, scan_walk=1, state_segments=segments, walk_carry=1)
+    check_contract(run, args, kw, name, value, t, Q, EMU_TOL, strict_nonfinite=False)
+    names = [variants.kernel_name(c) for c in run.last_calls]
+    assert names == ["decay_cumsum", "chunk_state_pass", "chunk_scan_walk",
+                     "chunk_scan_walk"], names
+
+
+@pytest.mark.parametrize("segments, cumsum, carry", [(1, 0, 0), (3, 0, 0), (1, 1, 0),
+                                                     (3, 0, 1)])
+def test_emulated_walk_decay_limits(segments, cumsum, carry):
+    run = emulated_run(64, 64, 4, scan_walk=1, state_segments=segments, walk_cumsum=cumsum,
+                       walk_carry=carry)
     check_decay_limits(run, *make_problem(64, 64, False, softplus=True, dtype=F64), EMU_TOL)
     check_decay_limits(run, *dt_zero_problem(dtype=F64), EMU_TOL)
     names = [variants.kernel_name(c) for c in run.last_calls]
     assert "chunk_scan_walk" in names and ("decay_cumsum" in names) is not (
         cumsum and segments == 1)
+    assert ("chunk_state_carry" in names) is (segments > 1 and not carry)
 
 
 # ----------------------------------------------------------------------------------------------

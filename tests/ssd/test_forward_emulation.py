@@ -382,14 +382,14 @@ WALK_OPTIONS = {"none": {}, "D_head": OPTIONS["D_head"], "D_chan_z": OPTIONS["D_
                 "all_but_seq": {k: v for k, v in OPTIONS["all"].items() if k != "seq_idx"}}
 
 
-@pytest.mark.parametrize("cumsum", [0, 1])
+@pytest.mark.parametrize("fold", ["none", "cumsum", "carry", "both"])
 @pytest.mark.parametrize("causal", [0, 4, 5])
 @pytest.mark.parametrize("segments", [1, 2, 3])
 @pytest.mark.parametrize("opt, Q, l, n, block_p",
                          [("all_but_seq", 64, 150, 7, 16), ("D_chan_z", 128, 300, 20, 8),
                           ("limit_nosoftplus", 64, 64, 33, 32), ("D_head", 64, 130, 16, 16),
                           ("none", 32, 97, 5, 32)])
-def test_emulated_walk(opt, Q, l, n, block_p, segments, causal, cumsum):
+def test_emulated_walk(opt, Q, l, n, block_p, segments, causal, fold):
     """scan_walk: decay_cumsum, (S > 1: chunk_state_pass for the runs' ends, chunk_state_carry
     for their entering states and the final state,) chunk_scan_walk carrying the state through
     each run's chunks in registers, and with scan_causal 4 / 5 its second launch over the
@@ -397,27 +397,36 @@ def test_emulated_walk(opt, Q, l, n, block_p, segments, causal, cumsum):
     32 (a partial last one), dstate 5 to 33 (padded), partial last chunks, 1 to 3 runs
     (clamped to the chunk count: one chunk at l = 64). walk_cumsum at one run: no
     decay_cumsum, the walk forms dt' and G itself (its fix-up reads them from the buffers
-    the p-tile-0 programs wrote)."""
+    the p-tile-0 programs wrote); walk_carry at 2+ runs: no chunk_state_carry, each walk
+    program forms its entering state and the last run writes the final state."""
     args, kw, _, _ = make_problem(WALK_OPTIONS[opt], l=l, Q=Q, n=n)
     cfg = small_forward_config(Q, n, chunk_size=Q, scan_walk=1, scan_block_p=block_p,
                                state_segments=segments, scan_causal=causal,
-                               walk_cumsum=cumsum)
+                               walk_cumsum=int(fold in ("cumsum", "both")),
+                               walk_carry=int(fold in ("carry", "both")))
     calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
     names = [variants.kernel_name(c) for c in calls]
     segs = min(segments, -(-l // Q))
-    fused = bool(cumsum) and segs == 1
-    state = ["chunk_state_pass", "chunk_state_carry"] if segs > 1 else []
+    fused = bool(cfg.walk_cumsum) and segs == 1
+    carry = bool(cfg.walk_carry) and segs > 1
+    state = ["chunk_state_pass"] + ["chunk_state_carry"] * (not carry) if segs > 1 else []
     fix = ["chunk_scan_walk"] if causal else []
     assert names == ["decay_cumsum"] * (not fused) + [*state, "chunk_scan_walk", *fix]
     walk = calls[len(state) + (not fused)]
     assert tuple(walk.grid) == (2 * 4, -(-20 // block_p), segs)
     assert (variants.kernel_arg(walk, "FLAG"), variants.kernel_arg(walk, "FIX"),
-            variants.kernel_arg(walk, "CUMSUM")) == (causal > 0, False, fused)
+            variants.kernel_arg(walk, "CUMSUM"), variants.kernel_arg(walk, "CARRY")) == (
+        causal > 0, False, fused, carry)
     if causal:
         assert (variants.kernel_arg(calls[-1], "FIX"),
-                variants.kernel_arg(calls[-1], "CUMSUM")) == (True, False)
+                variants.kernel_arg(calls[-1], "CUMSUM"),
+                variants.kernel_arg(calls[-1], "CARRY")) == (True, False, carry)
+    if carry:
+        assert variants.kernel_arg(walk, "seg_final") is variants.kernel_arg(calls[1],
+                                                                              "seg_final")
     if segs > 1:
         assert variants.kernel_arg(calls[1], "SEG_MODE") == 1
+    if segs > 1 and not carry:
         assert variants.kernel_arg(calls[2], "ENTRY_ONLY") is True
         assert variants.kernel_arg(walk, "seg_entry") is variants.kernel_arg(calls[2], "entry")
     # measured at most 1.5e-15 of the largest element (out and final) over these cases
@@ -455,21 +464,21 @@ def test_walk_applies_only_where_it_can():
     assert backward.recompute_config(bcfg, x, B).scan_walk == 0
 
 
-@pytest.mark.parametrize("segments, block_n", [(3, 8), (2, 16)])
-def test_emulated_walk_through_forward_launches(segments, block_n):
+@pytest.mark.parametrize("segments, block_n, carry", [(3, 8, 0), (2, 16, 0), (3, 8, 1)])
+def test_emulated_walk_through_forward_launches(segments, block_n, carry):
     """The walk as forward_launches plans it: with its stand-in for the chunk states (no
     (B, H, C, P, N) buffer), the segmented pass and chunk_state_carry take their sizes from
-    the segment scratch (dstate 20 in state tiles of 8 or 16: several n-tiles per run). The
-    decay buffers forward_launches allocates are float32: 4.3e-5 of the largest output
+    the segment scratch (dstate 20 in state tiles of 8 or 16: several n-tiles per run; with
+    walk_carry the walk reads the whole run ends those tiles wrote). The decay buffers forward_launches allocates are float32: 4.3e-5 of the largest output
     measured, as in `test_computed_chunk_shorter_than_the_callers`."""
     args, kw, _, _ = make_problem(WALK_OPTIONS["all_but_seq"], l=300, Q=64, n=20)
     cfg = small_forward_config(64, 20, scan_walk=1, state_segments=segments,
-                               state_block_n=block_n)
+                               state_block_n=block_n, walk_carry=carry)
     x, dt, A, B, C = (args[k] for k in ("x", "dt", "A", "B", "C"))
     calls, out, final, (dt_buf, cum_buf, states), _ = forward.forward_launches(
         x, dt, A, B, C, 64, config=cfg, **kw)
     assert states.shape == (1, 1, 1, 1, 1)
-    assert "chunk_state_carry" in [variants.kernel_name(c) for c in calls]
+    assert ("chunk_state_carry" in [variants.kernel_name(c) for c in calls]) is not carry
     for t in (out, final, dt_buf, cum_buf):
         t.fill_(float("nan"))
     emulate_launch(calls)

@@ -420,15 +420,18 @@ def test_heads_kernels_int64_variants_compile():
     ("bfloat16", dict(chunk_size=64, int64=True), dict(scan_block_p=32), False, None),
     ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, walk_occupancy=2, walk_cumsum=1),
      True, 32),
+    ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, state_segments=8,
+                                           walk_occupancy=2, walk_carry=1), True, 8),
 ], ids=["bf16-q64-p64-seg4", "bf16-q64-p64-seg8-occ2", "bf16-q128-p32", "fp32-q64-p32",
-        "bf16-q64-p32-int64", "bf16-q64-p64-occ2-cumsum"])
+        "bf16-q64-p32-int64", "bf16-q64-p64-occ2-cumsum", "bf16-q64-p64-seg8-occ2-carry"])
 def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     """scan_walk: chunk_scan_walk (and its fix-up launch) compiles for sm_90 at the seed
     problem with every option but seq_idx; bf16 at chunk 64 with the whole 64-channel head a
     program holds its state without spills (sm_90, 168 registers, 384 threads; under the
     rule's two-per-SM hint, `walk_occupancy=2`, 128 registers at 256 threads, two CTAs an
     SM, with 8 B of stack; with `walk_cumsum` and every option 32 B, against 16 B without
-    it at S = 1: its G as masked row sums, where ct.cumsum spilled about 7 KB a thread)."""
+    it at S = 1: its G as masked row sums, where ct.cumsum spilled about 7 KB a thread; with
+    `walk_carry` in 8 runs, the entering states formed in the walk, 8 B)."""
     import cuda.tile as ct
     import torch
 
@@ -438,8 +441,9 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     names = [variants.kernel_name(c) for c in calls]
     segs = over.get("state_segments", 1)
     fused = over.get("walk_cumsum", 0) and segs == 1
-    assert names == (["decay_cumsum"] * (not fused)
-                     + ["chunk_state_pass", "chunk_state_carry"] * (segs > 1)
+    carry = over.get("walk_carry", 0) and segs > 1
+    assert names == (["decay_cumsum"] * (not fused) + ["chunk_state_pass"] * (segs > 1)
+                     + ["chunk_state_carry"] * (segs > 1 and not carry)
                      + ["chunk_scan_walk"] * 2)
     walk = calls[-2]
     if problem.get("int64"):

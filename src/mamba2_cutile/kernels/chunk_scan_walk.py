@@ -30,8 +30,13 @@ and reading every chunk state.
 With CUMSUM (`ForwardConfig.walk_cumsum`, S = 1) the launch before it, decay_cumsum, is
 folded in: each program forms its chunk's dt' and log2 steps from the caller's dt as
 decay_cumsum does (`decay_cumsum._dt_and_step`) and sums the steps into G as masked row sums
-(the same values up to float32 rounding of the sums' order), and the p-tile-0 programs write
-dt' and G to `dt` and `cum`, where the fix-up launch reads them.
+(the same values up to float32 rounding of the sums' order), and where the fix-up launch
+follows (FLAG) the p-tile-0 programs write dt' and G to `dt` and `cum`, where it reads them.
+
+With CARRY (`ForwardConfig.walk_carry`, S > 1) chunk_state_carry is folded in too: program
+(bh, p, s) forms H_s from the s earlier runs' end states and factors (s loads of its own
+(BLOCK_P, NP) tile, in that launch's operations and order, so the same values), and the last
+run's programs write the final state, which they reach by walking.
 
 Non-finite inputs (`ForwardConfig.scan_causal` 4). The intra-chunk product multiplies masked
 weights, zeros, into X, and 0 * NaN is NaN: a bad x, B or dt' at token t would reach the rows
@@ -96,10 +101,12 @@ def _chunk_output(x, b, c, z, D, dt, cum, out, h, dtt, g, batch, head, group, ch
 
 def _chunk_decay(dt, cum, dt_raw, A, dt_bias, dt_lo, dt_hi, batch, head, chunk, p_tile,
                  Q: ct.Constant[int], LAT, CUMSUM: ct.Constant[bool],
-                 HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool]):
+                 HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
+                 FLAG: ct.Constant[bool]):
     """The chunk's (Q,) dt' and G: read from decay_cumsum's `dt` and `cum`, or (CUMSUM)
     formed here from the raw (B, L, H) dt as decay_cumsum forms them, and written to `dt` and
-    `cum` by the p-tile-0 programs for the fix-up launch, which reads them there."""
+    `cum` by the p-tile-0 programs where a fix-up launch follows (FLAG), which reads them
+    there."""
     if CUMSUM:
         ZERO = ct.PaddingMode.ZERO
         d = ct.load(dt_raw, index=(batch, chunk, head), shape=(1, Q, 1), padding_mode=ZERO,
@@ -117,9 +124,10 @@ def _chunk_decay(dt, cum, dt_raw, A, dt_bias, dt_lo, dt_hi, batch, head, chunk, 
         # reaches G of an earlier token.
         dtt = d.reshape((Q,))
         g = ct.sum(ct.where(pos[:, None] >= pos[None, :], step.reshape((1, Q)), 0.0), axis=1)
-        if p_tile == 0:
-            ct.store(dt, index=(batch, head, chunk), tile=dtt.reshape((1, 1, Q)))
-            ct.store(cum, index=(batch, head, chunk), tile=g.reshape((1, 1, Q)))
+        if FLAG:
+            if p_tile == 0:
+                ct.store(dt, index=(batch, head, chunk), tile=dtt.reshape((1, 1, Q)))
+                ct.store(cum, index=(batch, head, chunk), tile=g.reshape((1, 1, Q)))
     else:
         g = ct.load(cum, index=(batch, head, chunk), shape=(1, 1, Q), latency=LAT).reshape((Q,))
         dtt = ct.load(dt, index=(batch, head, chunk), shape=(1, 1, Q),
@@ -137,14 +145,31 @@ def _next_state(h, xt, bt, dtt, g, in_dtype, Q: ct.Constant[int], BLOCK_P: ct.Co
     return h
 
 
+def _entering_state(seg_final, seg_factor, batch, head, p_tile, seg,
+                    BLOCK_P: ct.Constant[int], NP: ct.Constant[int]):
+    """H_s, the state entering run s >= 1, from the runs' end states E_r (from zero starts,
+    run 0 from init) and end factors F_r of the segmented pass: H_1 = E_0, H_s = F_{s-1}
+    H_{s-1} + E_{s-1}, in chunk_state_carry's operations and order (CARRY: that launch
+    folded into this one)."""
+    h = ct.full((BLOCK_P, NP), 0.0, dtype=ct.float32)
+    for src in range(seg):
+        end = ct.load(seg_final, index=(batch, head, src, p_tile, 0),
+                      shape=(1, 1, 1, BLOCK_P, NP),
+                      padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, NP))
+        f = ct.load(seg_factor, index=(batch, head, src), shape=(1, 1, 1)).reshape((1, 1))
+        # a select where F = 0, as chunk_state_carry: 0 * NaN would keep a NaN it drops
+        h = ct.where(f == 0.0, 0.0, h * f) + end
+    return h
+
+
 def _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A, dt_bias,
-          dt_lo, dt_hi, bh, p_tile, seg,
+          dt_lo, dt_hi, seg_final, seg_factor, bh, p_tile, seg,
           Q: ct.Constant[int], BLOCK_P: ct.Constant[int], NP: ct.Constant[int],
           HEADS_PER_GROUP: ct.Constant[int], D_MODE: ct.Constant[int],
           HAS_Z: ct.Constant[bool], HAS_INIT: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
           LOWP: ct.Constant[bool], SCALE_X: ct.Constant[bool], SEGS: ct.Constant[int],
           FLAG: ct.Constant[bool], FIX: ct.Constant[bool], CUMSUM: ct.Constant[bool],
-          HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool]):
+          HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool], CARRY: ct.Constant[bool]):
     """The run of program (bh, p_tile, seg): every chunk's output (FIX: only the bad chunks',
     causally) and the state carried through them."""
     ZERO = ct.PaddingMode.ZERO
@@ -164,8 +189,13 @@ def _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A,
                         padding_mode=ZERO).reshape((BLOCK_P, NP))
     if SEGS > 1:
         if seg > 0:
-            h = ct.load(seg_entry, index=(batch, head, seg, p_tile, 0),
-                        shape=(1, 1, 1, BLOCK_P, NP), padding_mode=ZERO).reshape((BLOCK_P, NP))
+            if CARRY:
+                h = _entering_state(seg_final, seg_factor, batch, head, p_tile, seg, BLOCK_P,
+                                    NP)
+            else:
+                h = ct.load(seg_entry, index=(batch, head, seg, p_tile, 0),
+                            shape=(1, 1, 1, BLOCK_P, NP),
+                            padding_mode=ZERO).reshape((BLOCK_P, NP))
     for chunk in range(c_begin, c_end):
         if FIX:
             dtt = ct.load(dt, index=(batch, head, chunk), shape=(1, 1, Q)).reshape((Q,))
@@ -179,7 +209,7 @@ def _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A,
                          padding_mode=ZERO).reshape((Q, NP))
         else:
             dtt, g = _chunk_decay(dt, cum, dt_raw, A, dt_bias, dt_lo, dt_hi, batch, head,
-                                  chunk, p_tile, Q, LAT, CUMSUM, HAS_BIAS, SOFTPLUS)
+                                  chunk, p_tile, Q, LAT, CUMSUM, HAS_BIAS, SOFTPLUS, FLAG)
             xt, bt = _chunk_output(x, b, c, z, D, dt, cum, out, h, dtt, g, batch, head, group,
                                    chunk, p_tile, Q, BLOCK_P, NP, D_MODE, HAS_Z, LOWP, LAT,
                                    False)
@@ -190,6 +220,10 @@ def _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A,
                      tile=_nonfinite(h).reshape((1, 1)))
         if SEGS == 1:
             ct.store(final, index=(batch, head, p_tile, 0), tile=h.reshape((1, 1, BLOCK_P, NP)))
+        elif CARRY:
+            if seg == SEGS - 1:
+                ct.store(final, index=(batch, head, p_tile, 0),
+                         tile=h.reshape((1, 1, BLOCK_P, NP)))
 
 
 def chunk_scan_walk_fn(
@@ -198,8 +232,8 @@ def chunk_scan_walk_fn(
     c,           # (B, L, G, N)
     z,           # (B, L, H, P) (ignored unless HAS_Z)
     D,           # (H,) or (H, P) float32 per D_MODE
-    dt,          # (B, H, Lp) float32, from decay_cumsum
-    cum,         # (B, H, Lp) float32, from decay_cumsum
+    dt,          # (B, H, Lp) float32, from decay_cumsum (CUMSUM: written here with FLAG)
+    cum,         # (B, H, Lp) float32, from decay_cumsum (CUMSUM: written here with FLAG)
     init,        # (B, H, P, N) float32 (ignored unless HAS_INIT)
     seg_entry,   # (B, H, SEGS, P, N) float32: the state entering each run (read if SEGS > 1)
     final,       # (B, H, P, N) float32: written with SEGS == 1 (else chunk_state_carry's)
@@ -211,6 +245,8 @@ def chunk_scan_walk_fn(
     dt_bias,     # (H,) float32 (read if CUMSUM and HAS_BIAS)
     dt_lo: float,
     dt_hi: float,
+    seg_final,   # (B, H, SEGS, P, N) float32: the runs' end states E_r (read if CARRY)
+    seg_factor,  # (B, H, SEGS) float32: their end factors F_r (read if CARRY)
     Q: ct.Constant[int],
     BLOCK_P: ct.Constant[int],
     NP: ct.Constant[int],         # the padded dstate: the state tile's width
@@ -228,22 +264,25 @@ def chunk_scan_walk_fn(
                                   # written to dt and cum: no decay_cumsum launch before
     HAS_BIAS: ct.Constant[bool],
     SOFTPLUS: ct.Constant[bool],
+    CARRY: ct.Constant[bool],     # SEGS > 1: H_s formed here from seg_final and seg_factor
+                                  # (no chunk_state_carry launch; the last run writes final)
 ):
     bh, p_tile, seg = ct.bid(0), ct.bid(1), ct.bid(2)
     if FIX:
         if ct.load(flags, index=(bh, p_tile * SEGS + seg), shape=(1, 1)).reshape(()) > 0.0:
             _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A,
-                  dt_bias, dt_lo, dt_hi, bh, p_tile, seg, Q, BLOCK_P, NP, HEADS_PER_GROUP,
-                  D_MODE, HAS_Z, HAS_INIT, LOAD_LATENCY, LOWP, SCALE_X, SEGS, FLAG, True,
-                  False, HAS_BIAS, SOFTPLUS)
+                  dt_bias, dt_lo, dt_hi, seg_final, seg_factor, bh, p_tile, seg, Q, BLOCK_P,
+                  NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_INIT, LOAD_LATENCY, LOWP, SCALE_X,
+                  SEGS, FLAG, True, False, HAS_BIAS, SOFTPLUS, CARRY)
     else:
         _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A, dt_bias,
-              dt_lo, dt_hi, bh, p_tile, seg, Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
-              HAS_INIT, LOAD_LATENCY, LOWP, SCALE_X, SEGS, FLAG, False, CUMSUM, HAS_BIAS,
-              SOFTPLUS)
+              dt_lo, dt_hi, seg_final, seg_factor, bh, p_tile, seg, Q, BLOCK_P, NP,
+              HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_INIT, LOAD_LATENCY, LOWP, SCALE_X, SEGS,
+              FLAG, False, CUMSUM, HAS_BIAS, SOFTPLUS, CARRY)
 
 
 chunk_scan_walk = ct.kernel(chunk_scan_walk_fn)
 chunk_scan_walk_i64 = ct.kernel(int64_variant(
     chunk_scan_walk_fn, ["x", "b", "c", "z", "D", "dt", "cum", "init", "seg_entry", "final",
-                         "out", "flags", "dt_raw", "A", "dt_bias"]))
+                         "out", "flags", "dt_raw", "A", "dt_bias", "seg_final",
+                         "seg_factor"]))

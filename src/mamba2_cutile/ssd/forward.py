@@ -150,6 +150,12 @@ class ForwardConfig:
                                     # without it); one per SM 168 registers at 384 threads
                                     # with 40 B (255 at 256 threads, none, without it), 544 B
                                     # at dstate 256
+    walk_carry: int = 0             # 1: with state_segments S > 1 each walk program forms
+                                    # its run's entering state from the segmented pass's run
+                                    # ends itself (CARRY), one launch fewer (no
+                                    # chunk_state_carry). Not timed yet. sm_90, the rule's
+                                    # walks with D: 128 registers, no stack (8 B without),
+                                    # 109 KB of shared memory (84), still two per SM
 
     FIXED = ("dstate_pad",)     # set by the problem, never overridden
 
@@ -171,7 +177,8 @@ class ForwardConfig:
         c.check_pow2(self, "scan_heads")
         c.check_range(self, "state_scale_x", -1, 1)
         for name in ("state_fresh_acc", "scan_lowp", "scan_head_major", "scan_cb",
-                     "segment_fold", "state_resweep", "scan_walk", "walk_cumsum"):
+                     "segment_fold", "state_resweep", "scan_walk", "walk_cumsum",
+                     "walk_carry"):
             c.check_choice(self, name, (0, 1))
         if self.state_resweep and self.segment_fold:
             raise ValueError("ForwardConfig: state_resweep=1 and segment_fold=1 are two ways "
@@ -561,8 +568,9 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
     where the walk forms dt' and G itself); with S = state_segments > 1 (clamped to the
     chunks) chunk_state_pass for the runs' end states (SEG_MODE=1: `states` is never
     written, a stand-in will do) and chunk_state_carry for the states entering them and the
-    final state; chunk_scan_walk; with scan_causal 4 or 5 chunk_scan_walk again over the
-    flagged runs (FIX)."""
+    final state (not with walk_carry, where each walk program forms its own and the last
+    run writes the final state); chunk_scan_walk; with scan_causal 4 or 5 chunk_scan_walk
+    again over the flagged runs (FIX)."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
@@ -570,7 +578,9 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
     seq_arg = seq_start = torch.empty((1, 1), dtype=torch.int32, device=x.device)
     segs, (seg_final, seg_factor, chunk_factor) = segment_buffers(
         cfg.state_segments, nchunks, final, cum_buf)
-    seg_entry = torch.empty(seg_final.shape if segs > 1 else (1, 1, 1, 1, 1),
+    cumsum = bool(cfg.walk_cumsum) and segs == 1
+    carry = bool(cfg.walk_carry) and segs > 1
+    seg_entry = torch.empty(seg_final.shape if segs > 1 and not carry else (1, 1, 1, 1, 1),
                             dtype=final.dtype, device=x.device)
     p_tiles = -(-headdim // cfg.scan_block_p)
     flag = cfg.scan_causal in (4, 5)
@@ -578,7 +588,6 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
                         dtype=torch.float32, device=x.device)
     int64 = needs_int64(x, dt, B, C, z, init, dt_buf, cum_buf, out, seg_final, seg_entry,
                         flags)
-    cumsum = bool(cfg.walk_cumsum) and segs == 1
     calls = [] if cumsum else [_decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus,
                                                   None, seq_arg, seq_start, dt_buf, cum_buf,
                                                   nchunks, cfg, int64)]
@@ -593,20 +602,23 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
              Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups, init is not None,
              False, cfg.state_load_latency, scale_x(cfg), bool(cfg.state_fresh_acc), segs,
              seg_final, seg_factor, chunk_factor, flags, False, seg_entry, 1)))
-        calls.append(KernelCall(
-            chunk_state_carry_i64 if int64 else chunk_state_carry, state_grid,
-            (seg_final, seg_factor, chunk_factor, states, final, seg_entry, cfg.state_block_p,
-             cfg.state_block_n, segs, cfg.state_load_latency, False, True, True)))
+        if not carry:
+            calls.append(KernelCall(
+                chunk_state_carry_i64 if int64 else chunk_state_carry, state_grid,
+                (seg_final, seg_factor, chunk_factor, states, final, seg_entry,
+                 cfg.state_block_p, cfg.state_block_n, segs, cfg.state_load_latency, False,
+                 True, True)))
     walk_args = (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
                  init if init is not None else final, seg_entry, final, out, flags, dt, A,
-                 dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi), Q,
+                 dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi),
+                 seg_final if segs > 1 else seg_entry, seg_factor, Q,
                  cfg.scan_block_p, cfg.dstate_pad, nheads // ngroups,
                  0 if D is None else D.dim(), z is not None, init is not None,
                  cfg.scan_load_latency, bool(cfg.scan_lowp) and x.dtype != torch.float32,
                  walk_scale_x(cfg), segs, flag)
     walk = chunk_scan_walk_i64 if int64 else chunk_scan_walk
     grid = (batch * nheads, p_tiles, segs)
-    options = (dt_bias is not None, bool(dt_softplus))
+    options = (dt_bias is not None, bool(dt_softplus), carry)
     calls.append(KernelCall(with_hints(walk, cfg.walk_occupancy, cfg.walk_warps), grid,
                             walk_args + (False, cumsum) + options))
     if flag:
