@@ -389,8 +389,9 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     (batch, head, `walk_block_p` channels): dstate <= 256, 16-bit inputs,
     sequences of WALK_MIN_SEQLEN+ tokens, WALK_MIN_SEQLEN_TWO_RUNS+ with S = 2) as (S, O):
     its run count S (0 for the three-kernel forward) and its occupancy hint O
-    (`ForwardConfig.walk_occupancy`; 0 leaves the compiler's one program per SM, 168
-    registers at 384 threads; 2 gives two per SM, 128 registers at 256 threads). A walk
+    (`ForwardConfig.walk_occupancy`; 0 leaves the compiler's one program per SM, at sm_90
+    255 registers at 256 threads in the rule's one-run form at dstate 128, 168 at 384 in its
+    runs and at dstate 256; 2 gives two per SM, 128 registers at 256 threads). A walk
     program is one sequential chain of chunks, so its grid of S n programs (n = B * H *
     channel tiles) must fill the SMs:
 
