@@ -35,7 +35,7 @@ follows (FLAG) the p-tile-0 programs write dt' and G to `dt` and `cum`, where it
 
 With CARRY (`ForwardConfig.walk_carry`, S > 1) chunk_state_carry is folded in too: program
 (bh, p, s) forms H_s from the s earlier runs' end states and factors (s loads of its own
-(BLOCK_P, NP) tile, in that launch's operations and order, so the same values), and the last
+(BLOCK_P, NP) tile, with that launch's own `_carried_state`, so the same values), and the last
 run's programs write the final state, which they reach by walking.
 
 Non-finite inputs (`ForwardConfig.scan_causal` 4). The intra-chunk product multiplies masked
@@ -58,6 +58,7 @@ import cuda.tile as ct
 
 from ._common import int64_variant, mma_operand
 from .chunk_scan import _add_key_block, _chunk_is_bad, _gate, _mma_x, _skip
+from .chunk_state_carry import _carried_state
 from .chunk_state_pass import _nonfinite, _update
 from .decay_cumsum import _dt_and_step
 
@@ -145,23 +146,6 @@ def _next_state(h, xt, bt, dtt, g, in_dtype, Q: ct.Constant[int], BLOCK_P: ct.Co
     return h
 
 
-def _entering_state(seg_final, seg_factor, batch, head, p_tile, seg,
-                    BLOCK_P: ct.Constant[int], NP: ct.Constant[int]):
-    """H_s, the state entering run s >= 1, from the runs' end states E_r (from zero starts,
-    run 0 from init) and end factors F_r of the segmented pass: H_1 = E_0, H_s = F_{s-1}
-    H_{s-1} + E_{s-1}, in chunk_state_carry's operations and order (CARRY: that launch
-    folded into this one)."""
-    h = ct.full((BLOCK_P, NP), 0.0, dtype=ct.float32)
-    for src in range(seg):
-        end = ct.load(seg_final, index=(batch, head, src, p_tile, 0),
-                      shape=(1, 1, 1, BLOCK_P, NP),
-                      padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, NP))
-        f = ct.load(seg_factor, index=(batch, head, src), shape=(1, 1, 1)).reshape((1, 1))
-        # a select where F = 0, as chunk_state_carry: 0 * NaN would keep a NaN it drops
-        h = ct.where(f == 0.0, 0.0, h * f) + end
-    return h
-
-
 def _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A, dt_bias,
           dt_lo, dt_hi, seg_final, seg_factor, bh, p_tile, seg,
           Q: ct.Constant[int], BLOCK_P: ct.Constant[int], NP: ct.Constant[int],
@@ -190,8 +174,8 @@ def _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A,
     if SEGS > 1:
         if seg > 0:
             if CARRY:
-                h = _entering_state(seg_final, seg_factor, batch, head, p_tile, seg, BLOCK_P,
-                                    NP)
+                h = _carried_state(seg_final, seg_factor, batch, head, p_tile, 0, seg, SEGS,
+                                   BLOCK_P, NP, False)
             else:
                 h = ct.load(seg_entry, index=(batch, head, seg, p_tile, 0),
                             shape=(1, 1, 1, BLOCK_P, NP),
@@ -236,7 +220,8 @@ def chunk_scan_walk_fn(
     cum,         # (B, H, Lp) float32, from decay_cumsum (CUMSUM: written here with FLAG)
     init,        # (B, H, P, N) float32 (ignored unless HAS_INIT)
     seg_entry,   # (B, H, SEGS, P, N) float32: the state entering each run (read if SEGS > 1)
-    final,       # (B, H, P, N) float32: written with SEGS == 1 (else chunk_state_carry's)
+    final,       # (B, H, P, N) float32: written with SEGS == 1 or CARRY (else
+                 # chunk_state_carry's)
     out,         # (B, L, H, P)
     flags,       # (B * H, cdiv(P, BLOCK_P) * SEGS) float32: 1.0 where the run's last state
                  # is non-finite (written if FLAG, read if FIX)

@@ -36,6 +36,29 @@ import cuda.tile as ct
 from ._common import int64_variant, state_segment
 
 
+def _carried_state(seg_final, seg_factor, batch, head, p_tile, n_tile, seg,
+                   SEGMENTS: ct.Constant[int], BLOCK_P: ct.Constant[int],
+                   BLOCK_N: ct.Constant[int], REVERSE: ct.Constant[bool]):
+    """H_s of the module docstring, the (BLOCK_P, BLOCK_N) float32 tile entering segment
+    `seg` from the segments before it (REVERSE: after it). Also the walk's entering state
+    (kernels/chunk_scan_walk.py, CARRY), so the two form the same values."""
+    tile = (1, 1, 1, BLOCK_P, BLOCK_N)
+    carry = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
+    s_from, s_to = 0, seg
+    if REVERSE:
+        s_from, s_to = seg + 1, SEGMENTS
+    for i in range(s_to - s_from):
+        src = s_from + i
+        if REVERSE:
+            src = SEGMENTS - 1 - i
+        end = ct.load(seg_final, index=(batch, head, src, p_tile, n_tile), shape=tile,
+                      padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
+        f = ct.load(seg_factor, index=(batch, head, src), shape=(1, 1, 1)).reshape((1, 1))
+        # a select where F = 0 (a seq_idx reset): 0 * NaN would keep a NaN it drops
+        carry = ct.where(f == 0.0, 0.0, carry * f) + end
+    return carry
+
+
 def chunk_state_carry_fn(
     seg_final,     # (B, H, S, P, N) float32: E_s
     seg_factor,    # (B, H, S) float32: F_s
@@ -61,19 +84,12 @@ def chunk_state_carry_fn(
                                                 chunk_factor.shape[2], SEGMENTS)
     tile = (1, 1, 1, BLOCK_P, BLOCK_N)
     lat = None if LOAD_LATENCY == 0 else LOAD_LATENCY
-    carry = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
     # the segments that enter this one: those before it, or after it with REVERSE
+    carry = _carried_state(seg_final, seg_factor, batch, head, p_tile, n_tile, seg, SEGMENTS,
+                           BLOCK_P, BLOCK_N, REVERSE)
     s_from, s_to = 0, seg
     if REVERSE:
         s_from, s_to = seg + 1, SEGMENTS
-    for i in range(s_to - s_from):
-        src = s_from + i
-        if REVERSE:
-            src = SEGMENTS - 1 - i
-        end = ct.load(seg_final, index=(batch, head, src, p_tile, n_tile), shape=tile,
-                      padding_mode=ct.PaddingMode.ZERO).reshape((BLOCK_P, BLOCK_N))
-        f = ct.load(seg_factor, index=(batch, head, src), shape=(1, 1, 1)).reshape((1, 1))
-        carry = ct.where(f == 0.0, 0.0, carry * f) + end
     if ENTRY_ONLY:
         ct.store(entry, index=(batch, head, seg, p_tile, n_tile), tile=carry.reshape(tile))
     elif s_to > s_from:

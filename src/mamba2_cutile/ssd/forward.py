@@ -145,11 +145,9 @@ class ForwardConfig:
     walk_warps: int = 0             # num_worker_warps hint of chunk_scan_walk (0: compiler's)
     walk_cumsum: int = 0            # 1: with state_segments 1 the walk forms dt' and the
                                     # decay cumsum itself (CUMSUM), one launch fewer (no
-                                    # decay_cumsum). Not timed yet. sm_90, the rule's walks
-                                    # with D: two per SM 128 registers and no stack (8 B
-                                    # without it); one per SM 168 registers at 384 threads
-                                    # with 40 B (255 at 256 threads, none, without it), 544 B
-                                    # at dstate 256
+                                    # decay_cumsum). Not timed yet. sm_90 stack with it: 0 B
+                                    # two per SM, 40 B one per SM, 544 B at dstate 256
+                                    # (docs/measurements.md)
     walk_carry: int = 0             # 1: with state_segments S > 1 each walk program forms
                                     # its run's entering state from the segmented pass's run
                                     # ends itself (CARRY), one launch fewer (no
@@ -375,8 +373,8 @@ WALK_MIN_SEQLEN_TWO_RUNS = 2048
 
 def walk_block_p(dstate_pad: int) -> int:
     """The channels a walk program of the rule holds (`scan_block_p`): a 64-channel tile (a
-    whole head of 64), or 32 channels at a state padded to 256 (a (64, 256) float32 state tile does not
-    compile in the fix-up walk: WALK_MAX_STATE)."""
+    whole head of 64), or 32 channels at a state padded to 256 (a (64, 256) float32 state
+    tile does not compile in the fix-up walk: WALK_MAX_STATE)."""
     return min(64, WALK_MAX_STATE // dstate_pad)
 
 
