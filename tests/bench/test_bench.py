@@ -267,6 +267,69 @@ def test_compile_in_processes_cpu(monkeypatch):
     assert runner.compile_in_processes([TINY], ["reference"], ("fwd",), jobs=2) == []
 
 
+def _fake_tilegym(monkeypatch):
+    """A stand-in for tilegym.ops.cutile.mamba2: two search spaces, one built on a base space
+    looked up by name at call time, as TileGym's are."""
+    import types
+    module = types.ModuleType("tilegym.ops.cutile.mamba2")
+
+    def _a_configs(n):
+        yield from range(n)
+
+    def _b_base_configs():
+        yield from "pqrs"
+
+    def _b_configs():
+        for base in module._b_base_configs():
+            yield from (base + "1", base + "2")
+
+    module._a_configs, module._b_base_configs, module._b_configs = (
+        _a_configs, _b_base_configs, _b_configs)
+    module.not_a_space = 7
+    for name in ("tilegym", "tilegym.ops", "tilegym.ops.cutile"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "tilegym.ops.cutile.mamba2", module)
+    return module
+
+
+def test_tilegym_search_slice(monkeypatch):
+    """Slices of TileGym's search spaces: together every candidate once, each slice never
+    empty, the base spaces uncut, the module as it was afterwards."""
+    m = _fake_tilegym(monkeypatch)
+    originals = (m._a_configs, m._b_configs, m._b_base_configs)
+    got_a, got_b = [], []
+    for k in range(3):
+        with impls.tilegym_search_slice(k, 3) as cut:
+            assert cut == ["_a_configs", "_b_configs"]
+            got_a += list(m._a_configs(7))
+            got_b += list(m._b_configs())
+            assert list(m._b_base_configs()) == list("pqrs")
+            assert list(m._a_configs(1)) == [0]                   # slice 1, 2 of one: kept
+    assert sorted(got_a) == list(range(7))
+    assert sorted(got_b) == sorted(b + i for b in "pqrs" for i in "12")
+    assert (m._a_configs, m._b_configs, m._b_base_configs) == originals
+    with pytest.raises(RuntimeError), impls.tilegym_search_slice(0, 2):
+        raise RuntimeError("restored on the way out too")
+    assert m._a_configs is originals[0]
+
+
+def test_compile_cases_split_a_tuning_tilegym(monkeypatch):
+    monkeypatch.setattr(impls, "tilegym_tuning", lambda: "tuned (exhaustive search)")
+    cases = runner.compile_cases([TINY, EVEN], [impls.OURS, "tilegym", "reference"], jobs=3)
+    assert [(s.name, n, p) for s, n, p in cases] == [
+        (s.name, n, p) for s in (TINY, EVEN)
+        for n, p in [(impls.OURS, None)] + [("tilegym", (k, 3)) for k in range(3)]]
+    assert all(p is None for _, _, p in runner.compile_cases([TINY], ["tilegym"], jobs=1))
+    monkeypatch.setattr(impls, "tilegym_tuning", lambda: "untuned (DISABLE_AUTOTUNE=1)")
+    assert [p for _, _, p in runner.compile_cases([TINY], ["tilegym"], jobs=3)] == [None]
+
+
+def test_compile_case_tilegym_slice_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tilegym.ops.cutile.mamba2", None)     # import fails
+    assert runner._compile_case(TINY, "tilegym", ("fwd",), "cpu", (0, 2)) == (
+        TINY.name, "tilegym", "missing")
+
+
 @pytest.fixture
 def extra(monkeypatch):
     monkeypatch.setattr(impls, "EXTRA", {})

@@ -17,6 +17,7 @@ reference (`reference.ssd_chunked` in float32, PyTorch; small problems only).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -124,6 +125,40 @@ def tilegym_tuning() -> str:
     except Exception:  # noqa: BLE001 - older TileGym or not installed
         pass
     return "tuned (exhaustive search at the first call of each shape)"
+
+
+@contextlib.contextmanager
+def tilegym_search_slice(index: int, count: int):
+    """TileGym's autotune search spaces cut to every `count`-th candidate from `index`.
+
+    TileGym compiles each candidate serially at the first call of a shape (about 120 at the
+    seed problem, minutes of compiling). `count` processes, each searching its own slice, put
+    every candidate's cubin into cuTile's disk cache in parallel; the timing process then runs
+    TileGym's full, unchanged search, which finds them compiled. Only the `*_configs` search
+    spaces are cut (not `*_base_configs`, which the spaces build on); a slice that would be
+    empty keeps the first candidate, since TileGym refuses an empty space.
+    """
+    try:
+        import tilegym.ops.cutile.mamba2 as module
+    except Exception as e:  # noqa: BLE001
+        raise Skip("missing") from e
+    saved = {name: getattr(module, name) for name in dir(module)
+             if name.endswith("_configs") and not name.endswith("_base_configs")
+             and callable(getattr(module, name))}
+
+    def cut(space):
+        def sliced(*args, **kwargs):
+            candidates = list(space(*args, **kwargs))
+            return iter(candidates[index::count] or candidates[:1])
+        return sliced
+
+    try:
+        for name, space in saved.items():
+            setattr(module, name, cut(space))
+        yield sorted(saved)
+    finally:
+        for name, space in saved.items():
+            setattr(module, name, space)
 
 
 # --------------------------------------------------------------------------- runner interface

@@ -220,8 +220,17 @@ def run_case(shape, names, mode="fwd", timer=None, device="cuda", on_impl=None):
     return rows
 
 
-def _compile_case(shape, name, modes, device):
-    """One (shape, implementation) in a worker process: each mode's closure called once."""
+def _compile_case(shape, name, modes, device, part=None):
+    """One (shape, implementation) in a worker process: each mode's closure called once.
+    part=(index, count): TileGym searches only that slice of its candidates
+    (`impls.tilegym_search_slice`)."""
+    if part is not None:
+        try:
+            with impls.tilegym_search_slice(*part):
+                shape_name, name, status = _compile_case(shape, name, modes, device)
+        except impls.Skip as e:
+            return shape.name, name, str(e)
+        return shape_name, f"{name} {part[0] + 1}/{part[1]}", status
     try:
         inp = problems.make_inputs(shape, device=device)
         grads = (problems.make_grad_outputs(shape, device=device)
@@ -244,6 +253,20 @@ def _compile_case(shape, name, modes, device):
         return shape.name, name, _error_status(e)
 
 
+def compile_cases(shapes, names, jobs):
+    """(shape, implementation, part) for each worker of `compile_in_processes`: the reference
+    compiles nothing; a tuning TileGym is split into `jobs` slices of its search spaces
+    (part=(index, jobs)), since it compiles over a hundred candidates one after another."""
+    cases = []
+    for s in shapes:
+        for n in names:
+            if n == "tilegym" and jobs > 1 and impls.tilegym_tuning().startswith("tuned"):
+                cases += [(s, n, (k, jobs)) for k in range(jobs)]
+            elif n != "reference":
+                cases.append((s, n, None))
+    return cases
+
+
 def compile_in_processes(shapes, names, modes, jobs, device="cuda"):
     """Call every (shape, implementation) once in `jobs` fresh processes, so that the kernels
     land in the disk caches (Triton's, cuTile's CUDA_TILE_CACHE_DIR) in parallel; the timing
@@ -254,7 +277,7 @@ def compile_in_processes(shapes, names, modes, jobs, device="cuda"):
     import concurrent.futures
     import multiprocessing
 
-    cases = [(s, n) for s in shapes for n in names if n != "reference"]
+    cases = compile_cases(shapes, names, jobs)
     if not cases or jobs < 1:
         return []
     saved = os.environ.get("TRITON_CACHE_AUTOTUNING")
@@ -262,7 +285,8 @@ def compile_in_processes(shapes, names, modes, jobs, device="cuda"):
     try:
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(min(jobs, len(cases)), mp_context=ctx) as pool:
-            futures = [pool.submit(_compile_case, s, n, tuple(modes), device) for s, n in cases]
+            futures = [pool.submit(_compile_case, s, n, tuple(modes), device, part)
+                       for s, n, part in cases]
             out = []
             for f in futures:
                 try:
