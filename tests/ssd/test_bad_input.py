@@ -580,7 +580,7 @@ WALK_CUMSUM_CAUSAL = [pytest.param(n, v, w, Q, causal, id=f"{n}={v}-{w}-Q{Q}-c{c
                           ("dt", NAN, "mid", 64, 4), ("dt", INF, "first", 64, 4),
                           ("dt", -INF, "last", 64, 4), ("dt_raw", NAN, "last", 128, 4),
                           ("dt_raw", INF, "mid", 64, 5), ("x", NAN, "mid", 64, 4),
-                          ("B", INF, "first", 128, 5)]]
+                          ("B", INF, "first", 64, 5)]]
 
 
 @pytest.mark.parametrize("name, value, where, Q, segments, causal", WALK_CAUSAL)
@@ -599,15 +599,16 @@ def test_emulated_walk_causal(name, value, where, Q, segments, causal):
 
 @pytest.mark.parametrize("name, value, where, Q, causal", WALK_CUMSUM_CAUSAL)
 def test_emulated_walk_cumsum_causal(name, value, where, Q, causal):
-    """walk_cumsum: the walk's own dt' and G (no decay_cumsum launch) keep the contract, and
-    the fix-up launch reads the dt' and G the walk wrote."""
+    """walk_cumsum: the walk's own dt' and G (no decay_cumsum launch, at chunk 64) keep the
+    contract, and the fix-up launch reads the dt' and G the walk wrote."""
     t = where_in_chunk(Q, where)
     args, kw = make_problem(Q, t, False, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
                             n=7)
     run = emulated_run(Q, Q, causal, scan_walk=1, walk_cumsum=1)
     check_contract(run, args, kw, name, value, t, Q, EMU_TOL, strict_nonfinite=False)
     names = [variants.kernel_name(c) for c in run.last_calls]
-    assert names == ["chunk_scan_walk", "chunk_scan_walk"], names
+    # at chunk 128 (past WALK_CUMSUM_MAX_CHUNK) decay_cumsum forms them, as without the option
+    assert names == ["decay_cumsum"] * (Q > 64) + ["chunk_scan_walk", "chunk_scan_walk"], names
 
 
 #: the walk forming its runs' entering states itself (walk_carry, 2-3 runs): a bad run's

@@ -395,9 +395,9 @@ def test_emulated_walk(opt, Q, l, n, block_p, segments, causal, fold):
     each run's chunks in registers, and with scan_causal 4 / 5 its second launch over the
     flagged runs: the recurrence's outputs and final state, with headdim 20 in p-tiles of 8 to
     32 (a partial last one), dstate 5 to 33 (padded), partial last chunks, 1 to 3 runs
-    (clamped to the chunk count: one chunk at l = 64). walk_cumsum at one run: no
-    decay_cumsum, the walk forms dt' and G itself (its fix-up reads them from the buffers
-    the p-tile-0 programs wrote); walk_carry at 2+ runs: no chunk_state_carry, each walk
+    (clamped to the chunk count: one chunk at l = 64). walk_cumsum at one run and chunk 64:
+    no decay_cumsum, the walk forms dt' and G itself (its fix-up reads them from the buffers
+    the p-tile-0 programs wrote; at chunk 128 decay_cumsum stays); walk_carry at 2+ runs: no chunk_state_carry, each walk
     program forms its entering state and the last run writes the final state."""
     args, kw, _, _ = make_problem(WALK_OPTIONS[opt], l=l, Q=Q, n=n)
     cfg = small_forward_config(Q, n, chunk_size=Q, scan_walk=1, scan_block_p=block_p,
@@ -407,7 +407,7 @@ def test_emulated_walk(opt, Q, l, n, block_p, segments, causal, fold):
     calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
     names = [variants.kernel_name(c) for c in calls]
     segs = min(segments, -(-l // Q))
-    fused = bool(cfg.walk_cumsum) and segs == 1
+    fused = bool(cfg.walk_cumsum) and segs == 1 and Q <= forward.WALK_CUMSUM_MAX_CHUNK
     carry = bool(cfg.walk_carry) and segs > 1
     state = ["chunk_state_pass"] + ["chunk_state_carry"] * (not carry) if segs > 1 else []
     fix = ["chunk_scan_walk"] if causal else []

@@ -15,6 +15,7 @@ pytest.importorskip("cuda.tile")
 
 from mamba2_cutile.bench import compile as cpu_compile  # noqa: E402
 from mamba2_cutile.bench import plans, resources  # noqa: E402
+from mamba2_cutile.ssd import forward  # noqa: E402
 from support import variants  # noqa: E402
 
 pytestmark = pytest.mark.compile
@@ -440,7 +441,8 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
         overrides=dict(scan_walk=1, **over), **problem)
     names = [variants.kernel_name(c) for c in calls]
     segs = over.get("state_segments", 1)
-    fused = over.get("walk_cumsum", 0) and segs == 1
+    fused = (over.get("walk_cumsum", 0) and segs == 1
+             and problem["chunk_size"] <= forward.WALK_CUMSUM_MAX_CHUNK)
     carry = over.get("walk_carry", 0) and segs > 1
     assert names == (["decay_cumsum"] * (not fused) + ["chunk_state_pass"] * (segs > 1)
                      + ["chunk_state_carry"] * (segs > 1 and not carry)

@@ -143,11 +143,12 @@ class ForwardConfig:
     walk_occupancy: int = 0         # occupancy hint of chunk_scan_walk (0: compiler's choice,
                                     # one per SM; the rule sets 2 where its grid needs two)
     walk_warps: int = 0             # num_worker_warps hint of chunk_scan_walk (0: compiler's)
-    walk_cumsum: int = 0            # 1: with state_segments 1 the walk forms dt' and the
+    walk_cumsum: int = 0            # 1: with state_segments 1 and chunk_size <= 64
+                                    # (WALK_CUMSUM_MAX_CHUNK) the walk forms dt' and the
                                     # decay cumsum itself (CUMSUM), one launch fewer (no
                                     # decay_cumsum). Not timed yet. sm_90 stack with it: 0 B
                                     # two per SM, 40 B one per SM, 544 B at dstate 256
-                                    # (docs/measurements.md)
+                                    # (docs/measurements.md); at chunk 128 about 140 KB
     walk_carry: int = 0             # 1: with state_segments S > 1 each walk program forms
                                     # its run's entering state from the segmented pass's run
                                     # ends itself (CARRY), one launch fewer (no
@@ -381,6 +382,11 @@ def walk_block_p(dstate_pad: int) -> int:
 #: the most runs the two-per-SM walk takes (`walk_form`; 8 timed at the seed problem)
 WALK_MAX_RUNS = 8
 
+#: the longest chunk at which `walk_cumsum` applies: G as masked row sums of a (Q, Q) tile
+#: compiles without spills at chunk 64 (the rule's walk) but spilled about 140 KB a thread at
+#: chunk 128 (sm_90, B=1 T=512 H=24, 16 and 32 channels a program)
+WALK_CUMSUM_MAX_CHUNK = 64
+
 
 def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     """The shape rule's walk (`ForwardConfig.scan_walk`, computed at chunk 64, a program per
@@ -577,7 +583,7 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
     seq_arg = seq_start = torch.empty((1, 1), dtype=torch.int32, device=x.device)
     segs, (seg_final, seg_factor, chunk_factor) = segment_buffers(
         cfg.state_segments, nchunks, final, cum_buf)
-    cumsum = bool(cfg.walk_cumsum) and segs == 1
+    cumsum = bool(cfg.walk_cumsum) and segs == 1 and Q <= WALK_CUMSUM_MAX_CHUNK
     carry = bool(cfg.walk_carry) and segs > 1
     seg_entry = torch.empty(seg_final.shape if segs > 1 and not carry else (1, 1, 1, 1, 1),
                             dtype=final.dtype, device=x.device)
