@@ -574,41 +574,34 @@ WALK_CAUSAL = ([pytest.param(n, v, w, 64, 1, 4, id=f"{n}={v}-{w}") for n, v in B
                       ("dt", NAN, "last", 64, 3, 5), ("C", -INF, "mid", 128, 2, 4),
                       ("x", -INF, "last", 128, 3, 5), ("dt_raw", INF, "mid", 128, 1, 5),
                       ("z", NAN, "first", 64, 2, 5), ("B", NAN, "mid", 128, 3, 4)]])
-#: the walk forming dt' and G itself (walk_cumsum, one run): each bad decay input
-WALK_CUMSUM_CAUSAL = [pytest.param(n, v, w, Q, causal, id=f"{n}={v}-{w}-Q{Q}-c{causal}")
-                      for n, v, w, Q, causal in [
-                          ("dt", NAN, "mid", 64, 4), ("dt", INF, "first", 64, 4),
-                          ("dt", -INF, "last", 64, 4), ("dt_raw", NAN, "last", 128, 4),
-                          ("dt_raw", INF, "mid", 64, 5), ("x", NAN, "mid", 64, 4),
-                          ("B", INF, "first", 64, 5)]]
+#: dt' and G formed without decay_cumsum (walk_cumsum): by the walk at one run, by the runs'
+#: state pass at 2-3 runs (its bad chunk in a later run), each bad decay input
+WALK_CUMSUM_CAUSAL = [pytest.param(n, v, w, Q, segs, causal,
+                                   id=f"{n}={v}-{w}-Q{Q}-S{segs}-c{causal}")
+                      for n, v, w, Q, segs, causal in [
+                          ("dt", NAN, "mid", 64, 1, 4), ("dt", INF, "first", 64, 1, 4),
+                          ("dt", -INF, "last", 64, 1, 4), ("dt_raw", NAN, "last", 128, 1, 4),
+                          ("dt_raw", INF, "mid", 64, 1, 5), ("x", NAN, "mid", 64, 1, 4),
+                          ("B", INF, "first", 64, 1, 5), ("dt", NAN, "mid", 64, 3, 4),
+                          ("dt_raw", -INF, "first", 64, 2, 4), ("dt", INF, "last", 64, 3, 5),
+                          ("B", NAN, "mid", 64, 3, 4)]]
 
 
-@pytest.mark.parametrize("name, value, where, Q, segments, causal", WALK_CAUSAL)
-def test_emulated_walk_causal(name, value, where, Q, segments, causal):
-    """scan_walk: the plain walk flags each run whose last state is non-finite, and its second
-    launch recomputes the flagged runs' chunks holding a bad input causally: outputs before
-    the bad token equal a clean run's bit for bit, the rest follow the recurrence. The problem
-    has 3 chunks, so 3 runs put the bad token's chunk in a run of its own."""
+@pytest.mark.parametrize("name, value, where, Q, segments, causal", WALK_CUMSUM_CAUSAL)
+def test_emulated_walk_cumsum_causal(name, value, where, Q, segments, causal):
+    """walk_cumsum: dt' and G formed by the walk (one run) or the runs' state pass (no
+    decay_cumsum launch, at chunk 64) keep the contract, and the launches after them read
+    the dt' and G they wrote."""
     t = where_in_chunk(Q, where)
     args, kw = make_problem(Q, t, False, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
                             n=7)
-    run = emulated_run(Q, Q, causal, scan_walk=1, state_segments=segments)
-    check_contract(run, args, kw, name, value, t, Q, EMU_TOL, strict_nonfinite=False)
-    assert "chunk_scan_walk" in [variants.kernel_name(c) for c in run.last_calls]
-
-
-@pytest.mark.parametrize("name, value, where, Q, causal", WALK_CUMSUM_CAUSAL)
-def test_emulated_walk_cumsum_causal(name, value, where, Q, causal):
-    """walk_cumsum: the walk's own dt' and G (no decay_cumsum launch, at chunk 64) keep the
-    contract, and the fix-up launch reads the dt' and G the walk wrote."""
-    t = where_in_chunk(Q, where)
-    args, kw = make_problem(Q, t, False, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
-                            n=7)
-    run = emulated_run(Q, Q, causal, scan_walk=1, walk_cumsum=1)
+    run = emulated_run(Q, Q, causal, scan_walk=1, state_segments=segments, walk_cumsum=1)
     check_contract(run, args, kw, name, value, t, Q, EMU_TOL, strict_nonfinite=False)
     names = [variants.kernel_name(c) for c in run.last_calls]
     # at chunk 128 (past WALK_CUMSUM_MAX_CHUNK) decay_cumsum forms them, as without the option
-    assert names == ["decay_cumsum"] * (Q > 64) + ["chunk_scan_walk", "chunk_scan_walk"], names
+    runs = ["chunk_state_pass", "chunk_state_carry"] if segments > 1 else []
+    assert names == (["decay_cumsum"] * (Q > 64) + runs
+                     + ["chunk_scan_walk", "chunk_scan_walk"]), names
 
 
 #: the walk forming its runs' entering states itself (walk_carry, 2-3 runs): a bad run's
@@ -637,15 +630,14 @@ def test_emulated_walk_carry_causal(name, value, where, Q, segments, causal):
 
 
 @pytest.mark.parametrize("segments, cumsum, carry", [(1, 0, 0), (3, 0, 0), (1, 1, 0),
-                                                     (3, 0, 1)])
+                                                     (3, 0, 1), (3, 1, 0), (3, 1, 1)])
 def test_emulated_walk_decay_limits(segments, cumsum, carry):
     run = emulated_run(64, 64, 4, scan_walk=1, state_segments=segments, walk_cumsum=cumsum,
                        walk_carry=carry)
     check_decay_limits(run, *make_problem(64, 64, False, softplus=True, dtype=F64), EMU_TOL)
     check_decay_limits(run, *dt_zero_problem(dtype=F64), EMU_TOL)
     names = [variants.kernel_name(c) for c in run.last_calls]
-    assert "chunk_scan_walk" in names and ("decay_cumsum" in names) is not (
-        cumsum and segments == 1)
+    assert "chunk_scan_walk" in names and ("decay_cumsum" in names) is not bool(cumsum)
     assert ("chunk_state_carry" in names) is (segments > 1 and not carry)
 
 

@@ -423,8 +423,12 @@ def test_heads_kernels_int64_variants_compile():
      True, 32),
     ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, state_segments=8,
                                            walk_occupancy=2, walk_carry=1), True, 8),
+    ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, state_segments=8,
+                                           walk_occupancy=2, walk_cumsum=1,
+                                           state_occupancy=2), False, 8),
 ], ids=["bf16-q64-p64-seg4", "bf16-q64-p64-seg8-occ2", "bf16-q128-p32", "fp32-q64-p32",
-        "bf16-q64-p32-int64", "bf16-q64-p64-occ2-cumsum", "bf16-q64-p64-seg8-occ2-carry"])
+        "bf16-q64-p32-int64", "bf16-q64-p64-occ2-cumsum", "bf16-q64-p64-seg8-occ2-carry",
+        "bf16-q64-p64-seg8-occ2-state-cumsum"])
 def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     """scan_walk: chunk_scan_walk (and its fix-up launch) compiles for sm_90 at the seed
     problem with every option but seq_idx; bf16 at chunk 64 with the whole 64-channel head a
@@ -432,7 +436,8 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     rule's two-per-SM hint, `walk_occupancy=2`, 128 registers at 256 threads, two CTAs an
     SM, with 8 B of stack; with `walk_cumsum` and every option 32 B, against 16 B without
     it at S = 1: its G as masked row sums, where ct.cumsum spilled about 7 KB a thread; with
-    `walk_carry` in 8 runs, the entering states formed in the walk, 8 B)."""
+    `walk_carry` in 8 runs, the entering states formed in the walk, 8 B; with `walk_cumsum`
+    in 8 runs the state pass forms dt' and G, 0 B)."""
     import cuda.tile as ct
     import torch
 
@@ -441,10 +446,9 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
         overrides=dict(scan_walk=1, **over), **problem)
     names = [variants.kernel_name(c) for c in calls]
     segs = over.get("state_segments", 1)
-    fused = (over.get("walk_cumsum", 0) and segs == 1
-             and problem["chunk_size"] <= forward.WALK_CUMSUM_MAX_CHUNK)
+    folded = over.get("walk_cumsum", 0) and problem["chunk_size"] <= forward.WALK_CUMSUM_MAX_CHUNK
     carry = over.get("walk_carry", 0) and segs > 1
-    assert names == (["decay_cumsum"] * (not fused) + ["chunk_state_pass"] * (segs > 1)
+    assert names == (["decay_cumsum"] * (not folded) + ["chunk_state_pass"] * (segs > 1)
                      + ["chunk_state_carry"] * (segs > 1 and not carry)
                      + ["chunk_scan_walk"] * 2)
     walk = calls[-2]
@@ -455,6 +459,12 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
         res = resources.compile_resources(walk)
         assert res["stack"] <= max_stack, res
         assert res["ctas_per_sm"] >= max(1, over.get("walk_occupancy", 0)), res
+        if folded and segs > 1:
+            # the runs' state pass forming dt' and G: no spills, two CTAs an SM (sm_90: 128
+            # registers at 256 threads, 84 KB of shared memory)
+            res = resources.compile_resources(calls[0])
+            assert variants.kernel_arg(calls[0], "CUMSUM") is True
+            assert res["stack"] == 0 and res["ctas_per_sm"] >= 2, res
     else:
         assert len(cpu_compile.compile_cubin(walk, "sm_90")) > 0
     if fix:

@@ -60,7 +60,7 @@ from ._common import int64_variant, mma_operand
 from .chunk_scan import _add_key_block, _chunk_is_bad, _gate, _mma_x, _skip
 from .chunk_state_carry import _carried_state
 from .chunk_state_pass import _nonfinite, _update
-from .decay_cumsum import _dt_and_step
+from .decay_cumsum import _chunk_dt_and_cum
 
 
 def _chunk_output(x, b, c, z, D, dt, cum, out, h, dtt, g, batch, head, group, chunk,
@@ -109,22 +109,8 @@ def _chunk_decay(dt, cum, dt_raw, A, dt_bias, dt_lo, dt_hi, batch, head, chunk, 
     `cum` by the p-tile-0 programs where a fix-up launch follows (FLAG), which reads them
     there."""
     if CUMSUM:
-        ZERO = ct.PaddingMode.ZERO
-        d = ct.load(dt_raw, index=(batch, chunk, head), shape=(1, Q, 1), padding_mode=ZERO,
-                    latency=LAT).reshape((Q, 1)).astype(ct.float32)
-        a = ct.load(A, index=(head,), shape=(1,)).astype(ct.float32)
-        bias = a
-        if HAS_BIAS:
-            bias = ct.load(dt_bias, index=(head,), shape=(1,)).astype(ct.float32)
-        pos = ct.arange(Q, dtype=ct.int32)
-        d, step = _dt_and_step(d, bias, a, chunk * Q + pos, dt_raw.shape[1], dt_lo, dt_hi,
-                               HAS_BIAS, SOFTPLUS)
-        # G_t as masked row sums, not ct.cumsum: a scan here spills about 7 KB a thread at
-        # sm_90 (the program's tiles are laid out for its MMAs), the row sums nothing. A
-        # later token's step is selected away, never multiplied, so a NaN or Inf step never
-        # reaches G of an earlier token.
-        dtt = d.reshape((Q,))
-        g = ct.sum(ct.where(pos[:, None] >= pos[None, :], step.reshape((1, Q)), 0.0), axis=1)
+        dtt, g = _chunk_dt_and_cum(dt_raw, A, dt_bias, dt_lo, dt_hi, batch, head, chunk, Q, LAT,
+                                   HAS_BIAS, SOFTPLUS)
         if FLAG:
             if p_tile == 0:
                 ct.store(dt, index=(batch, head, chunk), tile=dtt.reshape((1, 1, Q)))

@@ -143,11 +143,11 @@ class ForwardConfig:
     walk_occupancy: int = 0         # occupancy hint of chunk_scan_walk (0: compiler's choice,
                                     # one per SM; the rule sets 2 where its grid needs two)
     walk_warps: int = 0             # num_worker_warps hint of chunk_scan_walk (0: compiler's)
-    walk_cumsum: int = 0            # 1: with state_segments 1 and chunk_size <= 64
-                                    # (WALK_CUMSUM_MAX_CHUNK) the walk forms dt' and the
-                                    # decay cumsum itself (CUMSUM), one launch fewer (no
-                                    # decay_cumsum). Not timed yet. sm_90 stack with it: 0 B
-                                    # two per SM, 40 B one per SM, 544 B at dstate 256
+    walk_cumsum: int = 0            # 1: at chunk_size <= 64 (WALK_CUMSUM_MAX_CHUNK) no
+                                    # decay_cumsum launch: the walk (state_segments 1) or the
+                                    # runs' state pass (S > 1) forms dt' and the decay cumsum
+                                    # itself (CUMSUM). Not timed yet. sm_90 stack in the walk:
+                                    # 0 B two per SM, 40 B one per SM, 544 B at dstate 256
                                     # (docs/measurements.md); at chunk 128 about 140 KB
     walk_carry: int = 0             # 1: with state_segments S > 1 each walk program forms
                                     # its run's entering state from the segmented pass's run
@@ -569,10 +569,10 @@ def _decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, seq_idx, seq_a
 
 def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt_buf, cum_buf,
               states, final, out, cfg: ForwardConfig):
-    """The launches of the walk (`uses_walk`): decay_cumsum (not with walk_cumsum at S = 1,
-    where the walk forms dt' and G itself); with S = state_segments > 1 (clamped to the
-    chunks) chunk_state_pass for the runs' end states (SEG_MODE=1: `states` is never
-    written, a stand-in will do) and chunk_state_carry for the states entering them and the
+    """The launches of the walk (`uses_walk`): decay_cumsum (not with walk_cumsum, where the
+    walk at S = 1, or the runs' state pass, forms dt' and G itself); with S = state_segments
+    > 1 (clamped to the chunks) chunk_state_pass for the runs' end states (SEG_MODE=1:
+    `states` is never written, a stand-in will do) and chunk_state_carry for the states entering them and the
     final state (not with walk_carry, where each walk program forms its own and the last
     run writes the final state); chunk_scan_walk; with scan_causal 4 or 5 chunk_scan_walk
     again over the flagged runs (FIX)."""
@@ -583,7 +583,10 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
     seq_arg = seq_start = torch.empty((1, 1), dtype=torch.int32, device=x.device)
     segs, (seg_final, seg_factor, chunk_factor) = segment_buffers(
         cfg.state_segments, nchunks, final, cum_buf)
-    cumsum = bool(cfg.walk_cumsum) and segs == 1 and Q <= WALK_CUMSUM_MAX_CHUNK
+    # walk_cumsum: no decay_cumsum launch; the walk (one run) or the runs' state pass forms
+    # dt' and G
+    folded = bool(cfg.walk_cumsum) and Q <= WALK_CUMSUM_MAX_CHUNK
+    cumsum = folded and segs == 1
     carry = bool(cfg.walk_carry) and segs > 1
     seg_entry = torch.empty(seg_final.shape if segs > 1 and not carry else (1, 1, 1, 1, 1),
                             dtype=final.dtype, device=x.device)
@@ -593,7 +596,7 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
                         dtype=torch.float32, device=x.device)
     int64 = needs_int64(x, dt, B, C, z, init, dt_buf, cum_buf, out, seg_final, seg_entry,
                         flags)
-    calls = [] if cumsum else [_decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus,
+    calls = [] if folded else [_decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus,
                                                   None, seq_arg, seq_start, dt_buf, cum_buf,
                                                   nchunks, cfg, int64)]
     if segs > 1:
@@ -606,7 +609,9 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
             (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
              Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups, init is not None,
              False, cfg.state_load_latency, scale_x(cfg), bool(cfg.state_fresh_acc), segs,
-             seg_final, seg_factor, chunk_factor, flags, False, seg_entry, 1)))
+             seg_final, seg_factor, chunk_factor, flags, False, seg_entry, 1,
+             dt, A, dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi), folded,
+             dt_bias is not None, bool(dt_softplus))))
         if not carry:
             calls.append(KernelCall(
                 chunk_state_carry_i64 if int64 else chunk_state_carry, state_grid,
@@ -702,7 +707,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
              init is not None, seq_idx is not None, cfg.state_load_latency,
              scale_x(cfg), bool(cfg.state_fresh_acc), segs, seg_final, seg_factor,
              chunk_factor, chunk_flags, head_flags and not resweep, seg_entry,
-             1 if resweep else 0),
+             1 if resweep else 0, dt, A, A, 0.0, 0.0, False, False, False),
         ),
         KernelCall(
             with_hints(chunk_scan_i64 if wide else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
@@ -735,7 +740,8 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         # the runs again, from their entering states, writing the chunk states (and the flags)
         # (seg_entry has seg_final's shape, which `int64` counts)
         calls.insert(3, KernelCall(calls[1].kernel, state_grid,
-                                   calls[1].args[:-3] + (head_flags, seg_entry, 2)))
+                                   calls[1].args[:-11] + (head_flags, seg_entry, 2)
+                                   + calls[1].args[-8:]))
     scan = calls[-1]
     heads = group_scan_heads(cfg, nheads // ngroups)
     if heads > 1:
