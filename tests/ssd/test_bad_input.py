@@ -587,6 +587,20 @@ WALK_CUMSUM_CAUSAL = [pytest.param(n, v, w, Q, segs, causal,
                           ("B", NAN, "mid", 64, 3, 4)]]
 
 
+@pytest.mark.parametrize("name, value, where, Q, segments, causal", WALK_CAUSAL)
+def test_emulated_walk_causal(name, value, where, Q, segments, causal):
+    """scan_walk: the plain walk flags each run whose last state is non-finite, and its second
+    launch recomputes the flagged runs' chunks holding a bad input causally: outputs before
+    the bad token equal a clean run's bit for bit, the rest follow the recurrence. The problem
+    has 3 chunks, so 3 runs put the bad token's chunk in a run of its own."""
+    t = where_in_chunk(Q, where)
+    args, kw = make_problem(Q, t, False, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
+                            n=7)
+    run = emulated_run(Q, Q, causal, scan_walk=1, state_segments=segments)
+    check_contract(run, args, kw, name, value, t, Q, EMU_TOL, strict_nonfinite=False)
+    assert "chunk_scan_walk" in [variants.kernel_name(c) for c in run.last_calls]
+
+
 @pytest.mark.parametrize("name, value, where, Q, segments, causal", WALK_CUMSUM_CAUSAL)
 def test_emulated_walk_cumsum_causal(name, value, where, Q, segments, causal):
     """walk_cumsum: dt' and G formed by the walk (one run) or the runs' state pass (no
