@@ -286,6 +286,7 @@ def _fake_tilegym(monkeypatch):
     module._a_configs, module._b_base_configs, module._b_configs = (
         _a_configs, _b_base_configs, _b_configs)
     module.not_a_space = 7
+    module._a_tune_cache = {}
     for name in ("tilegym", "tilegym.ops", "tilegym.ops.cutile"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "tilegym.ops.cutile.mamba2", module)
@@ -313,8 +314,32 @@ def test_tilegym_search_slice(monkeypatch):
     assert m._a_configs is originals[0]
 
 
+def test_tilegym_search_slice_forgets_choices(monkeypatch):
+    """A worker process handed a second slice of a shape searches it: TileGym's in-memory
+    choices (its `*_tune_cache` dicts) are emptied on the way in and out, else its second
+    call would reuse the first slice's choice and compile nothing."""
+    m = _fake_tilegym(monkeypatch)
+    searched = []
+
+    def tuned_call(key):                  # TileGym's pattern: search once per key
+        if key not in m._a_tune_cache:
+            candidates = list(m._a_configs(4))
+            searched.extend(candidates)
+            m._a_tune_cache[key] = candidates[0]
+        return m._a_tune_cache[key]
+
+    for k in range(2):
+        with impls.tilegym_search_slice(k, 2):
+            tuned_call("shape")
+    assert sorted(searched) == [0, 1, 2, 3]
+    assert m._a_tune_cache == {}
+
+
 def test_compile_cases_split_a_tuning_tilegym(monkeypatch):
     monkeypatch.setattr(impls, "tilegym_tuning", lambda: "tuned (exhaustive search)")
+    monkeypatch.setattr(impls, "available", lambda name: False)        # not installed: one
+    assert [p for _, _, p in runner.compile_cases([TINY], ["tilegym"], jobs=3)] == [None]
+    monkeypatch.setattr(impls, "available", lambda name: True)
     cases = runner.compile_cases([TINY, EVEN], [impls.OURS, "tilegym", "reference"], jobs=3)
     assert [(s.name, n, p) for s, n, p in cases] == [
         (s.name, n, p) for s in (TINY, EVEN)

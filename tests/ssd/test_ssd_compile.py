@@ -437,7 +437,8 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     SM, with 8 B of stack; with `walk_cumsum` and every option 32 B, against 16 B without
     it at S = 1: its G as masked row sums, where ct.cumsum spilled about 7 KB a thread; with
     `walk_carry` in 8 runs, the entering states formed in the walk, 8 B; with `walk_cumsum`
-    in 8 runs the state pass forms dt' and G, 0 B)."""
+    in 8 runs the runs' state pass forms dt' and G: the walk 8 B, the state pass none, two
+    CTAs an SM under `state_occupancy=2`)."""
     import cuda.tile as ct
     import torch
 

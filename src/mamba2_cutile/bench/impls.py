@@ -136,7 +136,13 @@ def tilegym_search_slice(index: int, count: int):
     every candidate's cubin into cuTile's disk cache in parallel; the timing process then runs
     TileGym's full, unchanged search, which finds them compiled. Only the `*_configs` search
     spaces are cut (not `*_base_configs`, which the spaces build on); a slice that would be
-    empty keeps the first candidate, since TileGym refuses an empty space.
+    empty keeps the first candidate, since TileGym refuses an empty space. TileGym's
+    in-memory choices (`*_tune_cache` dicts) are emptied on the way in and out: a worker
+    process that searched another slice of the same shape would otherwise reuse its choice
+    and search (compile) nothing. Not covered: a kernel whose compile-time constants follow
+    an earlier search's choice (TileGym's backward: the partial-sum count from its state
+    pass's tile) is compiled here for the slice's choice, and where the full search chooses
+    otherwise, by the timing process.
     """
     try:
         import tilegym.ops.cutile.mamba2 as module
@@ -152,13 +158,20 @@ def tilegym_search_slice(index: int, count: int):
             return iter(candidates[index::count] or candidates[:1])
         return sliced
 
+    def forget():
+        for name in dir(module):
+            if name.endswith("_tune_cache") and isinstance(getattr(module, name), dict):
+                getattr(module, name).clear()
+
     try:
+        forget()
         for name, space in saved.items():
             setattr(module, name, cut(space))
         yield sorted(saved)
     finally:
         for name, space in saved.items():
             setattr(module, name, space)
+        forget()
 
 
 # --------------------------------------------------------------------------- runner interface

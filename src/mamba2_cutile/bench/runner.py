@@ -260,7 +260,8 @@ def compile_cases(shapes, names, jobs):
     cases = []
     for s in shapes:
         for n in names:
-            if n == "tilegym" and jobs > 1 and impls.tilegym_tuning().startswith("tuned"):
+            if (n == "tilegym" and jobs > 1 and impls.available(n)
+                    and impls.tilegym_tuning().startswith("tuned")):
                 cases += [(s, n, (k, jobs)) for k in range(jobs)]
             elif n != "reference":
                 cases.append((s, n, None))

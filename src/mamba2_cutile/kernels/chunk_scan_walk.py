@@ -5,7 +5,7 @@ chunk_state_pass writes the state entering every chunk, (B, H, C, P, N), as larg
 dstate = 2 headdim in float32, and chunk_scan reads it back: a round trip through HBM on top
 of x, B and C. Here a program owns one (batch, head, p-tile) slice of the state, (BLOCK_P, NP)
 in registers, and walks the chunks of its run in order. For chunk c with tokens t (log2 decays
-G_t from decay_cumsum, G_last its last entry) and the entering state h:
+G_t from decay_cumsum or formed here, G_last its last entry) and the entering state h:
 
     Y   = 2^{G_t} * (C h^T)                                           carried-state term
         + (2^{G_t - G_s} * (C B^T) * M_ts * dt_s) @ X                 intra-chunk term
@@ -27,11 +27,13 @@ end states from zero starts, no chunk state written) and chunk_state_carry (ENTR
 and the final state) form before this launch, reading x and B once more instead of writing
 and reading every chunk state.
 
-With CUMSUM (`ForwardConfig.walk_cumsum`, S = 1) the launch before it, decay_cumsum, is
-folded in: each program forms its chunk's dt' and log2 steps from the caller's dt as
-decay_cumsum does (`decay_cumsum._dt_and_step`) and sums the steps into G as masked row sums
-(the same values up to float32 rounding of the sums' order), and where the fix-up launch
-follows (FLAG) the p-tile-0 programs write dt' and G to `dt` and `cum`, where it reads them.
+With CUMSUM (`ForwardConfig.walk_cumsum`, S = 1, chunk <= 64) the launch before it,
+decay_cumsum, is folded in: each program forms its chunk's dt' and G from the caller's dt as
+decay_cumsum forms them (`decay_cumsum._chunk_dt_and_cum`: G as masked row sums, the same
+values up to float32 rounding of the sums' order), and where the fix-up launch follows
+(FLAG) the p-tile-0 programs write dt' and G to `dt` and `cum`, where it reads them. With
+S > 1 the option folds decay_cumsum into the runs' state pass instead, which writes them for
+this launch.
 
 With CARRY (`ForwardConfig.walk_carry`, S > 1) chunk_state_carry is folded in too: program
 (bh, p, s) forms H_s from the s earlier runs' end states and factors (s loads of its own

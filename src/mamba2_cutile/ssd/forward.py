@@ -569,11 +569,11 @@ def _decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, seq_idx, seq_a
 
 def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt_buf, cum_buf,
               states, final, out, cfg: ForwardConfig):
-    """The launches of the walk (`uses_walk`): decay_cumsum (not with walk_cumsum, where the
-    walk at S = 1, or the runs' state pass, forms dt' and G itself); with S = state_segments
-    > 1 (clamped to the chunks) chunk_state_pass for the runs' end states (SEG_MODE=1:
-    `states` is never written, a stand-in will do) and chunk_state_carry for the states entering them and the
-    final state (not with walk_carry, where each walk program forms its own and the last
+    """The launches of the walk (`uses_walk`): decay_cumsum (not with walk_cumsum at chunk <=
+    64, where the walk at S = 1, or the runs' state pass, forms dt' and G); with S =
+    state_segments > 1 (clamped to the chunks) chunk_state_pass for the runs' end states
+    (SEG_MODE=1: `states` is never written, a stand-in will do) and chunk_state_carry for the
+    states entering them and the final state (not with walk_carry, where each walk program forms its own and the last
     run writes the final state); chunk_scan_walk; with scan_causal 4 or 5 chunk_scan_walk
     again over the flagged runs (FIX)."""
     batch, seqlen, nheads, headdim = x.shape
