@@ -587,18 +587,25 @@ WALK_CUMSUM_CAUSAL = [pytest.param(n, v, w, Q, segs, causal,
                           ("B", NAN, "mid", 64, 3, 4)]]
 
 
+def walk_contract(name, value, where, Q, causal, **config):
+    """The bad-input contract of the walk (scan_walk=1 and `config`) with one bad `name` at
+    `where` in chunk 1 of a 3-chunk float64 problem; returns the launches' kernel names."""
+    t = where_in_chunk(Q, where)
+    args, kw = make_problem(Q, t, False, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
+                            n=7)
+    run = emulated_run(Q, Q, causal, scan_walk=1, **config)
+    check_contract(run, args, kw, name, value, t, Q, EMU_TOL, strict_nonfinite=False)
+    return [variants.kernel_name(c) for c in run.last_calls]
+
+
 @pytest.mark.parametrize("name, value, where, Q, segments, causal", WALK_CAUSAL)
 def test_emulated_walk_causal(name, value, where, Q, segments, causal):
     """scan_walk: the plain walk flags each run whose last state is non-finite, and its second
     launch recomputes the flagged runs' chunks holding a bad input causally: outputs before
     the bad token equal a clean run's bit for bit, the rest follow the recurrence. The problem
     has 3 chunks, so 3 runs put the bad token's chunk in a run of its own."""
-    t = where_in_chunk(Q, where)
-    args, kw = make_problem(Q, t, False, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
-                            n=7)
-    run = emulated_run(Q, Q, causal, scan_walk=1, state_segments=segments)
-    check_contract(run, args, kw, name, value, t, Q, EMU_TOL, strict_nonfinite=False)
-    assert "chunk_scan_walk" in [variants.kernel_name(c) for c in run.last_calls]
+    names = walk_contract(name, value, where, Q, causal, state_segments=segments)
+    assert "chunk_scan_walk" in names
 
 
 @pytest.mark.parametrize("name, value, where, Q, segments, causal", WALK_CUMSUM_CAUSAL)
@@ -606,12 +613,8 @@ def test_emulated_walk_cumsum_causal(name, value, where, Q, segments, causal):
     """walk_cumsum: dt' and G formed by the walk (one run) or the runs' state pass (no
     decay_cumsum launch, at chunk 64) keep the contract, and the launches after them read
     the dt' and G they wrote."""
-    t = where_in_chunk(Q, where)
-    args, kw = make_problem(Q, t, False, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
-                            n=7)
-    run = emulated_run(Q, Q, causal, scan_walk=1, state_segments=segments, walk_cumsum=1)
-    check_contract(run, args, kw, name, value, t, Q, EMU_TOL, strict_nonfinite=False)
-    names = [variants.kernel_name(c) for c in run.last_calls]
+    names = walk_contract(name, value, where, Q, causal, state_segments=segments,
+                          walk_cumsum=1)
     # at chunk 128 (past WALK_CUMSUM_MAX_CHUNK) decay_cumsum forms them, as without the option
     runs = ["chunk_state_pass", "chunk_state_carry"] if segments > 1 else []
     assert names == (["decay_cumsum"] * (Q > 64) + runs
@@ -633,12 +636,8 @@ WALK_CARRY_CAUSAL = [pytest.param(n, v, w, Q, segs, causal,
 def test_emulated_walk_carry_causal(name, value, where, Q, segments, causal):
     """walk_carry: each walk program's own entering state (no chunk_state_carry launch) keeps
     the contract; the fix-up launch forms the same entering states again."""
-    t = where_in_chunk(Q, where)
-    args, kw = make_problem(Q, t, False, softplus=name != "dt_raw", dtype=F64, b=2, h=2, p=8,
-                            n=7)
-    run = emulated_run(Q, Q, causal, scan_walk=1, state_segments=segments, walk_carry=1)
-    check_contract(run, args, kw, name, value, t, Q, EMU_TOL, strict_nonfinite=False)
-    names = [variants.kernel_name(c) for c in run.last_calls]
+    names = walk_contract(name, value, where, Q, causal, state_segments=segments,
+                          walk_carry=1)
     assert names == ["decay_cumsum", "chunk_state_pass", "chunk_scan_walk",
                      "chunk_scan_walk"], names
 
