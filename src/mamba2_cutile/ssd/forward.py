@@ -573,9 +573,9 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
     64, where the walk at S = 1, or the runs' state pass, forms dt' and G); with S =
     state_segments > 1 (clamped to the chunks) chunk_state_pass for the runs' end states
     (SEG_MODE=1: `states` is never written, a stand-in will do) and chunk_state_carry for the
-    states entering them and the final state (not with walk_carry, where each walk program forms its own and the last
-    run writes the final state); chunk_scan_walk; with scan_causal 4 or 5 chunk_scan_walk
-    again over the flagged runs (FIX)."""
+    states entering them and the final state (not with walk_carry, where each walk program
+    forms its own and the last run writes the final state); chunk_scan_walk; with
+    scan_causal 4 or 5 chunk_scan_walk again over the flagged runs (FIX)."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
@@ -696,18 +696,22 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         scan_grid = (n_q * batch * nheads, p_tiles, 1)
     n_state_tiles = -(-dstate // cfg.state_block_n)
     state_grid = (batch * nheads, -(-headdim // cfg.state_block_p), n_state_tiles * segs)
+    # chunk_state_pass's arguments before (FLAG, seg_entry, SEG_MODE), and after them its
+    # CUMSUM ones (off: decay_cumsum forms dt' and G here)
+    state_head = (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states,
+                  final, Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
+                  init is not None, seq_idx is not None, cfg.state_load_latency,
+                  scale_x(cfg), bool(cfg.state_fresh_acc), segs, seg_final, seg_factor,
+                  chunk_factor, chunk_flags)
+    state_tail = (dt, A, A, 0.0, 0.0, False, False, False)
     calls = [
         _decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, seq_idx, seq_arg,
                            seq_start, dt_buf, cum_buf, nchunks, cfg, int64),
         KernelCall(
             with_hints(chunk_state_pass_i64 if int64 else chunk_state_pass, cfg.state_occupancy),
             state_grid,
-            (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
-             Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
-             init is not None, seq_idx is not None, cfg.state_load_latency,
-             scale_x(cfg), bool(cfg.state_fresh_acc), segs, seg_final, seg_factor,
-             chunk_factor, chunk_flags, head_flags and not resweep, seg_entry,
-             1 if resweep else 0, dt, A, A, 0.0, 0.0, False, False, False),
+            state_head + (head_flags and not resweep, seg_entry, 1 if resweep else 0)
+            + state_tail,
         ),
         KernelCall(
             with_hints(chunk_scan_i64 if wide else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
@@ -740,8 +744,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         # the runs again, from their entering states, writing the chunk states (and the flags)
         # (seg_entry has seg_final's shape, which `int64` counts)
         calls.insert(3, KernelCall(calls[1].kernel, state_grid,
-                                   calls[1].args[:-11] + (head_flags, seg_entry, 2)
-                                   + calls[1].args[-8:]))
+                                   state_head + (head_flags, seg_entry, 2) + state_tail))
     scan = calls[-1]
     heads = group_scan_heads(cfg, nheads // ngroups)
     if heads > 1:
