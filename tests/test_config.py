@@ -9,6 +9,7 @@ from mamba2_cutile import config
 from mamba2_cutile.bench import plans
 from mamba2_cutile.decode import DecodeConfig, decode_config
 from mamba2_cutile.ssd.backward import BackwardConfig, backward_config
+from mamba2_cutile.ssd import forward
 from mamba2_cutile.ssd.forward import ForwardConfig, forward_config, forward_shape_config
 
 BF = torch.bfloat16
@@ -124,6 +125,24 @@ def test_state_pass_tiles(batch, nheads, headdim, dstate, chunk, dtype, tiles):
         rec = _recompute_config(bcfg, batch, nheads, headdim, dstate, dtype)
         assert (bcfg.state_block_n, bcfg.state_occupancy) == tiles
         assert (rec.state_block_n, rec.state_occupancy) == tiles
+
+
+@pytest.mark.parametrize("slices, dstate, dtype, tiles", [
+    (24, 128, BF, (16, 2)),                # B=1 T=512 H=24: 192 programs of 64 x 16
+    (24, 128, torch.float16, (16, 2)),
+    (48, 128, BF, (32, 2)),                # 192 of 64 x 32
+    (160, 128, BF, (128, 0)),              # a 128-wide tile two per SM spills: one
+    (24, 128, torch.float32, (16, 0)),     # no hint for fp32
+    (16, 128, BF, (16, 0))])               # 128 programs: one wave, one per SM
+def test_state_pass_tiles_chunk256(slices, dstate, dtype, tiles):
+    """At chunk 256 itself (short sequences: the output launch is not chunk_scan_group, so
+    the call is not computed at 128) a state-pass grid past one program per SM takes two per
+    SM where its tile is at most 64 wide; the forward at B=1 T=512 H=24 takes it."""
+    assert forward.state_tiles(slices, dstate, dstate, 256, dtype, 132) == tiles
+    if slices == 24 and dtype == BF:
+        cfg = forward_config(1, 24, 64, 128, 256, BF, 132, seqlen=512)
+        assert (cfg.chunk_size, cfg.scan_walk, cfg.state_block_n, cfg.state_occupancy) == (
+            256, 0, 16, 2)
 
 
 @pytest.mark.parametrize("batch, nheads, headdim, dstate, dtype, tiles", [

@@ -558,7 +558,12 @@ def test_walk_rule(batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segme
                 walk.walk_occupancy) == (64, forward.walk_block_p(walk.dstate_pad), segments,
                                          occupancy)
         if segments > 1:
-            assert (walk.state_block_p, walk.state_block_n) == (64, walk.dstate_pad)
+            # the runs' ends over whole states two per SM, each walk program forming its
+            # run's entering state (no chunk_state_carry)
+            assert (walk.state_block_p, walk.state_block_n, walk.state_occupancy,
+                    walk.walk_carry) == (64, walk.dstate_pad, 2, 1)
+        else:
+            assert walk.walk_carry == 0
     off = cfg(walk_ok=False)
     assert off.scan_walk == 0 and cfg(has_seq=True).scan_walk == 0
     if segments:                         # the walk's fields replace only the rule's

@@ -36,6 +36,7 @@ def _inputs(l, h, g, p, n, seed=0):
 
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias")
+WINDOW = 1 << 26
 
 
 def test_batch1_past_int32_matches_chained_halves():
@@ -68,7 +69,9 @@ def test_batch1_past_int32_matches_chained_halves():
     for k in ("y", "final") + NAMES:
         tol = forward_tol(BF16) if k in ("y", "final") else grad_tol(k, BF16, inp[k].dtype)
         assert torch.isfinite(full[k]).all(), f"{k}: non-finite entries in the 64-bit run"
-        e = rel_err(full[k], chained[k])
+        # in windows of 2**26 elements: float64 copies of a whole 2.2e9-element tensor (17.7
+        # GB each) ran an 80 GB H100 out of memory after both runs had finished (2026-12-07)
+        e = rel_err(full[k].reshape(-1), chained[k].reshape(-1), window=WINDOW)
         msgs.append(f"{k} {e:.2e}")
         if not e <= tol:
             failures.append(f"{k}: {e:.2e} > tol {tol:.0e}")

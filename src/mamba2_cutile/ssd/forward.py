@@ -146,13 +146,17 @@ class ForwardConfig:
     walk_cumsum: int = 0            # 1: at chunk_size <= 64 (WALK_CUMSUM_MAX_CHUNK) no
                                     # decay_cumsum launch: the walk (state_segments 1) or the
                                     # runs' state pass (S > 1) forms dt' and the decay cumsum
-                                    # itself (CUMSUM). Not timed yet. sm_90 stack in the walk:
+                                    # itself (CUMSUM). Slower wherever timed (H100, 2026-12-07:
+                                    # the walk 0.229 -> 0.396 ms at B=2 T=8K H=48, the runs'
+                                    # state pass 0.050 -> 0.102 at the seed problem against
+                                    # decay_cumsum's 0.007), so off. sm_90 stack in the walk:
                                     # 0 B two per SM, 40 B one per SM, 544 B at dstate 256
                                     # (docs/measurements.md); at chunk 128 about 140 KB
     walk_carry: int = 0             # 1: with state_segments S > 1 each walk program forms
                                     # its run's entering state from the segmented pass's run
                                     # ends itself (CARRY), one launch fewer (no
-                                    # chunk_state_carry). Not timed yet. sm_90, the rule's
+                                    # chunk_state_carry); the rule's with S > 1
+                                    # (`walk_config`). sm_90, the rule's
                                     # walks with D: 128 registers, no stack (8 B without),
                                     # 109 KB of shared memory (84), still two per SM
 
@@ -278,11 +282,18 @@ def state_tiles(slices, dstate, dstate_pad, chunk_size, dtype, sms=DEFAULT_SMS):
     (benchmarks/results/2026-12-06-h100-forward-sweep-state-whole*.jsonl). 24 heads (48
     programs) were not timed and stay split, as does a 256-wide state. Measured in bf16 at
     dstate 128 with 64 to 192 programs: fp16, larger grids and the backward's recompute of
-    the states take it unmeasured. An override of `state_block_n` keeps the rule's occupancy
+    the states take it unmeasured. At chunk 256 itself (short sequences, where the output
+    launch is not chunk_scan_group) a grid of more than one wave also takes two per SM:
+    B=1 T=512 H=24, 192 programs of 64 x 16, 214 KB of shared memory at one per SM, 91 KB
+    at two, state pass 0.0129 -> 0.0090 ms, forward 0.0328 -> 0.0289 (H100, 2026-12-07,
+    benchmarks/results/2026-12-07-h100-forward-sweep-walk-runs-occupancy-carry.jsonl); tiles
+    up to 64 wide follow it untimed (no stack at sm_90), wider ones stay one per SM. An override of `state_block_n` keeps the rule's occupancy
     (64 x 64 tiles at two per SM were the slowest form at 80 heads)."""
     def programs(bn):
         return slices * -(-dstate // bn)
-    lowp128 = chunk_size == 128 and dtype in (torch.bfloat16, torch.float16)
+    lowp = dtype in (torch.bfloat16, torch.float16)
+    lowp128 = chunk_size == 128 and lowp
+    lowp256 = chunk_size == 256 and lowp
     bn = dstate_pad
     if lowp128 and dstate_pad == 128 and (3 * sms) // 8 <= programs(bn) < (3 * sms) // 4:
         # the whole state on three eighths to three quarters of the SMs, two programs per SM:
@@ -295,6 +306,9 @@ def state_tiles(slices, dstate, dstate_pad, chunk_size, dtype, sms=DEFAULT_SMS):
         occupancy = 2
         if bn == 64 < dstate_pad:
             bn = 32
+    elif programs(bn) > sms and lowp256 and bn <= 64:
+        # (a 128-wide tile at chunk 256 spills two per SM: 144 B of stack at sm_90)
+        occupancy = 2
     return bn, occupancy
 
 
@@ -402,9 +416,9 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     - SMs < n <= 2 SMs at dstate <= 128: S = 1, two per SM (one wave);
     - 70% of the SMs <= n <= SMs: S = 1, one per SM (at most 30% of them idle);
     - fewer, at dstate <= 128: the largest S <= WALK_MAX_RUNS with S n at 90-100% of
-      2 SMs, two per SM (the runs' entering states first: the segmented state pass over
-      whole 128-wide states, then chunk_state_carry); below 8192 tokens S = 2 with 2 n at
-      90-100% of the SMs, one per SM;
+      2 SMs, two per SM (the runs' ends first: the segmented state pass over whole
+      128-wide states, two per SM; each walk program then forms its run's entering state,
+      `walk_config`); below 8192 tokens S = 2 with 2 n at 90-100% of the SMs, one per SM;
     - n > 2 SMs (or n > SMs at dstate 129-256): S = 1, one per SM, where the last wave is at
       least 90% full;
     - headdim above 64: only headdim 128 at SMs < n <= 2 SMs, dstate <= 128, two per SM
@@ -470,12 +484,25 @@ def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
 def walk_config(cfg: ForwardConfig, segments: int, occupancy: int = 0) -> ForwardConfig:
     """`cfg` as the walk rule runs it (`walk_form`): chunk 64, `walk_block_p` channels a
     program, the occupancy hint, and with S > 1 runs whose entering states the segmented
-    pass forms over whole 128-wide state tiles."""
+    pass forms over whole 128-wide state tiles, two programs an SM, each walk program
+    forming its own run's entering state from the runs' ends (`walk_carry`).
+
+    The runs' state pass at one program an SM (242 registers at 256 threads, 231 KB of
+    shared memory at sm_90) took its 240-256 programs in two waves; at two an SM (128
+    registers, 115 KB, no stack) in one. On the H100 (bf16, D per head, ms, mamba_ssm in the
+    same run; benchmarks/results/2026-12-07-h100-forward-sweep-walk-runs-occupancy-carry.jsonl),
+    the rule before -> two per SM -> and walk_carry: the seed problem (8 x 32 runs) 0.188 ->
+    0.164 -> 0.155 (mamba_ssm 0.437; state pass 0.073 -> 0.050); B=2 T=8K H=24 (5 x 48)
+    0.152 -> 0.127 -> 0.120 (0.248); H=32 (4 x 64) 0.179 -> 0.150 -> 0.144 (0.316); B=4 T=64K
+    H=8 0.611 -> 0.516 (1.668); B=1 T=64K H=64 (4 x 64) 1.159 -> 0.939 (2.745). walk_carry
+    alone (one per SM) 0.177, 0.143, 0.171, 0.608, 1.158: the walk gains 0.002-0.004 ms
+    where chunk_state_carry's 0.015-0.020 goes."""
     over = dict(scan_walk=1, chunk_size=64, scan_block_q=64,
                 scan_block_p=walk_block_p(cfg.dstate_pad), state_segments=segments,
                 walk_occupancy=occupancy)
     if segments > 1:
-        over.update(state_block_p=64, state_block_n=cfg.dstate_pad, state_occupancy=0)
+        over.update(state_block_p=64, state_block_n=cfg.dstate_pad, state_occupancy=2,
+                    walk_carry=1)
     return replace(cfg, **over)
 
 
