@@ -486,8 +486,9 @@ def test_walk_against_mamba_ssm(dims, segments, occupancy, caller_q):
     assert forward.walk_form(b, h, p, n, torch.bfloat16, l, sms) == (segments, occupancy), (
         "another SM count than 132?")
     walk = calls[names.index("chunk_scan_walk")]
-    assert walk.grid[2] == segments and ("chunk_state_carry" in names) == (segments > 1), (
-        names, walk.grid)
+    # with runs, each walk program forms its run's entering state (walk_carry)
+    assert walk.grid[2] == segments and "chunk_state_carry" not in names, (names, walk.grid)
+    assert walk.args[-1] is (segments > 1), names
     compare_with_mamba(inp, kw, caller_q, torch.bfloat16)
 
 

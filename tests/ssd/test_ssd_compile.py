@@ -76,9 +76,10 @@ def test_plans_have_their_launches():
         cfg, has_seq, _ = _rule_config(problem)
         if uses_walk(cfg, has_seq):
             # the walk rule's problems (`walk_form`): the walk and its fix-up launch (with
-            # runs, the segmented pass for their ends and chunk_state_carry first); the
-            # three-kernel plans are checked on the other problems
-            runs = ["chunk_state_pass", "chunk_state_carry"] * (cfg.state_segments > 1)
+            # runs, the segmented pass for their ends first, each walk program forming its
+            # run's entering state); the three-kernel plans are checked on the other problems
+            runs = ["chunk_state_pass"] * (cfg.state_segments > 1)
+            assert cfg.walk_carry == (cfg.state_segments > 1), name
             assert [variants.kernel_name(c) for c in default] == [
                 "decay_cumsum", *runs, "chunk_scan_walk", "chunk_scan_walk"], name
             assert variants.kernel_arg(default[-2], "FLAG") is True, name
@@ -429,9 +430,17 @@ def test_heads_kernels_int64_variants_compile():
     ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, state_segments=8,
                                            walk_occupancy=2, walk_carry=1, state_block_p=64,
                                            state_block_n=128, state_occupancy=2), False, 8),
+    ("bfloat16", dict(chunk_size=64), dict(scan_block_p=32, state_segments=8,
+                                           walk_occupancy=2, walk_carry=1, state_block_p=64,
+                                           state_block_n=128, state_occupancy=2,
+                                           walk_heads=2), False, 0),
+    ("float32", dict(chunk_size=64), dict(scan_block_p=32, walk_heads=2), False, None),
+    ("bfloat16", dict(chunk_size=64, int64=True), dict(scan_block_p=32, walk_heads=2), False,
+     None),
 ], ids=["bf16-q64-p64-seg4", "bf16-q64-p64-seg8-occ2", "bf16-q128-p32", "fp32-q64-p32",
         "bf16-q64-p32-int64", "bf16-q64-p64-occ2-cumsum", "bf16-q64-p64-seg8-occ2-carry",
-        "bf16-q64-p64-seg8-occ2-state-cumsum", "bf16-q64-p64-seg8-rule-runs"])
+        "bf16-q64-p64-seg8-occ2-state-cumsum", "bf16-q64-p64-seg8-rule-runs",
+        "bf16-q64-p32-seg8-pair", "fp32-q64-p32-pair", "bf16-q64-p32-int64-pair"])
 def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     """scan_walk: chunk_scan_walk (and its fix-up launch) compiles for sm_90 at the seed
     problem with every option but seq_idx; bf16 at chunk 64 with the whole 64-channel head a
@@ -442,7 +451,8 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     `walk_carry` in 8 runs, the entering states formed in the walk, 8 B; with `walk_cumsum`
     in 8 runs the runs' state pass forms dt' and G: the walk 8 B, the state pass none, two
     CTAs an SM under `state_occupancy=2`; the rule's runs form, `walk_config`: the state
-    pass over whole states two an SM without stack, 128 registers, 115 KB)."""
+    pass over whole states two an SM without stack, 128 registers, 115 KB; `walk_heads=2`,
+    two 32-channel heads a program in the rule's runs form: no stack, 103 KB, two an SM)."""
     import cuda.tile as ct
     import torch
 
@@ -453,10 +463,13 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     segs = over.get("state_segments", 1)
     folded = over.get("walk_cumsum", 0) and problem["chunk_size"] <= forward.WALK_CUMSUM_MAX_CHUNK
     carry = over.get("walk_carry", 0) and segs > 1
+    pair = over.get("walk_heads", 1) == 2
     assert names == (["decay_cumsum"] * (not folded) + ["chunk_state_pass"] * (segs > 1)
                      + ["chunk_state_carry"] * (segs > 1 and not carry)
-                     + ["chunk_scan_walk"] * 2)
+                     + ["chunk_scan_walk_pair"] * pair + ["chunk_scan_walk"] * (2 - pair))
     walk = calls[-2]
+    if pair:
+        assert len(cpu_compile.compile_cubin(calls[-1], "sm_90")) > 0     # the fix-up
     if problem.get("int64"):
         fn = walk.kernel._annotated_function.pyfunc
         assert fn.__annotations__["x"] is ct.IndexedWithInt64
