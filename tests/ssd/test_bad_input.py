@@ -642,25 +642,6 @@ def test_emulated_walk_carry_causal(name, value, where, Q, segments, causal):
                      "chunk_scan_walk"], names
 
 
-#: the walk two heads a program (walk_heads=2): the bad head's pair partner shares its C, B
-#: and C B^T, never its NaN
-WALK_PAIR_CAUSAL = WALK_CARRY_CAUSAL + [
-    pytest.param(n, v, w, Q, segs, causal, id=f"{n}={v}-{w}-Q{Q}-S{segs}-c{causal}")
-    for n, v, w, Q, segs, causal in [("x", INF, "mid", 64, 1, 4), ("dt", NAN, "first", 128, 1, 5),
-                                     ("B", NAN, "last", 64, 1, 4)]]
-
-
-@pytest.mark.parametrize("name, value, where, Q, segments, causal", WALK_PAIR_CAUSAL)
-def test_emulated_walk_pair_causal(name, value, where, Q, segments, causal):
-    """walk_heads=2: chunk_scan_walk_pair's flags, one per head, send the bad head's runs to
-    chunk_scan_walk's fix-up launch; the other head of its pair, outputs and state, follows
-    the recurrence (no NaN through the shared tiles)."""
-    names = walk_contract(name, value, where, Q, causal, state_segments=segments,
-                          walk_carry=1, walk_heads=2)
-    assert names == ["decay_cumsum", *["chunk_state_pass"] * (segments > 1),
-                     "chunk_scan_walk_pair", "chunk_scan_walk"], names
-
-
 @pytest.mark.parametrize("segments, cumsum, carry", [(1, 0, 0), (3, 0, 0), (1, 1, 0),
                                                      (3, 0, 1), (3, 1, 0), (3, 1, 1)])
 def test_emulated_walk_decay_limits(segments, cumsum, carry):

@@ -439,39 +439,6 @@ def test_emulated_walk(opt, Q, l, n, block_p, segments, causal, fold):
     check(args, kw, Q, cfg, tol=5e-15)
 
 
-@pytest.mark.parametrize("carry", [0, 1])
-@pytest.mark.parametrize("causal", [0, 4])
-@pytest.mark.parametrize("segments", [1, 3])
-@pytest.mark.parametrize("opt, Q, l, n, block_p, h, g",
-                         [("all_but_seq", 64, 150, 7, 16, 4, 2),
-                          ("D_chan_z", 128, 300, 20, 8, 8, 2),
-                          ("D_head", 64, 130, 16, 32, 8, 1),
-                          ("none", 32, 97, 5, 16, 6, 2)])
-def test_emulated_walk_pair(opt, Q, l, n, block_p, h, g, segments, causal, carry):
-    """walk_heads=2: chunk_scan_walk_pair walks two heads of a group a program (one load of
-    C and B, one C B^T for both): its outputs and final state equal chunk_scan_walk's at
-    the same p-tile exactly (the same operations per head), and match the recurrence;
-    the fix-up launch stays chunk_scan_walk. 2 and 4 heads a group (pairs inside a group
-    beyond the first); 3 a group (h=6, g=2): an odd count keeps chunk_scan_walk."""
-    args, kw, _, _ = make_problem(WALK_OPTIONS[opt], l=l, Q=Q, n=n, h=h, g=g)
-    base = small_forward_config(Q, n, chunk_size=Q, scan_walk=1, scan_block_p=block_p,
-                                state_segments=segments, scan_causal=causal, walk_carry=carry)
-    pair_cfg = replace(base, walk_heads=2)
-    calls = forward.forward_plan(*_plan_args(args, kw, Q), pair_cfg)
-    names = [variants.kernel_name(c) for c in calls]
-    paired = (h // g) % 2 == 0
-    walk_name = "chunk_scan_walk_pair" if paired else "chunk_scan_walk"
-    assert walk_name in names and names[-1] == ("chunk_scan_walk" if causal else walk_name)
-    walk = calls[names.index(walk_name)]
-    segs = min(segments, -(-l // Q))
-    assert tuple(walk.grid) == (2 * h // (2 if paired else 1), -(-20 // block_p), segs)
-    got = emulated_forward(args, kw, Q, pair_cfg)
-    one = emulated_forward(args, kw, Q, base)
-    for a, b_ in zip(got, one):
-        assert torch.equal(a, b_)
-    check(args, kw, Q, pair_cfg, tol=5e-15)
-
-
 def test_walk_applies_only_where_it_can():
     """The walk replaces the state pass and the output launch only without seq_idx, in causal
     modes 0, 4 and 5, without scan_cb and at computed chunks up to 128; forward_launches turns

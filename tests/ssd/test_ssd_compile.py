@@ -430,17 +430,9 @@ def test_heads_kernels_int64_variants_compile():
     ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, state_segments=8,
                                            walk_occupancy=2, walk_carry=1, state_block_p=64,
                                            state_block_n=128, state_occupancy=2), False, 8),
-    ("bfloat16", dict(chunk_size=64), dict(scan_block_p=32, state_segments=8,
-                                           walk_occupancy=2, walk_carry=1, state_block_p=64,
-                                           state_block_n=128, state_occupancy=2,
-                                           walk_heads=2), False, 0),
-    ("float32", dict(chunk_size=64), dict(scan_block_p=32, walk_heads=2), False, None),
-    ("bfloat16", dict(chunk_size=64, int64=True), dict(scan_block_p=32, walk_heads=2), False,
-     None),
 ], ids=["bf16-q64-p64-seg4", "bf16-q64-p64-seg8-occ2", "bf16-q128-p32", "fp32-q64-p32",
         "bf16-q64-p32-int64", "bf16-q64-p64-occ2-cumsum", "bf16-q64-p64-seg8-occ2-carry",
-        "bf16-q64-p64-seg8-occ2-state-cumsum", "bf16-q64-p64-seg8-rule-runs",
-        "bf16-q64-p32-seg8-pair", "fp32-q64-p32-pair", "bf16-q64-p32-int64-pair"])
+        "bf16-q64-p64-seg8-occ2-state-cumsum", "bf16-q64-p64-seg8-rule-runs"])
 def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     """scan_walk: chunk_scan_walk (and its fix-up launch) compiles for sm_90 at the seed
     problem with every option but seq_idx; bf16 at chunk 64 with the whole 64-channel head a
@@ -451,8 +443,7 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     `walk_carry` in 8 runs, the entering states formed in the walk, 8 B; with `walk_cumsum`
     in 8 runs the runs' state pass forms dt' and G: the walk 8 B, the state pass none, two
     CTAs an SM under `state_occupancy=2`; the rule's runs form, `walk_config`: the state
-    pass over whole states two an SM without stack, 128 registers, 115 KB; `walk_heads=2`,
-    two 32-channel heads a program in the rule's runs form: no stack, 103 KB, two an SM)."""
+    pass over whole states two an SM without stack, 128 registers, 115 KB)."""
     import cuda.tile as ct
     import torch
 
@@ -463,13 +454,10 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     segs = over.get("state_segments", 1)
     folded = over.get("walk_cumsum", 0) and problem["chunk_size"] <= forward.WALK_CUMSUM_MAX_CHUNK
     carry = over.get("walk_carry", 0) and segs > 1
-    pair = over.get("walk_heads", 1) == 2
     assert names == (["decay_cumsum"] * (not folded) + ["chunk_state_pass"] * (segs > 1)
                      + ["chunk_state_carry"] * (segs > 1 and not carry)
-                     + ["chunk_scan_walk_pair"] * pair + ["chunk_scan_walk"] * (2 - pair))
+                     + ["chunk_scan_walk"] * 2)
     walk = calls[-2]
-    if pair:
-        assert len(cpu_compile.compile_cubin(calls[-1], "sm_90")) > 0     # the fix-up
     if problem.get("int64"):
         fn = walk.kernel._annotated_function.pyfunc
         assert fn.__annotations__["x"] is ct.IndexedWithInt64

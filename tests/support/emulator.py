@@ -256,10 +256,6 @@ class FakeCT(types.SimpleNamespace):
         return acc + a @ b
 
     @staticmethod
-    def static_assert(cond, msg=""):
-        assert cond, msg
-
-    @staticmethod
     def static_iter(iterable):
         return list(iterable)
 

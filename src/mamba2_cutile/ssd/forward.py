@@ -12,9 +12,7 @@ kernels; chunk_scan twice with scan_causal 1 to 4), and the launcher.
 
 With `scan_walk` (`walk_plan`) launches 2 and 3 are one, `chunk_scan_walk`: a program per (batch,
 head, p-tile) walks its chunks with the state in registers (with `state_segments`, after 2 and
-2b for the runs' entering states), and again over the runs it flagged (scan_causal 4 and 5);
-with `walk_heads` 2 `chunk_scan_walk_pair` walks two heads of a group a program, sharing
-their C, B and C B^T.
+2b for the runs' entering states), and again over the runs it flagged (scan_causal 4 and 5).
 
 A plan is built from tensors (real CUDA tensors at run time, or `meta` tensors when compiling on
 a CPU), so the CPU compile check exercises exactly the argument lists the GPU path launches.
@@ -33,7 +31,6 @@ from ..kernels.chunk_cb import chunk_cb, chunk_cb_i64
 from ..kernels.chunk_scan import FIX_SPAN, chunk_scan, chunk_scan_i64
 from ..kernels.chunk_scan_group import chunk_scan_group, chunk_scan_group_i64
 from ..kernels.chunk_scan_walk import chunk_scan_walk, chunk_scan_walk_i64
-from ..kernels.chunk_scan_walk_pair import chunk_scan_walk_pair, chunk_scan_walk_pair_i64
 from ..kernels.chunk_state_carry import chunk_state_carry, chunk_state_carry_i64
 from ..kernels.chunk_state_pass import chunk_state_pass, chunk_state_pass_i64
 from ..kernels.decay_cumsum import decay_cumsum, decay_cumsum_i64
@@ -163,13 +160,6 @@ class ForwardConfig:
                                     # walks with D: 128 registers, no stack (8 B without),
                                     # 109 KB of shared memory (84), still two per SM
 
-    walk_heads: int = 1             # 2: the walk two heads of a group a program
-                                    # (kernels/chunk_scan_walk_pair.py), scan_block_p
-                                    # channels of each, one load of the chunk's C and B and
-                                    # one C B^T for both; where the heads per group are odd,
-                                    # or with walk_cumsum at one run, chunk_scan_walk. The
-                                    # fix-up launch stays chunk_scan_walk. Not timed yet
-
     FIXED = ("dstate_pad",)     # set by the problem, never overridden
 
     def __post_init__(self):
@@ -199,7 +189,6 @@ class ForwardConfig:
         c.check_choice(self, "scan_causal", (0, 1, 2, 3, 4, 5))
         c.check_choice(self, "scan_warps", (0, 4, 8))
         c.check_choice(self, "walk_warps", (0, 4, 8))
-        c.check_choice(self, "walk_heads", (1, 2))
         if self.scan_block_q > self.chunk_size:
             raise ValueError(f"ForwardConfig: scan_block_q={self.scan_block_q} is larger than "
                              f"chunk_size={self.chunk_size}")
@@ -605,12 +594,6 @@ def _decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, seq_idx, seq_a
     )
 
 
-def pair_walk(cfg: ForwardConfig, heads_per_group: int, cumsum: bool) -> bool:
-    """Whether the walk runs two heads a program (`ForwardConfig.walk_heads`): both heads of
-    a program must share their group, and dt' and G come from a buffer (not `cumsum`)."""
-    return cfg.walk_heads == 2 and heads_per_group % 2 == 0 and not cumsum
-
-
 def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt_buf, cum_buf,
               states, final, out, cfg: ForwardConfig):
     """The launches of the walk (`uses_walk`): decay_cumsum (not with walk_cumsum at chunk <=
@@ -618,9 +601,8 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
     state_segments > 1 (clamped to the chunks) chunk_state_pass for the runs' end states
     (SEG_MODE=1: `states` is never written, a stand-in will do) and chunk_state_carry for the
     states entering them and the final state (not with walk_carry, where each walk program
-    forms its own and the last run writes the final state); chunk_scan_walk (two heads a
-    program with walk_heads 2: chunk_scan_walk_pair); with scan_causal 4 or 5
-    chunk_scan_walk again over the flagged runs (FIX), one head a program."""
+    forms its own and the last run writes the final state); chunk_scan_walk; with
+    scan_causal 4 or 5 chunk_scan_walk again over the flagged runs (FIX)."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
@@ -674,14 +656,8 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
     walk = chunk_scan_walk_i64 if int64 else chunk_scan_walk
     grid = (batch * nheads, p_tiles, segs)
     options = (dt_bias is not None, bool(dt_softplus), carry)
-    if pair_walk(cfg, nheads // ngroups, cumsum):
-        pair = chunk_scan_walk_pair_i64 if int64 else chunk_scan_walk_pair
-        calls.append(KernelCall(with_hints(pair, cfg.walk_occupancy, cfg.walk_warps),
-                                (batch * nheads // 2, p_tiles, segs),
-                                walk_args + (False, False) + options))
-    else:
-        calls.append(KernelCall(with_hints(walk, cfg.walk_occupancy, cfg.walk_warps), grid,
-                                walk_args + (False, cumsum) + options))
+    calls.append(KernelCall(with_hints(walk, cfg.walk_occupancy, cfg.walk_warps), grid,
+                            walk_args + (False, cumsum) + options))
     if flag:
         # the flagged runs again, their bad chunks causally (no hints: a different program;
         # dt' and G from the buffers either way)
