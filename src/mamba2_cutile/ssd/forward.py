@@ -286,9 +286,12 @@ def state_tiles(slices, dstate, dstate_pad, chunk_size, dtype, sms=DEFAULT_SMS):
     launch is not chunk_scan_group) a grid of more than one wave also takes two per SM:
     B=1 T=512 H=24, 192 programs of 64 x 16, 214 KB of shared memory at one per SM, 91 KB
     at two, state pass 0.0129 -> 0.0090 ms, forward 0.0328 -> 0.0289 (H100, 2026-12-07,
-    benchmarks/results/2026-12-07-h100-forward-sweep-walk-runs-occupancy-carry.jsonl); tiles
-    up to 64 wide follow it untimed (no stack at sm_90), wider ones stay one per SM. An override of `state_block_n` keeps the rule's occupancy
-    (64 x 64 tiles at two per SM were the slowest form at 80 heads)."""
+    benchmarks/results/2026-12-07-h100-forward-sweep-walk-runs-occupancy-carry.jsonl). Tiles
+    up to 64 wide follow it untimed (sm_90 without seq_idx: no stack; with seq_idx and every
+    option 8 B at 64 x 16, and 224 B at 64 x 64, one CTA an SM with or without the hint);
+    a 128-wide tile spills two per SM and stays at one. An override of `state_block_n`
+    keeps the rule's occupancy (64 x 64 tiles at two per SM were the slowest form at 80
+    heads)."""
     def programs(bn):
         return slices * -(-dstate // bn)
     lowp = dtype in (torch.bfloat16, torch.float16)
@@ -496,7 +499,9 @@ def walk_config(cfg: ForwardConfig, segments: int, occupancy: int = 0) -> Forwar
     0.152 -> 0.127 -> 0.120 (0.248); H=32 (4 x 64) 0.179 -> 0.150 -> 0.144 (0.316); B=4 T=64K
     H=8 0.611 -> 0.516 (1.668); B=1 T=64K H=64 (4 x 64) 1.159 -> 0.939 (2.745). walk_carry
     alone (one per SM) 0.177, 0.143, 0.171, 0.608, 1.158: the walk gains 0.002-0.004 ms
-    where chunk_state_carry's 0.015-0.020 goes."""
+    where chunk_state_carry's 0.015-0.020 goes. The two-run form below 8192 tokens (its
+    state pass one wave either way) was timed only with both settings at once, in a bench
+    run against the earlier rule's: B=1 T=2048 H=64 0.0735 -> 0.0599 ms."""
     over = dict(scan_walk=1, chunk_size=64, scan_block_q=64,
                 scan_block_p=walk_block_p(cfg.dstate_pad), state_segments=segments,
                 walk_occupancy=occupancy)
