@@ -642,6 +642,29 @@ def test_emulated_walk_carry_causal(name, value, where, Q, segments, causal):
                      "chunk_scan_walk"], names
 
 
+#: each program walking its own flagged run again (walk_fix_inline): one run, runs from
+#: chunk_state_carry's entering states and from their own (walk_carry), both causal forms
+WALK_INLINE_CAUSAL = [pytest.param(n, v, w, Q, segs, carry, causal,
+                                   id=f"{n}={v}-{w}-Q{Q}-S{segs}-carry{carry}-c{causal}")
+                      for n, v, w, Q, segs, carry, causal in [
+                          ("x", NAN, "mid", 64, 1, 0, 4), ("B", INF, "first", 64, 1, 0, 4),
+                          ("dt", NAN, "last", 64, 1, 0, 5), ("C", -INF, "mid", 128, 1, 0, 4),
+                          ("dt_raw", INF, "mid", 64, 1, 0, 4), ("z", NAN, "first", 64, 1, 0, 5),
+                          ("x", -INF, "last", 64, 3, 1, 4), ("B", NAN, "mid", 128, 2, 1, 4),
+                          ("dt", -INF, "mid", 64, 3, 1, 5), ("x", INF, "first", 64, 3, 0, 4),
+                          ("dt_raw", NAN, "last", 128, 3, 0, 4)]]
+
+
+@pytest.mark.parametrize("name, value, where, Q, segments, carry, causal", WALK_INLINE_CAUSAL)
+def test_emulated_walk_fix_inline_causal(name, value, where, Q, segments, carry, causal):
+    """walk_fix_inline: a program whose run ends in a non-finite state walks it again itself
+    (no flags, no second launch) and keeps the contract."""
+    names = walk_contract(name, value, where, Q, causal, state_segments=segments,
+                          walk_carry=carry, walk_fix_inline=1)
+    runs = ["chunk_state_pass"] + ["chunk_state_carry"] * (not carry) if segments > 1 else []
+    assert names == ["decay_cumsum"] + runs + ["chunk_scan_walk"], names
+
+
 @pytest.mark.parametrize("segments, cumsum, carry", [(1, 0, 0), (3, 0, 0), (1, 1, 0),
                                                      (3, 0, 1), (3, 1, 0), (3, 1, 1)])
 def test_emulated_walk_decay_limits(segments, cumsum, carry):

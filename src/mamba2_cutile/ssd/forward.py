@@ -160,6 +160,11 @@ class ForwardConfig:
                                     # walks with D: 128 registers, no stack (8 B without),
                                     # 109 KB of shared memory (84), still two per SM
 
+    walk_fix_inline: int = 0        # 1 (scan_causal 4 or 5, not walk_cumsum): a walk
+                                    # program whose run's last state is non-finite walks the
+                                    # run again itself, recomputing its bad chunks causally
+                                    # (FIX_INLINE), instead of a second launch over the grid
+
     FIXED = ("dstate_pad",)     # set by the problem, never overridden
 
     def __post_init__(self):
@@ -607,7 +612,8 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
     (SEG_MODE=1: `states` is never written, a stand-in will do) and chunk_state_carry for the
     states entering them and the final state (not with walk_carry, where each walk program
     forms its own and the last run writes the final state); chunk_scan_walk; with
-    scan_causal 4 or 5 chunk_scan_walk again over the flagged runs (FIX)."""
+    scan_causal 4 or 5 chunk_scan_walk again over the flagged runs (FIX), unless each
+    program does that itself (walk_fix_inline)."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
@@ -620,11 +626,13 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
     folded = bool(cfg.walk_cumsum) and Q <= WALK_CUMSUM_MAX_CHUNK
     cumsum = folded and segs == 1
     carry = bool(cfg.walk_carry) and segs > 1
+    flag = cfg.scan_causal in (4, 5)
+    # walk_cumsum: the p-tile-0 programs write dt' and G for the fix-up, so it needs a launch
+    inline = flag and bool(cfg.walk_fix_inline) and not cumsum
     seg_entry = torch.empty(seg_final.shape if segs > 1 and not carry else (1, 1, 1, 1, 1),
                             dtype=final.dtype, device=x.device)
     p_tiles = -(-headdim // cfg.scan_block_p)
-    flag = cfg.scan_causal in (4, 5)
-    flags = torch.empty((batch * nheads, p_tiles * segs) if flag else (1, 1),
+    flags = torch.empty((batch * nheads, p_tiles * segs) if flag and not inline else (1, 1),
                         dtype=torch.float32, device=x.device)
     int64 = needs_int64(x, dt, B, C, z, init, dt_buf, cum_buf, out, seg_final, seg_entry,
                         flags)
@@ -660,10 +668,10 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
                  walk_scale_x(cfg), segs, flag)
     walk = chunk_scan_walk_i64 if int64 else chunk_scan_walk
     grid = (batch * nheads, p_tiles, segs)
-    options = (dt_bias is not None, bool(dt_softplus), carry)
+    options = (dt_bias is not None, bool(dt_softplus), carry, inline)
     calls.append(KernelCall(with_hints(walk, cfg.walk_occupancy, cfg.walk_warps), grid,
                             walk_args + (False, cumsum) + options))
-    if flag:
+    if flag and not inline:
         # the flagged runs again, their bad chunks causally (no hints: a different program;
         # dt' and G from the buffers either way)
         calls.append(KernelCall(walk, grid, walk_args + (True, False) + options))
