@@ -574,17 +574,6 @@ WALK_CAUSAL = ([pytest.param(n, v, w, 64, 1, 4, id=f"{n}={v}-{w}") for n, v in B
                       ("dt", NAN, "last", 64, 3, 5), ("C", -INF, "mid", 128, 2, 4),
                       ("x", -INF, "last", 128, 3, 5), ("dt_raw", INF, "mid", 128, 1, 5),
                       ("z", NAN, "first", 64, 2, 5), ("B", NAN, "mid", 128, 3, 4)]])
-#: dt' and G formed without decay_cumsum (walk_cumsum): by the walk at one run, by the runs'
-#: state pass at 2-3 runs (its bad chunk in a later run), each bad decay input
-WALK_CUMSUM_CAUSAL = [pytest.param(n, v, w, Q, segs, causal,
-                                   id=f"{n}={v}-{w}-Q{Q}-S{segs}-c{causal}")
-                      for n, v, w, Q, segs, causal in [
-                          ("dt", NAN, "mid", 64, 1, 4), ("dt", INF, "first", 64, 1, 4),
-                          ("dt", -INF, "last", 64, 1, 4), ("dt_raw", NAN, "last", 128, 1, 4),
-                          ("dt_raw", INF, "mid", 64, 1, 5), ("x", NAN, "mid", 64, 1, 4),
-                          ("B", INF, "first", 64, 1, 5), ("dt", NAN, "mid", 64, 3, 4),
-                          ("dt_raw", -INF, "first", 64, 2, 4), ("dt", INF, "last", 64, 3, 5),
-                          ("B", NAN, "mid", 64, 3, 4)]]
 
 
 def walk_contract(name, value, where, Q, causal, **config):
@@ -606,19 +595,6 @@ def test_emulated_walk_causal(name, value, where, Q, segments, causal):
     has 3 chunks, so 3 runs put the bad token's chunk in a run of its own."""
     names = walk_contract(name, value, where, Q, causal, state_segments=segments)
     assert "chunk_scan_walk" in names
-
-
-@pytest.mark.parametrize("name, value, where, Q, segments, causal", WALK_CUMSUM_CAUSAL)
-def test_emulated_walk_cumsum_causal(name, value, where, Q, segments, causal):
-    """walk_cumsum: dt' and G formed by the walk (one run) or the runs' state pass (no
-    decay_cumsum launch, at chunk 64) keep the contract, and the launches after them read
-    the dt' and G they wrote."""
-    names = walk_contract(name, value, where, Q, causal, state_segments=segments,
-                          walk_cumsum=1)
-    # at chunk 128 (past WALK_CUMSUM_MAX_CHUNK) decay_cumsum forms them, as without the option
-    runs = ["chunk_state_pass", "chunk_state_carry"] if segments > 1 else []
-    assert names == (["decay_cumsum"] * (Q > 64) + runs
-                     + ["chunk_scan_walk", "chunk_scan_walk"]), names
 
 
 #: the walk forming its runs' entering states itself (walk_carry, 2-3 runs): a bad run's
@@ -665,15 +641,13 @@ def test_emulated_walk_fix_inline_causal(name, value, where, Q, segments, carry,
     assert names == ["decay_cumsum"] + runs + ["chunk_scan_walk"], names
 
 
-@pytest.mark.parametrize("segments, cumsum, carry", [(1, 0, 0), (3, 0, 0), (1, 1, 0),
-                                                     (3, 0, 1), (3, 1, 0), (3, 1, 1)])
-def test_emulated_walk_decay_limits(segments, cumsum, carry):
-    run = emulated_run(64, 64, 4, scan_walk=1, state_segments=segments, walk_cumsum=cumsum,
-                       walk_carry=carry)
+@pytest.mark.parametrize("segments, carry", [(1, 0), (3, 0), (3, 1)])
+def test_emulated_walk_decay_limits(segments, carry):
+    run = emulated_run(64, 64, 4, scan_walk=1, state_segments=segments, walk_carry=carry)
     check_decay_limits(run, *make_problem(64, 64, False, softplus=True, dtype=F64), EMU_TOL)
     check_decay_limits(run, *dt_zero_problem(dtype=F64), EMU_TOL)
     names = [variants.kernel_name(c) for c in run.last_calls]
-    assert "chunk_scan_walk" in names and ("decay_cumsum" in names) is not bool(cumsum)
+    assert "chunk_scan_walk" in names and "decay_cumsum" in names
     assert ("chunk_state_carry" in names) is (segments > 1 and not carry)
 
 

@@ -382,7 +382,7 @@ WALK_OPTIONS = {"none": {}, "D_head": OPTIONS["D_head"], "D_chan_z": OPTIONS["D_
                 "all_but_seq": {k: v for k, v in OPTIONS["all"].items() if k != "seq_idx"}}
 
 
-@pytest.mark.parametrize("fold", ["none", "cumsum", "carry", "both"])
+@pytest.mark.parametrize("fold", ["none", "carry"])
 @pytest.mark.parametrize("causal", [0, 4, 5])
 @pytest.mark.parametrize("segments", [1, 2, 3])
 @pytest.mark.parametrize("opt, Q, l, n, block_p",
@@ -395,46 +395,36 @@ def test_emulated_walk(opt, Q, l, n, block_p, segments, causal, fold):
     each run's chunks in registers, and with scan_causal 4 / 5 its second launch over the
     flagged runs: the recurrence's outputs and final state, with headdim 20 in p-tiles of 8 to
     32 (a partial last one), dstate 5 to 33 (padded), partial last chunks, 1 to 3 runs
-    (clamped to the chunk count: one chunk at l = 64). walk_cumsum at chunk 64: no
-    decay_cumsum, the walk at one run forms dt' and G itself (its fix-up reads them from the
-    buffers the p-tile-0 programs wrote), the runs' state pass at several (the walk and the
-    fix-up read what it wrote); at chunk 128 decay_cumsum stays; walk_carry at 2+ runs: no chunk_state_carry, each walk
-    program forms its entering state and the last run writes the final state."""
+    (clamped to the chunk count: one chunk at l = 64). walk_carry at 2+ runs: no
+    chunk_state_carry, each walk program forms its entering state and the last run writes
+    the final state."""
     args, kw, _, _ = make_problem(WALK_OPTIONS[opt], l=l, Q=Q, n=n)
     cfg = small_forward_config(Q, n, chunk_size=Q, scan_walk=1, scan_block_p=block_p,
                                state_segments=segments, scan_causal=causal,
-                               walk_cumsum=int(fold in ("cumsum", "both")),
-                               walk_carry=int(fold in ("carry", "both")))
+                               walk_carry=int(fold == "carry"))
     calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
     names = [variants.kernel_name(c) for c in calls]
     segs = min(segments, -(-l // Q))
-    folded = bool(cfg.walk_cumsum) and Q <= forward.WALK_CUMSUM_MAX_CHUNK
-    fused = folded and segs == 1
     carry = bool(cfg.walk_carry) and segs > 1
     state = ["chunk_state_pass"] + ["chunk_state_carry"] * (not carry) if segs > 1 else []
     fix = ["chunk_scan_walk"] if causal else []
-    assert names == ["decay_cumsum"] * (not folded) + [*state, "chunk_scan_walk", *fix]
-    walk = calls[len(state) + (not folded)]
-    if segs > 1:
-        assert variants.kernel_arg(calls[not folded], "CUMSUM") == folded
+    assert names == ["decay_cumsum", *state, "chunk_scan_walk", *fix]
+    walk = calls[len(state) + 1]
     assert tuple(walk.grid) == (2 * 4, -(-20 // block_p), segs)
     assert (variants.kernel_arg(walk, "FLAG"), variants.kernel_arg(walk, "FIX"),
-            variants.kernel_arg(walk, "CUMSUM"), variants.kernel_arg(walk, "CARRY")) == (
-        causal > 0, False, fused, carry)
+            variants.kernel_arg(walk, "CARRY")) == (causal > 0, False, carry)
     if causal:
         assert (variants.kernel_arg(calls[-1], "FIX"),
-                variants.kernel_arg(calls[-1], "CUMSUM"),
-                variants.kernel_arg(calls[-1], "CARRY")) == (True, False, carry)
-    first = int(not folded)                 # the runs' state pass, where S > 1
+                variants.kernel_arg(calls[-1], "CARRY")) == (True, carry)
+    # calls[1]: the runs' state pass, where S > 1; calls[2]: chunk_state_carry, without carry
     if carry:
-        assert variants.kernel_arg(walk, "seg_final") is variants.kernel_arg(calls[first],
+        assert variants.kernel_arg(walk, "seg_final") is variants.kernel_arg(calls[1],
                                                                               "seg_final")
     if segs > 1:
-        assert variants.kernel_arg(calls[first], "SEG_MODE") == 1
+        assert variants.kernel_arg(calls[1], "SEG_MODE") == 1
     if segs > 1 and not carry:
-        assert variants.kernel_arg(calls[first + 1], "ENTRY_ONLY") is True
-        assert variants.kernel_arg(walk, "seg_entry") is variants.kernel_arg(calls[first + 1],
-                                                                              "entry")
+        assert variants.kernel_arg(calls[2], "ENTRY_ONLY") is True
+        assert variants.kernel_arg(walk, "seg_entry") is variants.kernel_arg(calls[2], "entry")
     # measured at most 1.5e-15 of the largest element (out and final) over these cases
     check(args, kw, Q, cfg, tol=5e-15)
 

@@ -15,7 +15,6 @@ pytest.importorskip("cuda.tile")
 
 from mamba2_cutile.bench import compile as cpu_compile  # noqa: E402
 from mamba2_cutile.bench import plans, resources  # noqa: E402
-from mamba2_cutile.ssd import forward  # noqa: E402
 from support import variants  # noqa: E402
 
 pytestmark = pytest.mark.compile
@@ -420,30 +419,21 @@ def test_heads_kernels_int64_variants_compile():
     ("bfloat16", dict(chunk_size=128), dict(scan_block_p=32), False, None),
     ("float32", dict(chunk_size=64), dict(scan_block_p=32), False, None),
     ("bfloat16", dict(chunk_size=64, int64=True), dict(scan_block_p=32), False, None),
-    ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, walk_occupancy=2, walk_cumsum=1),
-     True, 32),
     ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, state_segments=8,
                                            walk_occupancy=2, walk_carry=1), True, 8),
-    ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, state_segments=8,
-                                           walk_occupancy=2, walk_cumsum=1,
-                                           state_occupancy=2), False, 8),
     ("bfloat16", dict(chunk_size=64), dict(scan_block_p=64, state_segments=8,
                                            walk_occupancy=2, walk_carry=1, state_block_p=64,
                                            state_block_n=128, state_occupancy=2), False, 8),
 ], ids=["bf16-q64-p64-seg4", "bf16-q64-p64-seg8-occ2", "bf16-q128-p32", "fp32-q64-p32",
-        "bf16-q64-p32-int64", "bf16-q64-p64-occ2-cumsum", "bf16-q64-p64-seg8-occ2-carry",
-        "bf16-q64-p64-seg8-occ2-state-cumsum", "bf16-q64-p64-seg8-rule-runs"])
+        "bf16-q64-p32-int64", "bf16-q64-p64-seg8-occ2-carry", "bf16-q64-p64-seg8-rule-runs"])
 def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
     """scan_walk: chunk_scan_walk (and its fix-up launch) compiles for sm_90 at the seed
     problem with every option but seq_idx; bf16 at chunk 64 with the whole 64-channel head a
     program holds its state without spills (sm_90, 168 registers, 384 threads; under the
     rule's two-per-SM hint, `walk_occupancy=2`, 128 registers at 256 threads, two CTAs an
-    SM, with 8 B of stack; with `walk_cumsum` and every option 32 B, against 16 B without
-    it at S = 1: its G as masked row sums, where ct.cumsum spilled about 7 KB a thread; with
-    `walk_carry` in 8 runs, the entering states formed in the walk, 8 B; with `walk_cumsum`
-    in 8 runs the runs' state pass forms dt' and G: the walk 8 B, the state pass none, two
-    CTAs an SM under `state_occupancy=2`; the rule's runs form, `walk_config`: the state
-    pass over whole states two an SM without stack, 128 registers, 115 KB)."""
+    SM, with 8 B of stack; with `walk_carry` in 8 runs, the entering states formed in the
+    walk, 8 B; the rule's runs form, `walk_config`: the state pass over whole states two an
+    SM without stack, 128 registers, 115 KB)."""
     import cuda.tile as ct
     import torch
 
@@ -452,9 +442,8 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
         overrides=dict(scan_walk=1, **over), **problem)
     names = [variants.kernel_name(c) for c in calls]
     segs = over.get("state_segments", 1)
-    folded = over.get("walk_cumsum", 0) and problem["chunk_size"] <= forward.WALK_CUMSUM_MAX_CHUNK
     carry = over.get("walk_carry", 0) and segs > 1
-    assert names == (["decay_cumsum"] * (not folded) + ["chunk_state_pass"] * (segs > 1)
+    assert names == (["decay_cumsum"] + ["chunk_state_pass"] * (segs > 1)
                      + ["chunk_state_carry"] * (segs > 1 and not carry)
                      + ["chunk_scan_walk"] * 2)
     walk = calls[-2]
@@ -466,11 +455,9 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
         assert res["stack"] <= max_stack, res
         assert res["ctas_per_sm"] >= max(1, over.get("walk_occupancy", 0)), res
         if segs > 1 and over.get("state_occupancy", 0) == 2:
-            # the runs' state pass (forming dt' and G with walk_cumsum): no spills, two CTAs
-            # an SM (sm_90: 128 registers at 256 threads, 84 KB of shared memory with
-            # walk_cumsum, 115 KB without)
+            # the runs' state pass: no spills, two CTAs an SM (sm_90: 128 registers at 256
+            # threads, 115 KB of shared memory)
             state = calls[names.index("chunk_state_pass")]
-            assert variants.kernel_arg(state, "CUMSUM") is bool(folded)
             res = resources.compile_resources(state)
             assert res["stack"] == 0 and res["ctas_per_sm"] >= 2, res
     else:

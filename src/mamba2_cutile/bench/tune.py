@@ -73,8 +73,7 @@ def split_space(space: dict) -> dict:
             # alone would not time
             raise ValueError(f"cannot tune {name!r}: it changes two launches; time it "
                              "with scripts/sweep.py")
-        if name in ("scan_heads", "scan_walk", "walk_occupancy", "walk_warps", "walk_cumsum",
-                    "walk_carry"):
+        if name in ("scan_heads", "scan_walk", "walk_occupancy", "walk_warps", "walk_carry"):
             # another kernel (chunk_scan_group) in chunk_scan's place: the search looks the
             # output launch up by chunk_scan's name, and would find the fix-up launch
             # (scan_walk: chunk_scan_walk in place of the state pass and chunk_scan)

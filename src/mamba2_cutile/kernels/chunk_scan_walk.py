@@ -5,7 +5,7 @@ chunk_state_pass writes the state entering every chunk, (B, H, C, P, N), as larg
 dstate = 2 headdim in float32, and chunk_scan reads it back: a round trip through HBM on top
 of x, B and C. Here a program owns one (batch, head, p-tile) slice of the state, (BLOCK_P, NP)
 in registers, and walks the chunks of its run in order. For chunk c with tokens t (log2 decays
-G_t from decay_cumsum or formed here, G_last its last entry) and the entering state h:
+G_t from decay_cumsum, G_last its last entry) and the entering state h:
 
     Y   = 2^{G_t} * (C h^T)                                           carried-state term
         + (2^{G_t - G_s} * (C B^T) * M_ts * dt_s) @ X                 intra-chunk term
@@ -27,15 +27,7 @@ end states from zero starts, no chunk state written) and chunk_state_carry (ENTR
 and the final state) form before this launch, reading x and B once more instead of writing
 and reading every chunk state.
 
-With CUMSUM (`ForwardConfig.walk_cumsum`, S = 1, chunk <= 64) the launch before it,
-decay_cumsum, is folded in: each program forms its chunk's dt' and G from the caller's dt as
-decay_cumsum forms them (`decay_cumsum._chunk_dt_and_cum`: G as masked row sums, the same
-values up to float32 rounding of the sums' order), and where the fix-up launch follows
-(FLAG) the p-tile-0 programs write dt' and G to `dt` and `cum`, where it reads them. With
-S > 1 the option folds decay_cumsum into the runs' state pass instead, which writes them for
-this launch.
-
-With CARRY (`ForwardConfig.walk_carry`, S > 1) chunk_state_carry is folded in too: program
+With CARRY (`ForwardConfig.walk_carry`, S > 1) chunk_state_carry is folded in: program
 (bh, p, s) forms H_s from the s earlier runs' end states and factors (s loads of its own
 (BLOCK_P, NP) tile, with that launch's own `_carried_state`, so the same values), and the last
 run's programs write the final state, which they reach by walking.
@@ -52,10 +44,10 @@ chunk_scan's sanitizing form (`_add_key_block` with SANITIZE): the rows before t
 equal those of a clean run bit for bit (the same products in the same order, exact zeros
 where masked), and the rows the recurrence makes non-finite are non-finite.
 
-With FIX_INLINE (`ForwardConfig.walk_fix_inline`; not with CUMSUM, whose dt' and G the other
-p-tiles' programs write) the plain program itself walks its run again in that form where its
-last state is non-finite: no flag is stored and there is no second launch, which on clean
-input only starts programs that return at once (4-5 us timed alone on the H100, 2026-12-07).
+With FIX_INLINE (`ForwardConfig.walk_fix_inline`) the plain program itself walks its run
+again in that form where its last state is non-finite: no flag is stored and there is no
+second launch, which on clean input only starts programs that return at once (4-5 us timed
+alone on the H100, 2026-12-07).
 
 Not here: seq_idx (its resets and same-sequence mask), the chunk states that varlen states
 read, and C B^T from chunk_cb; the plan keeps the three-kernel forward for those.
@@ -67,7 +59,6 @@ from ._common import int64_variant, mma_operand
 from .chunk_scan import _add_key_block, _chunk_is_bad, _gate, _mma_x, _skip
 from .chunk_state_carry import _carried_state
 from .chunk_state_pass import _nonfinite, _update
-from .decay_cumsum import _chunk_dt_and_cum
 
 
 def _chunk_output(x, b, c, z, D, dt, cum, out, h, dtt, g, batch, head, group, chunk,
@@ -107,25 +98,10 @@ def _chunk_output(x, b, c, z, D, dt, cum, out, h, dtt, g, batch, head, group, ch
     return xt, bt
 
 
-def _chunk_decay(dt, cum, dt_raw, A, dt_bias, dt_lo, dt_hi, batch, head, chunk, p_tile,
-                 Q: ct.Constant[int], LAT, CUMSUM: ct.Constant[bool],
-                 HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
-                 FLAG: ct.Constant[bool]):
-    """The chunk's (Q,) dt' and G: read from decay_cumsum's `dt` and `cum`, or (CUMSUM)
-    formed here from the raw (B, L, H) dt as decay_cumsum forms them, and written to `dt` and
-    `cum` by the p-tile-0 programs where a fix-up launch follows (FLAG), which reads them
-    there."""
-    if CUMSUM:
-        dtt, g = _chunk_dt_and_cum(dt_raw, A, dt_bias, dt_lo, dt_hi, batch, head, chunk, Q, LAT,
-                                   HAS_BIAS, SOFTPLUS)
-        if FLAG:
-            if p_tile == 0:
-                ct.store(dt, index=(batch, head, chunk), tile=dtt.reshape((1, 1, Q)))
-                ct.store(cum, index=(batch, head, chunk), tile=g.reshape((1, 1, Q)))
-    else:
-        g = ct.load(cum, index=(batch, head, chunk), shape=(1, 1, Q), latency=LAT).reshape((Q,))
-        dtt = ct.load(dt, index=(batch, head, chunk), shape=(1, 1, Q),
-                      latency=LAT).reshape((Q,))
+def _chunk_decay(dt, cum, batch, head, chunk, Q: ct.Constant[int], LAT):
+    """The chunk's (Q,) dt' and G, read from decay_cumsum's `dt` and `cum`."""
+    g = ct.load(cum, index=(batch, head, chunk), shape=(1, 1, Q), latency=LAT).reshape((Q,))
+    dtt = ct.load(dt, index=(batch, head, chunk), shape=(1, 1, Q), latency=LAT).reshape((Q,))
     return dtt, g
 
 
@@ -139,14 +115,13 @@ def _next_state(h, xt, bt, dtt, g, in_dtype, Q: ct.Constant[int], BLOCK_P: ct.Co
     return h
 
 
-def _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A, dt_bias,
-          dt_lo, dt_hi, seg_final, seg_factor, bh, p_tile, seg,
+def _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, seg_final, seg_factor,
+          bh, p_tile, seg,
           Q: ct.Constant[int], BLOCK_P: ct.Constant[int], NP: ct.Constant[int],
           HEADS_PER_GROUP: ct.Constant[int], D_MODE: ct.Constant[int],
           HAS_Z: ct.Constant[bool], HAS_INIT: ct.Constant[bool], LOAD_LATENCY: ct.Constant[int],
           LOWP: ct.Constant[bool], SCALE_X: ct.Constant[bool], SEGS: ct.Constant[int],
-          FLAG: ct.Constant[bool], FIX: ct.Constant[bool], CUMSUM: ct.Constant[bool],
-          HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool], CARRY: ct.Constant[bool]):
+          FIX: ct.Constant[bool], CARRY: ct.Constant[bool]):
     """The run of program (bh, p_tile, seg): every chunk's output (FIX: only the bad chunks',
     causally) and the state carried through them."""
     ZERO = ct.PaddingMode.ZERO
@@ -185,8 +160,7 @@ def _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A,
             bt = ct.load(b, index=(batch, chunk, group, 0), shape=(1, Q, 1, NP),
                          padding_mode=ZERO).reshape((Q, NP))
         else:
-            dtt, g = _chunk_decay(dt, cum, dt_raw, A, dt_bias, dt_lo, dt_hi, batch, head,
-                                  chunk, p_tile, Q, LAT, CUMSUM, HAS_BIAS, SOFTPLUS, FLAG)
+            dtt, g = _chunk_decay(dt, cum, batch, head, chunk, Q, LAT)
             xt, bt = _chunk_output(x, b, c, z, D, dt, cum, out, h, dtt, g, batch, head, group,
                                    chunk, p_tile, Q, BLOCK_P, NP, D_MODE, HAS_Z, LOWP, LAT,
                                    False)
@@ -207,8 +181,8 @@ def chunk_scan_walk_fn(
     c,           # (B, L, G, N)
     z,           # (B, L, H, P) (ignored unless HAS_Z)
     D,           # (H,) or (H, P) float32 per D_MODE
-    dt,          # (B, H, Lp) float32, from decay_cumsum (CUMSUM: written here with FLAG)
-    cum,         # (B, H, Lp) float32, from decay_cumsum (CUMSUM: written here with FLAG)
+    dt,          # (B, H, Lp) float32, from decay_cumsum
+    cum,         # (B, H, Lp) float32, from decay_cumsum
     init,        # (B, H, P, N) float32 (ignored unless HAS_INIT)
     seg_entry,   # (B, H, SEGS, P, N) float32: the state entering each run (read if SEGS > 1)
     final,       # (B, H, P, N) float32: written with SEGS == 1 or CARRY (else
@@ -216,11 +190,6 @@ def chunk_scan_walk_fn(
     out,         # (B, L, H, P)
     flags,       # (B * H, cdiv(P, BLOCK_P) * SEGS) float32: 1.0 where the run's last state
                  # is non-finite (written if FLAG and not FIX_INLINE, read if FIX)
-    dt_raw,      # (B, L, H) the caller's dt, any float dtype (read if CUMSUM)
-    A,           # (H,) float32 (read if CUMSUM)
-    dt_bias,     # (H,) float32 (read if CUMSUM and HAS_BIAS)
-    dt_lo: float,
-    dt_hi: float,
     seg_final,   # (B, H, SEGS, P, N) float32: the runs' end states E_r (read if CARRY)
     seg_factor,  # (B, H, SEGS) float32: their end factors F_r (read if CARRY)
     Q: ct.Constant[int],
@@ -236,10 +205,6 @@ def chunk_scan_walk_fn(
     SEGS: ct.Constant[int],
     FLAG: ct.Constant[bool],      # the plain walk writes its flag (scan_causal 4)
     FIX: ct.Constant[bool],       # the second launch: flagged runs' bad chunks, causally
-    CUMSUM: ct.Constant[bool],    # dt' and G formed here from dt_raw (S = 1, not FIX), and
-                                  # written to dt and cum: no decay_cumsum launch before
-    HAS_BIAS: ct.Constant[bool],
-    SOFTPLUS: ct.Constant[bool],
     CARRY: ct.Constant[bool],     # SEGS > 1: H_s formed here from seg_final and seg_factor
                                   # (no chunk_state_carry launch; the last run writes final)
     FIX_INLINE: ct.Constant[bool],  # FLAG: a program whose last state is non-finite walks
@@ -248,24 +213,21 @@ def chunk_scan_walk_fn(
     bh, p_tile, seg = ct.bid(0), ct.bid(1), ct.bid(2)
     if FIX:
         if ct.load(flags, index=(bh, p_tile * SEGS + seg), shape=(1, 1)).reshape(()) > 0.0:
-            _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A,
-                  dt_bias, dt_lo, dt_hi, seg_final, seg_factor, bh, p_tile, seg, Q, BLOCK_P,
-                  NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_INIT, LOAD_LATENCY, LOWP, SCALE_X,
-                  SEGS, FLAG, True, False, HAS_BIAS, SOFTPLUS, CARRY)
+            _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, seg_final,
+                  seg_factor, bh, p_tile, seg, Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
+                  HAS_INIT, LOAD_LATENCY, LOWP, SCALE_X, SEGS, True, CARRY)
     else:
-        h = _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw, A,
-                  dt_bias, dt_lo, dt_hi, seg_final, seg_factor, bh, p_tile, seg, Q, BLOCK_P,
-                  NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_INIT, LOAD_LATENCY, LOWP, SCALE_X,
-                  SEGS, FLAG, False, CUMSUM, HAS_BIAS, SOFTPLUS, CARRY)
+        h = _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, seg_final,
+                  seg_factor, bh, p_tile, seg, Q, BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z,
+                  HAS_INIT, LOAD_LATENCY, LOWP, SCALE_X, SEGS, False, CARRY)
         if FLAG:
             bad = _nonfinite(h)
             if FIX_INLINE:
                 if bad.reshape(()) > 0.0:
-                    _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags, dt_raw,
-                          A, dt_bias, dt_lo, dt_hi, seg_final, seg_factor, bh, p_tile, seg, Q,
-                          BLOCK_P, NP, HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_INIT,
-                          LOAD_LATENCY, LOWP, SCALE_X, SEGS, FLAG, True, False, HAS_BIAS,
-                          SOFTPLUS, CARRY)
+                    _walk(x, b, c, z, D, dt, cum, init, seg_entry, final, out, flags,
+                          seg_final, seg_factor, bh, p_tile, seg, Q, BLOCK_P, NP,
+                          HEADS_PER_GROUP, D_MODE, HAS_Z, HAS_INIT, LOAD_LATENCY, LOWP,
+                          SCALE_X, SEGS, True, CARRY)
             else:
                 ct.store(flags, index=(bh, p_tile * SEGS + seg), tile=bad.reshape((1, 1)))
 
@@ -273,5 +235,4 @@ def chunk_scan_walk_fn(
 chunk_scan_walk = ct.kernel(chunk_scan_walk_fn)
 chunk_scan_walk_i64 = ct.kernel(int64_variant(
     chunk_scan_walk_fn, ["x", "b", "c", "z", "D", "dt", "cum", "init", "seg_entry", "final",
-                         "out", "flags", "dt_raw", "A", "dt_bias", "seg_final",
-                         "seg_factor"]))
+                         "out", "flags", "seg_final", "seg_factor"]))

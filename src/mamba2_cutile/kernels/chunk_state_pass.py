@@ -38,11 +38,6 @@ into seg_entry, and 2 runs them again from H_s (segment 0 from init), writing th
 (rounded once) and the flags: the inputs are read twice instead of the states being
 rewritten (or added in the output launch, segment_fold).
 
-CUMSUM (`ForwardConfig.walk_cumsum` in the walk's runs, SEG_MODE 1, no seq_idx): decay_cumsum
-is folded in: each program forms its chunks' dt' and G from the caller's dt
-(`decay_cumsum._chunk_dt_and_cum`) and the (p-tile 0, n-tile 0) program of each run writes
-them to `dt` and `cum`, where the launches after it read them.
-
 FLAG (ForwardConfig.scan_causal=4): whether any chunk of the program's run holds a
 non-finite x, B or dt', for chunk_scan's pass over flagged heads (kernels/chunk_scan.py,
 CHECK=8, which then finds the chunks). A chunk's own term of the update, X^T (w B) over its
@@ -64,7 +59,6 @@ to another pipeline (209 or 89 KB of shared memory against 151 and 128 KB).
 import cuda.tile as ct
 
 from ._common import int64_variant, mma_operand, state_segment
-from .decay_cumsum import _chunk_dt_and_cum
 
 
 def _nonfinite(t):
@@ -100,8 +94,8 @@ def _update(hid, pending, carry, xt, bt, w, in_dtype, BLOCK_P: ct.Constant[int],
 def chunk_state_pass_fn(
     x,           # (B, L, H, P)
     b,           # (B, L, G, N)
-    dt,          # (B, H, Lp) float32, from decay_cumsum (CUMSUM: written here)
-    cum,         # (B, H, Lp) float32, from decay_cumsum (CUMSUM: written here)
+    dt,          # (B, H, Lp) float32, from decay_cumsum
+    cum,         # (B, H, Lp) float32, from decay_cumsum
     init,        # (B, H, P, N) float32 (ignored unless HAS_INIT)
     seq_idx,     # (B, L) int32 (ignored unless HAS_SEQ)
     states,      # (B, H, C, P, N) state dtype: entry state of each chunk
@@ -125,16 +119,6 @@ def chunk_state_pass_fn(
     SEG_MODE: ct.Constant[int],   # (SEGMENTS > 1) 0: local entry states l_c, f_c, the runs'
                                   # ends; 1: the runs' ends only; 2: the true entry states,
                                   # each run from seg_entry (segment 0 from init)
-    dt_raw,      # (B, L, H) the caller's dt, any float dtype (read if CUMSUM)
-    A,           # (H,) float32 (read if CUMSUM)
-    dt_bias,     # (H,) float32 (read if CUMSUM and HAS_BIAS)
-    dt_lo: float,
-    dt_hi: float,
-    CUMSUM: ct.Constant[bool],    # dt' and G formed here from dt_raw and written to dt and cum
-                                  # by the p-tile-0, n-tile-0 programs (no seq_idx): no
-                                  # decay_cumsum launch before (`walk_cumsum` with S > 1 runs)
-    HAS_BIAS: ct.Constant[bool],
-    SOFTPLUS: ct.Constant[bool],
 ):
     bh, p_tile = ct.bid(0), ct.bid(1)
     LAT = None if LOAD_LATENCY == 0 else LOAD_LATENCY   # 0: the compiler decides
@@ -151,9 +135,8 @@ def chunk_state_pass_fn(
     if SEGMENTS > 1:
         n_tile, seg, c_begin, c_end = state_segment(b.shape[3], BLOCK_N, num_chunks,
                                                     SEGMENTS)
+        writer = p_tile + n_tile == 0           # f_c is the same for every tile: one writes it
         factor = ct.full((1,), 1.0, dtype=ct.float32)
-    # f_c, dt' and G are the same for every tile of a (batch, head, chunk): one writes them
-    writer = p_tile + n_tile == 0
 
     hid = ct.full((BLOCK_P, BLOCK_N), 0.0, dtype=ct.float32)
     if HAS_INIT:
@@ -199,15 +182,8 @@ def chunk_state_pass_fn(
         bt = ct.load(b, index=(batch, c, group, n_tile), shape=(1, Q, 1, BLOCK_N),
                      padding_mode=ct.PaddingMode.ZERO,
                      latency=LAT).reshape((Q, BLOCK_N))
-        if CUMSUM:
-            dtt, g = _chunk_dt_and_cum(dt_raw, A, dt_bias, dt_lo, dt_hi, batch, head, c, Q, LAT,
-                                       HAS_BIAS, SOFTPLUS)
-            if writer:
-                ct.store(dt, index=(batch, head, c), tile=dtt.reshape((1, 1, Q)))
-                ct.store(cum, index=(batch, head, c), tile=g.reshape((1, 1, Q)))
-        else:
-            dtt = ct.load(dt, index=(batch, head, c), shape=(1, 1, Q)).reshape((Q,))
-            g = ct.load(cum, index=(batch, head, c), shape=(1, 1, Q)).reshape((Q,))
+        dtt = ct.load(dt, index=(batch, head, c), shape=(1, 1, Q)).reshape((Q,))
+        g = ct.load(cum, index=(batch, head, c), shape=(1, 1, Q)).reshape((Q,))
         g_last = ct.extract(g, index=(Q - 1,), shape=(1,))
         w = dtt * ct.exp2(g_last - g)
         carry = ct.exp2(g_last)
@@ -269,5 +245,4 @@ def chunk_state_pass_fn(
 chunk_state_pass = ct.kernel(chunk_state_pass_fn)
 chunk_state_pass_i64 = ct.kernel(int64_variant(
     chunk_state_pass_fn, ["x", "b", "dt", "cum", "init", "seq_idx", "states", "final",
-                          "seg_final", "seg_factor", "chunk_factor", "flags", "seg_entry",
-                          "dt_raw", "A", "dt_bias"]))
+                          "seg_final", "seg_factor", "chunk_factor", "flags", "seg_entry"]))

@@ -46,9 +46,7 @@ def _dt_and_step(d, bias, a, token, seqlen, dt_lo: float, dt_hi: float,
                  HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool]):
     """(dt', a') of a (Q, K) float32 tile of raw dt (K heads; `bias` and `a` their (K,)
     dt_bias, read only with HAS_BIAS, and A; `token` the (Q,) token indices): the module
-    docstring's dt'_t and the log2 decay step a'_t it sums into G_t (0 where dt'_t = 0).
-    One home for decay_cumsum and the launches that form them themselves
-    (`_chunk_dt_and_cum`), which sum them another way."""
+    docstring's dt'_t and the log2 decay step a'_t it sums into G_t (0 where dt'_t = 0)."""
     if HAS_BIAS:
         d = d + bias[None, :]
     if SOFTPLUS:
@@ -63,30 +61,6 @@ def _dt_and_step(d, bias, a, token, seqlen, dt_lo: float, dt_hi: float,
     step = ct.minimum(ct.maximum(d * (a * LOG2E)[None, :], -MAX_LOG2_STEP), MAX_LOG2_STEP)
     step = ct.where(ct.isnan(a)[None, :], a[None, :], step)
     return d, ct.where(d == 0.0, 0.0, step)
-
-
-def _chunk_dt_and_cum(dt_raw, A, dt_bias, dt_lo: float, dt_hi: float, batch, head, chunk,
-                      Q: ct.Constant[int], LAT, HAS_BIAS: ct.Constant[bool],
-                      SOFTPLUS: ct.Constant[bool]):
-    """One head's (Q,) dt' and G of one chunk, formed from the raw (B, L, H) dt as this
-    kernel forms them (`_dt_and_step`), for the launches that fold it in (`walk_cumsum`:
-    chunk_scan_walk with one run, the runs' chunk_state_pass with several). G is summed as
-    masked row sums, not ct.cumsum: a scan inside those programs spilled about 7 KB a thread
-    at sm_90 (their tiles are laid out for their MMAs), the row sums nothing at chunk 64
-    (at chunk 128 the (Q, Q) tile spilled: `forward.WALK_CUMSUM_MAX_CHUNK`). The same values
-    up to float32 rounding of the sums' order. A later token's step is selected away, never
-    multiplied, so a NaN or Inf step never reaches G of an earlier token."""
-    d = ct.load(dt_raw, index=(batch, chunk, head), shape=(1, Q, 1),
-                padding_mode=ct.PaddingMode.ZERO, latency=LAT).reshape((Q, 1)).astype(ct.float32)
-    a = ct.load(A, index=(head,), shape=(1,)).astype(ct.float32)
-    bias = a
-    if HAS_BIAS:
-        bias = ct.load(dt_bias, index=(head,), shape=(1,)).astype(ct.float32)
-    pos = ct.arange(Q, dtype=ct.int32)
-    d, step = _dt_and_step(d, bias, a, chunk * Q + pos, dt_raw.shape[1], dt_lo, dt_hi,
-                           HAS_BIAS, SOFTPLUS)
-    g = ct.sum(ct.where(pos[:, None] >= pos[None, :], step.reshape((1, Q)), 0.0), axis=1)
-    return d.reshape((Q,)), g
 
 
 def decay_cumsum_fn(

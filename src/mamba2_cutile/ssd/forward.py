@@ -143,15 +143,6 @@ class ForwardConfig:
     walk_occupancy: int = 0         # occupancy hint of chunk_scan_walk (0: compiler's choice,
                                     # one per SM; the rule sets 2 where its grid needs two)
     walk_warps: int = 0             # num_worker_warps hint of chunk_scan_walk (0: compiler's)
-    walk_cumsum: int = 0            # 1: at chunk_size <= 64 (WALK_CUMSUM_MAX_CHUNK) no
-                                    # decay_cumsum launch: the walk (state_segments 1) or the
-                                    # runs' state pass (S > 1) forms dt' and the decay cumsum
-                                    # itself (CUMSUM). Slower wherever timed (H100, 2026-12-07:
-                                    # the walk 0.229 -> 0.396 ms at B=2 T=8K H=48, the runs'
-                                    # state pass 0.050 -> 0.102 at the seed problem against
-                                    # decay_cumsum's 0.007), so off. sm_90 stack in the walk:
-                                    # 0 B two per SM, 40 B one per SM, 544 B at dstate 256
-                                    # (docs/measurements.md); at chunk 128 about 140 KB
     walk_carry: int = 0             # 1: with state_segments S > 1 each walk program forms
                                     # its run's entering state from the segmented pass's run
                                     # ends itself (CARRY), one launch fewer (no
@@ -160,10 +151,10 @@ class ForwardConfig:
                                     # walks with D: 128 registers, no stack (8 B without),
                                     # 109 KB of shared memory (84), still two per SM
 
-    walk_fix_inline: int = 0        # 1 (scan_causal 4 or 5, not walk_cumsum): a walk
-                                    # program whose run's last state is non-finite walks the
-                                    # run again itself, recomputing its bad chunks causally
-                                    # (FIX_INLINE), instead of a second launch over the grid
+    walk_fix_inline: int = 0        # 1 (scan_causal 4 or 5): a walk program whose run's
+                                    # last state is non-finite walks the run again itself,
+                                    # recomputing its bad chunks causally (FIX_INLINE),
+                                    # instead of a second launch over the grid
 
     FIXED = ("dstate_pad",)     # set by the problem, never overridden
 
@@ -185,8 +176,7 @@ class ForwardConfig:
         c.check_pow2(self, "scan_heads")
         c.check_range(self, "state_scale_x", -1, 1)
         for name in ("state_fresh_acc", "scan_lowp", "scan_head_major", "scan_cb",
-                     "segment_fold", "state_resweep", "scan_walk", "walk_cumsum",
-                     "walk_carry"):
+                     "segment_fold", "state_resweep", "scan_walk", "walk_carry"):
             c.check_choice(self, name, (0, 1))
         if self.state_resweep and self.segment_fold:
             raise ValueError("ForwardConfig: state_resweep=1 and segment_fold=1 are two ways "
@@ -404,11 +394,6 @@ def walk_block_p(dstate_pad: int) -> int:
 #: the most runs the two-per-SM walk takes (`walk_form`; 8 timed at the seed problem)
 WALK_MAX_RUNS = 8
 
-#: the longest chunk at which `walk_cumsum` applies: G as masked row sums of a (Q, Q) tile
-#: compiles without spills at chunk 64 (the rule's walk) but spilled about 140 KB a thread at
-#: chunk 128 (sm_90, B=1 T=512 H=24, 16 and 32 channels a program)
-WALK_CUMSUM_MAX_CHUNK = 64
-
 
 def walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS):
     """The shape rule's walk (`ForwardConfig.scan_walk`, computed at chunk 64, a program per
@@ -606,14 +591,13 @@ def _decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, seq_idx, seq_a
 
 def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt_buf, cum_buf,
               states, final, out, cfg: ForwardConfig):
-    """The launches of the walk (`uses_walk`): decay_cumsum (not with walk_cumsum at chunk <=
-    64, where the walk at S = 1, or the runs' state pass, forms dt' and G); with S =
-    state_segments > 1 (clamped to the chunks) chunk_state_pass for the runs' end states
-    (SEG_MODE=1: `states` is never written, a stand-in will do) and chunk_state_carry for the
-    states entering them and the final state (not with walk_carry, where each walk program
-    forms its own and the last run writes the final state); chunk_scan_walk; with
-    scan_causal 4 or 5 chunk_scan_walk again over the flagged runs (FIX), unless each
-    program does that itself (walk_fix_inline)."""
+    """The launches of the walk (`uses_walk`): decay_cumsum; with S = state_segments > 1
+    (clamped to the chunks) chunk_state_pass for the runs' end states (SEG_MODE=1: `states`
+    is never written, a stand-in will do) and chunk_state_carry for the states entering them
+    and the final state (not with walk_carry, where each walk program forms its own and the
+    last run writes the final state); chunk_scan_walk; with scan_causal 4 or 5
+    chunk_scan_walk again over the flagged runs (FIX), unless each program does that itself
+    (walk_fix_inline)."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = cfg.chunk_size
@@ -621,14 +605,9 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
     seq_arg = seq_start = torch.empty((1, 1), dtype=torch.int32, device=x.device)
     segs, (seg_final, seg_factor, chunk_factor) = segment_buffers(
         cfg.state_segments, nchunks, final, cum_buf)
-    # walk_cumsum: no decay_cumsum launch; the walk (one run) or the runs' state pass forms
-    # dt' and G
-    folded = bool(cfg.walk_cumsum) and Q <= WALK_CUMSUM_MAX_CHUNK
-    cumsum = folded and segs == 1
     carry = bool(cfg.walk_carry) and segs > 1
     flag = cfg.scan_causal in (4, 5)
-    # walk_cumsum: the p-tile-0 programs write dt' and G for the fix-up, so it needs a launch
-    inline = flag and bool(cfg.walk_fix_inline) and not cumsum
+    inline = flag and bool(cfg.walk_fix_inline)
     seg_entry = torch.empty(seg_final.shape if segs > 1 and not carry else (1, 1, 1, 1, 1),
                             dtype=final.dtype, device=x.device)
     p_tiles = -(-headdim // cfg.scan_block_p)
@@ -636,9 +615,8 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
                         dtype=torch.float32, device=x.device)
     int64 = needs_int64(x, dt, B, C, z, init, dt_buf, cum_buf, out, seg_final, seg_entry,
                         flags)
-    calls = [] if folded else [_decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus,
-                                                  None, seq_arg, seq_start, dt_buf, cum_buf,
-                                                  nchunks, cfg, int64)]
+    calls = [_decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, None, seq_arg,
+                                seq_start, dt_buf, cum_buf, nchunks, cfg, int64)]
     if segs > 1:
         state_grid = (batch * nheads, -(-headdim // cfg.state_block_p),
                       -(-dstate // cfg.state_block_n) * segs)
@@ -649,9 +627,7 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
             (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
              Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups, init is not None,
              False, cfg.state_load_latency, scale_x(cfg), bool(cfg.state_fresh_acc), segs,
-             seg_final, seg_factor, chunk_factor, flags, False, seg_entry, 1,
-             dt, A, dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi), folded,
-             dt_bias is not None, bool(dt_softplus))))
+             seg_final, seg_factor, chunk_factor, flags, False, seg_entry, 1)))
         if not carry:
             calls.append(KernelCall(
                 chunk_state_carry_i64 if int64 else chunk_state_carry, state_grid,
@@ -659,8 +635,7 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
                  cfg.state_block_p, cfg.state_block_n, segs, cfg.state_load_latency, False,
                  True, True)))
     walk_args = (x, B, C, z if z is not None else x, D if D is not None else A, dt_buf, cum_buf,
-                 init if init is not None else final, seg_entry, final, out, flags, dt, A,
-                 dt_bias if dt_bias is not None else A, float(dt_lo), float(dt_hi),
+                 init if init is not None else final, seg_entry, final, out, flags,
                  seg_final if segs > 1 else seg_entry, seg_factor, Q,
                  cfg.scan_block_p, cfg.dstate_pad, nheads // ngroups,
                  0 if D is None else D.dim(), z is not None, init is not None,
@@ -668,13 +643,12 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
                  walk_scale_x(cfg), segs, flag)
     walk = chunk_scan_walk_i64 if int64 else chunk_scan_walk
     grid = (batch * nheads, p_tiles, segs)
-    options = (dt_bias is not None, bool(dt_softplus), carry, inline)
+    options = (carry, inline)
     calls.append(KernelCall(with_hints(walk, cfg.walk_occupancy, cfg.walk_warps), grid,
-                            walk_args + (False, cumsum) + options))
+                            walk_args + (False,) + options))
     if flag and not inline:
-        # the flagged runs again, their bad chunks causally (no hints: a different program;
-        # dt' and G from the buffers either way)
-        calls.append(KernelCall(walk, grid, walk_args + (True, False) + options))
+        # the flagged runs again, their bad chunks causally (no hints: a different program)
+        calls.append(KernelCall(walk, grid, walk_args + (True,) + options))
     return calls
 
 
@@ -736,22 +710,19 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         scan_grid = (n_q * batch * nheads, p_tiles, 1)
     n_state_tiles = -(-dstate // cfg.state_block_n)
     state_grid = (batch * nheads, -(-headdim // cfg.state_block_p), n_state_tiles * segs)
-    # chunk_state_pass's arguments before (FLAG, seg_entry, SEG_MODE), and after them its
-    # CUMSUM ones (off: decay_cumsum forms dt' and G here)
+    # chunk_state_pass's arguments before (FLAG, seg_entry, SEG_MODE)
     state_head = (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states,
                   final, Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
                   init is not None, seq_idx is not None, cfg.state_load_latency,
                   scale_x(cfg), bool(cfg.state_fresh_acc), segs, seg_final, seg_factor,
                   chunk_factor, chunk_flags)
-    state_tail = (dt, A, A, 0.0, 0.0, False, False, False)
     calls = [
         _decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, seq_idx, seq_arg,
                            seq_start, dt_buf, cum_buf, nchunks, cfg, int64),
         KernelCall(
             with_hints(chunk_state_pass_i64 if int64 else chunk_state_pass, cfg.state_occupancy),
             state_grid,
-            state_head + (head_flags and not resweep, seg_entry, 1 if resweep else 0)
-            + state_tail,
+            state_head + (head_flags and not resweep, seg_entry, 1 if resweep else 0),
         ),
         KernelCall(
             with_hints(chunk_scan_i64 if wide else chunk_scan, cfg.scan_occupancy, cfg.scan_warps),
@@ -784,7 +755,7 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         # the runs again, from their entering states, writing the chunk states (and the flags)
         # (seg_entry has seg_final's shape, which `int64` counts)
         calls.insert(3, KernelCall(calls[1].kernel, state_grid,
-                                   state_head + (head_flags, seg_entry, 2) + state_tail))
+                                   state_head + (head_flags, seg_entry, 2)))
     scan = calls[-1]
     heads = group_scan_heads(cfg, nheads // ngroups)
     if heads > 1:
