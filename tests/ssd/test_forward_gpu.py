@@ -488,8 +488,8 @@ def test_walk_against_mamba_ssm(dims, segments, occupancy, caller_q):
     walk = calls[names.index("chunk_scan_walk")]
     # with runs, each walk program forms its run's entering state (walk_carry)
     assert walk.grid[2] == segments and "chunk_state_carry" not in names, (names, walk.grid)
-    from mamba2_cutile.bench import variants
-    assert variants.kernel_arg(walk, "CARRY") is (segments > 1), names
+    from support.variants import kernel_arg
+    assert kernel_arg(walk, "CARRY") is (segments > 1), names
     compare_with_mamba(inp, kw, caller_q, torch.bfloat16)
 
 
