@@ -775,10 +775,12 @@ def test_gpu_group_launch_causal_two_p_tiles(name, value, p):
                                          (64, "scan_block_p=64,state_segments=2", 128),
                                          (64, "scan_block_p=32", 256),
                                          (64, "scan_block_p=64,walk_fix_inline=1", 128),
+                                         (64, "scan_block_p=16,walk_fix_inline=1", 128),
                                          (64, "scan_block_p=64,state_segments=4,walk_carry=1,"
                                               "walk_occupancy=2,walk_fix_inline=1", 128)],
                          ids=["q64-p64-seg4", "q128-p32", "q64-p16-seg2", "q64-p64-seg2",
-                              "q64-p32-n256", "q64-p64-inline", "q64-p64-seg4-carry-inline"])
+                              "q64-p32-n256", "q64-p64-inline", "q64-p16-inline",
+                              "q64-p64-seg4-carry-inline"])
 @pytest.mark.parametrize("name, value, where", [("x", NAN, "mid"), ("x", INF, "first"),
                                                 ("B", INF, "mid"), ("B", NAN, "last"),
                                                 ("C", NAN, "mid"), ("z", INF, "mid"),

@@ -521,7 +521,7 @@ def test_walk_rule_empty_grid():
         (1, 8192, 44, 1, 64, 128, torch.bfloat16, 6, 2),    # 6 x 44 runs (untimed)
         (1, 8192, 36, 1, 64, 128, torch.bfloat16, 7, 2),    # 7 x 36 runs (untimed)
         (1, 8192, 48, 1, 64, 256, torch.bfloat16, 1, 0),    # 96 of 32 channels: one wave
-        (1, 512, 24, 1, 64, 128, torch.bfloat16, 0, 0),     # short sequences stay
+        (1, 4096, 24, 1, 64, 128, torch.bfloat16, 0, 0),    # short sequences stay
         (1, 8192, 16, 1, 64, 128, torch.bfloat16, 0, 0),    # 16 programs: 8 runs fill 48%
         (2, 8192, 128, 8, 64, 128, torch.float32, 0, 0),    # 16-bit inputs only
         (2, 8192, 48, 1, 128, 128, torch.bfloat16, 1, 2),   # headdim 128: 192, two per SM
@@ -543,6 +543,7 @@ def test_walk_rule(batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segme
         segments, occupancy)
     walk = cfg()
     assert forward.uses_walk(walk, False) is bool(segments)
+    assert walk.walk_fix_inline == 0     # slower in these walks (`short_walk_config`)
     if segments:
         assert (walk.chunk_size, walk.scan_block_p, walk.state_segments,
                 walk.walk_occupancy) == (64, forward.walk_block_p(walk.dstate_pad), segments,
@@ -560,3 +561,41 @@ def test_walk_rule(batch, seqlen, nheads, ngroups, headdim, dstate, dtype, segme
         assert walk == forward.walk_config(off, segments, occupancy)
     else:
         assert walk == off
+
+
+@pytest.mark.parametrize("batch, seqlen, nheads, headdim, dstate, dtype, short", [
+    (1, 512, 24, 64, 128, torch.bfloat16, True),      # 96 programs of 16 channels (timed)
+    (1, 1000, 24, 64, 128, torch.bfloat16, True),     # timed: even with the three kernels
+    (1, 1024, 33, 64, 128, torch.float16, True),      # 132 programs: one wave
+    (2, 300, 8, 32, 64, torch.bfloat16, True),        # 32 programs, untimed
+    (1, 1025, 24, 64, 128, torch.bfloat16, False),    # past WALK_SHORT_MAX_SEQLEN
+    (1, 512, 34, 64, 128, torch.bfloat16, False),     # 136 programs: a second wave
+    (1, 512, 24, 64, 256, torch.bfloat16, False),     # dstate 256
+    (1, 512, 24, 128, 128, torch.bfloat16, False),    # headdim 128
+    (1, 512, 24, 8, 128, torch.bfloat16, False),      # headdim below one 16-channel tile
+    (1, 512, 24, 64, 128, torch.float32, False),      # 16-bit inputs only
+    (1, 2048, 24, 64, 128, torch.bfloat16, False)])   # from 2048 tokens the runs' rule
+def test_short_walk_rule(batch, seqlen, nheads, headdim, dstate, dtype, short):
+    """Up to WALK_SHORT_MAX_SEQLEN tokens forward_config takes the short walk where its
+    16-channel programs fit one wave: chunk 64, one run, the causal fix-up in each program,
+    so two launches; never with seq_idx or where varlen states read the chunk states."""
+    def cfg(**kw):
+        return forward.forward_config(batch, nheads, headdim, dstate, 256, dtype, 132,
+                                      seqlen=seqlen, **kw)
+    assert forward.short_walk(batch, nheads, headdim, dstate, dtype, seqlen, 132) is short
+    walk, off = cfg(), cfg(walk_ok=False)
+    assert off.scan_walk == 0 and cfg(has_seq=True).scan_walk == 0
+    if not short:
+        assert walk.walk_fix_inline == 0
+        return
+    assert walk == forward.short_walk_config(off)
+    assert forward.uses_walk(walk, False)
+    assert (walk.chunk_size, walk.scan_block_p, walk.state_segments, walk.walk_fix_inline,
+            walk.scan_causal) == (64, 16, 1, 1, 4)
+    x = torch.empty(batch, seqlen, nheads, headdim, dtype=dtype, device="meta")
+    dt = torch.empty(batch, seqlen, nheads, device="meta")
+    bc = torch.empty(batch, seqlen, 1, dstate, dtype=dtype, device="meta")
+    A = torch.empty(nheads, device="meta")
+    calls = forward.forward_launches(x, dt, A, bc, bc, chunk_size=256, config=walk)[0]
+    names = [c.kernel._annotated_function.pyfunc.__name__[:-3] for c in calls]
+    assert names == ["decay_cumsum", "chunk_scan_walk"], names

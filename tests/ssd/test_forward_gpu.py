@@ -493,6 +493,24 @@ def test_walk_against_mamba_ssm(dims, segments, occupancy, caller_q):
     compare_with_mamba(inp, kw, caller_q, torch.bfloat16)
 
 
+@pytest.mark.parametrize("caller_q", [128, 256])
+@pytest.mark.parametrize("dims", [(1, 512, 24, 1, 64, 128), (2, 700, 8, 2, 40, 96)],
+                         ids=["130m-T512", "p40-n96-T700"])
+def test_short_walk_against_mamba_ssm(dims, caller_q):
+    """The short walk as the shape rule runs it (`forward.short_walk`: chunk 64, 16-channel
+    programs, the causal fix-up in each program, two launches): its error against the
+    float64 recurrence within 1.5x mamba_ssm's, at a headdim and dstate that are not
+    multiples of the tiles and a partial last chunk too."""
+    from mamba2_cutile.ssd import forward
+
+    b, l, h, g, p, n = dims
+    inp, kw = make_problem(b, l, h, g, p, n, torch.bfloat16, OPTS["D_head"], seed=5)
+    calls = forward.forward_launches(**inp, chunk_size=caller_q, **kw)[0]
+    names = [c.kernel._annotated_function.pyfunc.__name__[:-3] for c in calls]
+    assert names == ["decay_cumsum", "chunk_scan_walk"], "another SM count than 132?"
+    compare_with_mamba(inp, kw, caller_q, torch.bfloat16)
+
+
 def test_more_than_65535_batch_heads():
     """batch * heads above CUDA's 65535 limit of grid axes y and z."""
     inp, kw = make_problem(600, 3, 128, 1, 4, 16, torch.bfloat16, {"D": "h", "init": True})

@@ -464,3 +464,23 @@ def test_scan_walk_compiles(dtype_name, problem, over, fix, max_stack):
         assert len(cpu_compile.compile_cubin(walk, "sm_90")) > 0
     if fix:
         assert len(cpu_compile.compile_cubin(calls[-1], "sm_90")) > 0
+
+
+def test_short_walk_compiles():
+    """The shape rule's short walk (`forward.short_walk`, B=1 T=512 H=24 at chunk 256): two
+    launches, the walk in 16-channel programs with its causal fix-up inside (FIX_INLINE),
+    one CTA an SM at sm_90 with at most 48 B of stack with every option but seq_idx (168
+    registers at 384 threads; 32 B with D alone)."""
+    import torch
+
+    calls = plans.forward_problem_plan(dtype=torch.bfloat16, chunk_size=256, batch=1,
+                                       seqlen=512, nheads=24,
+                                       options=("D_chan", "z", "dt_bias", "softplus", "init"))
+    assert [variants.kernel_name(c) for c in calls] == ["decay_cumsum", "chunk_scan_walk"]
+    walk = calls[-1]
+    assert (variants.kernel_arg(walk, "BLOCK_P"), variants.kernel_arg(walk, "FIX_INLINE"),
+            variants.kernel_arg(walk, "FLAG"), variants.kernel_arg(walk, "Q")) == (
+        16, True, True, 64)
+    res = resources.compile_resources(walk)
+    assert res["stack"] <= 48 and res["ctas_per_sm"] >= 1, res
+

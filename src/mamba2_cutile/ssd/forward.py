@@ -501,12 +501,57 @@ def walk_config(cfg: ForwardConfig, segments: int, occupancy: int = 0) -> Forwar
     return replace(cfg, **over)
 
 
+#: the longest sequence the short walk takes (`short_walk`) and its programs' channels
+WALK_SHORT_MAX_SEQLEN = 1024
+WALK_SHORT_BLOCK_P = 16
+
+
+def short_walk(batch, nheads, headdim, dstate, dtype, seqlen, sms=DEFAULT_SMS) -> bool:
+    """Whether the shape rule takes the short walk (`short_walk_config`): 16-bit inputs,
+    sequences of at most WALK_SHORT_MAX_SEQLEN tokens, headdim 16-64, dstate <= 128, and a
+    grid of B * H * cdiv(headdim, 16) programs within one wave of the SMs.
+
+    At a few hundred tokens the launches are the cost: the three-kernel forward's four
+    (decay_cumsum, the state pass, chunk_scan and its causal fix-up) against two here
+    (decay_cumsum and the walk, which walks a flagged run again itself). On the H100 (bf16,
+    D per head, chunk 256, ms, mamba_ssm in the same run;
+    benchmarks/results/2026-12-08-h100-forward-sweep-short-walk-fix-inline.jsonl): B=1 T=512
+    H=24 (96 programs) three-kernel 0.0290, chunk-64 walk of 16 channels with the fix-up
+    launch 0.0259, without it 0.0214 (mamba_ssm 0.0263); at T=1000 0.0338 -> 0.0333
+    (0.0326): each 64-token chunk costs the walk about 1.4 us and the three-kernel forward
+    about 0.6, so past about a thousand tokens it stays three-kernel. Shapes in these bounds
+    but not timed (other grids, headdim 16-32, dstate 16-64, fp16, 513-999 tokens) follow
+    the rule untimed."""
+    if (dtype not in (torch.bfloat16, torch.float16) or seqlen is None
+            or not 0 < seqlen <= WALK_SHORT_MAX_SEQLEN or dstate > 128
+            or not 16 <= headdim <= 64):
+        return False
+    programs = batch * nheads * -(-headdim // WALK_SHORT_BLOCK_P)
+    return 0 < programs <= sms
+
+
+def short_walk_config(cfg: ForwardConfig) -> ForwardConfig:
+    """`cfg` as the short walk runs it (`short_walk`): chunk 64, one run, WALK_SHORT_BLOCK_P
+    channels a program at the compiler's occupancy (sm_90: 168 registers at 384 threads, one
+    CTA an SM, 32 B of stack with D, 48 with every option), and the causal fix-up inside each
+    program
+    (`walk_fix_inline`). That fix-up inside the rule's larger walks lost: their compiles
+    changed shape (the seed problem's runs at 4 warps and 243 registers, 64-channel
+    programs with 512 B of stack) and the forward slowed from 0.155 to 0.247 ms at the seed
+    problem, 0.237 -> 0.343 at B=2 T=8K H=48 and 0.234 -> 0.465 at dstate 256 (H100,
+    2026-12-08, the same data file)."""
+    return replace(cfg, scan_walk=1, chunk_size=64, scan_block_q=64,
+                   scan_block_p=WALK_SHORT_BLOCK_P, state_segments=1, walk_occupancy=0,
+                   walk_carry=0, walk_fix_inline=1)
+
+
 def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=DEFAULT_SMS, seqlen=None,
                    device_index=None, has_seq=False, ngroups=1, walk_ok=True) -> ForwardConfig:
     """The config a forward launch uses, in the precedence of `mamba2_cutile.config`: the shape
     rule, then the tuning table's overrides for the shape's bucket on this GPU when `seqlen`
     and `device_index` are given, then the seq_idx rule below, then the walk rule
-    (`walk_form`; not with seq_idx, nor where `walk_ok` is False: varlen states read the
+    (`walk_form`, or `short_walk` up to a thousand tokens; not with seq_idx, nor where
+    `walk_ok` is False: varlen states read the
     chunk states), then MAMBA2_CUTILE_CONFIG.
     `has_seq`: seq_idx is given (its same-sequence mask changes the best chunk_scan tile).
     `seqlen` and `ngroups` size the output grid for the rule (`uses_group_scan`)."""
@@ -525,6 +570,9 @@ def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=DEFAUL
     segments, occupancy = walk_form(batch, nheads, headdim, dstate, dtype, seqlen, sms)
     if walk_ok and not has_seq and segments:
         cfg = walk_config(cfg, segments, occupancy)
+    elif walk_ok and not has_seq and short_walk(batch, nheads, headdim, dstate, dtype, seqlen,
+                                                sms):
+        cfg = short_walk_config(cfg)
     return _config.with_env(cfg, _config.ENV_FORWARD)
 
 
