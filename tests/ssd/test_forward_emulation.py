@@ -429,6 +429,25 @@ def test_emulated_walk(opt, Q, l, n, block_p, segments, causal, fold):
     check(args, kw, Q, cfg, tol=5e-15)
 
 
+@pytest.mark.parametrize("opt, Q, l, n, block_p, segments, carry, causal", [
+    ("all_but_seq", 64, 150, 7, 16, 1, 0, 4), ("D_chan_z", 64, 300, 20, 16, 3, 1, 5),
+    ("D_head", 32, 97, 5, 8, 2, 0, 4), ("none", 64, 130, 33, 32, 1, 0, 5)])
+def test_emulated_walk_fix_inline(opt, Q, l, n, block_p, segments, carry, causal):
+    """walk_fix_inline on clean input: one walk launch (no flags, no second launch), the
+    recurrence's outputs and final state as the walk with the fix-up launch gives them."""
+    args, kw, _, _ = make_problem(WALK_OPTIONS[opt], l=l, Q=Q, n=n)
+    cfg = small_forward_config(Q, n, chunk_size=Q, scan_walk=1, scan_block_p=block_p,
+                               state_segments=segments, scan_causal=causal, walk_carry=carry,
+                               walk_fix_inline=1)
+    calls = forward.forward_plan(*_plan_args(args, kw, Q), cfg)
+    names = [variants.kernel_name(c) for c in calls]
+    assert names.count("chunk_scan_walk") == 1 and names[0] == "decay_cumsum", names
+    walk = calls[-1]
+    assert (variants.kernel_arg(walk, "FLAG"), variants.kernel_arg(walk, "FIX"),
+            variants.kernel_arg(walk, "FIX_INLINE")) == (True, False, True)
+    check(args, kw, Q, cfg, tol=5e-15)
+
+
 def test_walk_applies_only_where_it_can():
     """The walk replaces the state pass and the output launch only without seq_idx, in causal
     modes 0, 4 and 5, without scan_cb and at computed chunks up to 128; forward_launches turns

@@ -12,7 +12,9 @@ kernels; chunk_scan twice with scan_causal 1 to 4), and the launcher.
 
 With `scan_walk` (`walk_plan`) launches 2 and 3 are one, `chunk_scan_walk`: a program per (batch,
 head, p-tile) walks its chunks with the state in registers (with `state_segments`, after 2 and
-2b for the runs' entering states), and again over the runs it flagged (scan_causal 4 and 5).
+2b for the runs' entering states), and again over the runs it flagged (scan_causal 4 and 5), or
+each program walks its own flagged run again (`walk_fix_inline`: the rule's short walk up to
+1024 tokens, `short_walk`, two launches in all).
 
 A plan is built from tensors (real CUDA tensors at run time, or `meta` tensors when compiling on
 a CPU), so the CPU compile check exercises exactly the argument lists the GPU path launches.
@@ -637,6 +639,17 @@ def _decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, seq_idx, seq_a
     )
 
 
+def _state_pass_head(x, B, dt_buf, cum_buf, init, seq_arg, states, final, has_seq, segs,
+                     seg_final, seg_factor, chunk_factor, flags, cfg: ForwardConfig):
+    """chunk_state_pass's arguments before (FLAG, seg_entry, SEG_MODE), as both plans pass
+    them (`init` None: `final` stands in, never read)."""
+    nheads, ngroups = x.shape[2], B.shape[2]
+    return (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
+            cfg.chunk_size, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
+            init is not None, has_seq, cfg.state_load_latency, scale_x(cfg),
+            bool(cfg.state_fresh_acc), segs, seg_final, seg_factor, chunk_factor, flags)
+
+
 def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt_buf, cum_buf,
               states, final, out, cfg: ForwardConfig):
     """The launches of the walk (`uses_walk`): decay_cumsum; with S = state_segments > 1
@@ -672,10 +685,9 @@ def walk_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init, dt
             with_hints(chunk_state_pass_i64 if int64 else chunk_state_pass,
                        cfg.state_occupancy),
             state_grid,
-            (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states, final,
-             Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups, init is not None,
-             False, cfg.state_load_latency, scale_x(cfg), bool(cfg.state_fresh_acc), segs,
-             seg_final, seg_factor, chunk_factor, flags, False, seg_entry, 1)))
+            _state_pass_head(x, B, dt_buf, cum_buf, init, seq_arg, states, final, False, segs,
+                             seg_final, seg_factor, chunk_factor, flags, cfg)
+            + (False, seg_entry, 1)))
         if not carry:
             calls.append(KernelCall(
                 chunk_state_carry_i64 if int64 else chunk_state_carry, state_grid,
@@ -758,12 +770,9 @@ def forward_plan(x, dt, A, B, C, z, D, dt_bias, dt_lo, dt_hi, dt_softplus, init,
         scan_grid = (n_q * batch * nheads, p_tiles, 1)
     n_state_tiles = -(-dstate // cfg.state_block_n)
     state_grid = (batch * nheads, -(-headdim // cfg.state_block_p), n_state_tiles * segs)
-    # chunk_state_pass's arguments before (FLAG, seg_entry, SEG_MODE)
-    state_head = (x, B, dt_buf, cum_buf, init if init is not None else final, seq_arg, states,
-                  final, Q, cfg.state_block_p, cfg.state_block_n, nheads // ngroups,
-                  init is not None, seq_idx is not None, cfg.state_load_latency,
-                  scale_x(cfg), bool(cfg.state_fresh_acc), segs, seg_final, seg_factor,
-                  chunk_factor, chunk_flags)
+    state_head = _state_pass_head(x, B, dt_buf, cum_buf, init, seq_arg, states, final,
+                                  seq_idx is not None, segs, seg_final, seg_factor,
+                                  chunk_factor, chunk_flags, cfg)
     calls = [
         _decay_cumsum_call(dt, A, dt_bias, dt_lo, dt_hi, dt_softplus, seq_idx, seq_arg,
                            seq_start, dt_buf, cum_buf, nchunks, cfg, int64),
