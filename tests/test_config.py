@@ -137,12 +137,15 @@ def test_state_pass_tiles(batch, nheads, headdim, dstate, chunk, dtype, tiles):
 def test_state_pass_tiles_chunk256(slices, dstate, dtype, tiles):
     """At chunk 256 itself (short sequences: the output launch is not chunk_scan_group, so
     the call is not computed at 128) a state-pass grid past one program per SM takes two per
-    SM where its tile is at most 64 wide; the forward at B=1 T=512 H=24 takes it."""
+    SM where its tile is at most 64 wide; the three-kernel forward at B=1 T=512 H=24 takes
+    it (where varlen states need the chunk states; otherwise the short walk runs there)."""
     assert forward.state_tiles(slices, dstate, dstate, 256, dtype, 132) == tiles
     if slices == 24 and dtype == BF:
-        cfg = forward_config(1, 24, 64, 128, 256, BF, 132, seqlen=512)
+        cfg = forward_config(1, 24, 64, 128, 256, BF, 132, seqlen=512, walk_ok=False)
         assert (cfg.chunk_size, cfg.scan_walk, cfg.state_block_n, cfg.state_occupancy) == (
             256, 0, 16, 2)
+        assert forward_config(1, 24, 64, 128, 256, BF, 132, seqlen=512) == (
+            forward.short_walk_config(cfg))
 
 
 @pytest.mark.parametrize("batch, nheads, headdim, dstate, dtype, tiles", [
