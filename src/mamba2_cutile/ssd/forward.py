@@ -152,7 +152,6 @@ class ForwardConfig:
                                     # (`walk_config`). sm_90, the rule's
                                     # walks with D: 128 registers, no stack (8 B without),
                                     # 109 KB of shared memory (84), still two per SM
-
     walk_fix_inline: int = 0        # 1 (scan_causal 4 or 5): a walk program whose run's
                                     # last state is non-finite walks the run again itself,
                                     # recomputing its bad chunks causally (FIX_INLINE),
@@ -178,7 +177,8 @@ class ForwardConfig:
         c.check_pow2(self, "scan_heads")
         c.check_range(self, "state_scale_x", -1, 1)
         for name in ("state_fresh_acc", "scan_lowp", "scan_head_major", "scan_cb",
-                     "segment_fold", "state_resweep", "scan_walk", "walk_carry"):
+                     "segment_fold", "state_resweep", "scan_walk", "walk_carry",
+                     "walk_fix_inline"):
             c.check_choice(self, name, (0, 1))
         if self.state_resweep and self.segment_fold:
             raise ValueError("ForwardConfig: state_resweep=1 and segment_fold=1 are two ways "
@@ -536,8 +536,7 @@ def short_walk_config(cfg: ForwardConfig) -> ForwardConfig:
     """`cfg` as the short walk runs it (`short_walk`): chunk 64, one run, WALK_SHORT_BLOCK_P
     channels a program at the compiler's occupancy (sm_90: 168 registers at 384 threads, one
     CTA an SM, 32 B of stack with D, 48 with every option), and the causal fix-up inside each
-    program
-    (`walk_fix_inline`). That fix-up inside the rule's larger walks lost: their compiles
+    program (`walk_fix_inline`). That fix-up inside the rule's larger walks lost: their compiles
     changed shape (the seed problem's runs at 4 warps and 243 registers, 64-channel
     programs with 512 B of stack) and the forward slowed from 0.155 to 0.247 ms at the seed
     problem, 0.237 -> 0.343 at B=2 T=8K H=48 and 0.234 -> 0.465 at dstate 256 (H100,
@@ -552,9 +551,8 @@ def forward_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms=DEFAUL
     """The config a forward launch uses, in the precedence of `mamba2_cutile.config`: the shape
     rule, then the tuning table's overrides for the shape's bucket on this GPU when `seqlen`
     and `device_index` are given, then the seq_idx rule below, then the walk rule
-    (`walk_form`, or `short_walk` up to a thousand tokens; not with seq_idx, nor where
-    `walk_ok` is False: varlen states read the
-    chunk states), then MAMBA2_CUTILE_CONFIG.
+    (`walk_form`, or `short_walk` up to 1024 tokens; not with seq_idx, nor where `walk_ok`
+    is False: varlen states read the chunk states), then MAMBA2_CUTILE_CONFIG.
     `has_seq`: seq_idx is given (its same-sequence mask changes the best chunk_scan tile).
     `seqlen` and `ngroups` size the output grid for the rule (`uses_group_scan`)."""
     cfg = forward_shape_config(batch, nheads, headdim, dstate, chunk_size, dtype, sms, seqlen,
